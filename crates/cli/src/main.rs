@@ -1,0 +1,46 @@
+//! The `softrdma` command.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod decode;
+
+/// RDMA verbs in Rust over RoCEv2, iWARP and shared memory.
+#[derive(Debug, Parser)]
+#[command(name = "softrdma", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Print the RoCEv2 and iWARP packets of a pcap or pcapng capture, one per line.
+    ///
+    /// RoCEv2 is UDP to port 4791 (add more with --roce-port); iWARP is found on TCP
+    /// streams that start with an MPA Request/Reply. Every ICRC and MPA CRC32c is
+    /// checked. The exit status is 1 if any packet fails to decode or a check fails.
+    Decode {
+        /// The capture file (pcap or pcapng; Ethernet, Linux cooked or raw IP).
+        file: PathBuf,
+        /// Also decode UDP datagrams to this port as RoCEv2 (repeatable).
+        #[arg(long = "roce-port", value_name = "PORT")]
+        roce_ports: Vec<u16>,
+        /// Print only the problems and the summary.
+        #[arg(short, long)]
+        quiet: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Decode {
+            file,
+            roce_ports,
+            quiet,
+        } => decode::run(&file, &roce_ports, quiet),
+    }
+}

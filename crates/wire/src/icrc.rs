@@ -1,0 +1,307 @@
+//! The RoCEv2 invariant CRC (IBTA annex A17.4.1; rxe_icrc.c).
+//!
+//! CRC-32 (the Ethernet/zlib one) over: eight 0xFF bytes standing in for the
+//! InfiniBand LRH; the IP header with the fields that routers change masked to
+//! ones (IPv4: TOS, TTL, header checksum; IPv6: traffic class, flow label, hop
+//! limit); the UDP header with its checksum masked; the BTH with byte 4 (FECN,
+//! BECN, reserved) masked; and everything after the BTH up to the ICRC. The
+//! result travels least significant byte first.
+//!
+//! The IPv4 identification and flags are *not* masked: a sender must know the ID
+//! the kernel will write (Linux writes 0 for an unconnected UDP socket with DF set).
+
+use crate::bytes::{check, get_u16};
+use crate::{Error, Result, bth};
+
+/// Length of the ICRC trailer.
+pub const LEN: usize = 4;
+
+const IPV4_HEADER_LEN: usize = 20;
+const IPV6_HEADER_LEN: usize = 40;
+const UDP_HEADER_LEN: usize = 8;
+
+/// An ICRC being computed over a packet in pieces (so a sender can gather
+/// headers and payload from different buffers without copying them together).
+#[derive(Debug, Clone)]
+pub struct Icrc {
+    hasher: crc32fast::Hasher,
+}
+
+impl Icrc {
+    /// Starts an ICRC from the IP header (IPv4 without options, or IPv6) and the
+    /// UDP header of the packet, as they are or will be on the wire.
+    pub fn new(ip_header: &[u8], udp_header: &[u8]) -> Result<Icrc> {
+        let mut hasher = crc32fast::Hasher::new();
+        hasher.update(&[0xff; 8]);
+        check("IP header", ip_header, 1)?;
+        match ip_header[0] >> 4 {
+            4 => {
+                check("IPv4 header", ip_header, IPV4_HEADER_LEN)?;
+                if ip_header[0] & 0x0f != 5 {
+                    return Err(Error::InvalidField {
+                        field: "IPv4 header length (options are not allowed on RoCEv2)",
+                        value: u64::from(ip_header[0] & 0x0f),
+                    });
+                }
+                let mut ip = [0u8; IPV4_HEADER_LEN];
+                ip.copy_from_slice(&ip_header[..IPV4_HEADER_LEN]);
+                ip[1] = 0xff; // TOS
+                ip[8] = 0xff; // TTL
+                ip[10] = 0xff; // header checksum
+                ip[11] = 0xff;
+                hasher.update(&ip);
+            }
+            6 => {
+                check("IPv6 header", ip_header, IPV6_HEADER_LEN)?;
+                let mut ip = [0u8; IPV6_HEADER_LEN];
+                ip.copy_from_slice(&ip_header[..IPV6_HEADER_LEN]);
+                ip[0] |= 0x0f; // traffic class, high nibble
+                ip[1] = 0xff; // traffic class, low nibble, and flow label
+                ip[2] = 0xff;
+                ip[3] = 0xff;
+                ip[7] = 0xff; // hop limit
+                hasher.update(&ip);
+            }
+            v => {
+                return Err(Error::UnsupportedVersion {
+                    field: "IP version",
+                    value: v,
+                });
+            }
+        }
+        check("UDP header", udp_header, UDP_HEADER_LEN)?;
+        let mut udp = [0u8; UDP_HEADER_LEN];
+        udp.copy_from_slice(&udp_header[..UDP_HEADER_LEN]);
+        udp[6] = 0xff; // checksum
+        udp[7] = 0xff;
+        hasher.update(&udp);
+        Ok(Icrc { hasher })
+    }
+
+    /// Adds the BTH, masking its byte 4.
+    pub fn update_bth(&mut self, bth_bytes: &[u8; bth::HEADER_LEN]) {
+        let mut b = *bth_bytes;
+        b[4] = 0xff;
+        self.hasher.update(&b);
+    }
+
+    /// Adds bytes after the BTH: extension headers, payload, pad.
+    pub fn update(&mut self, bytes: &[u8]) {
+        self.hasher.update(bytes);
+    }
+
+    /// The ICRC value; put it on the wire with `to_le_bytes`.
+    pub fn finish(self) -> u32 {
+        self.hasher.finalize()
+    }
+}
+
+/// The ICRC of `ib`, an InfiniBand packet from the BTH to the end of the pad
+/// (without the ICRC), carried in the given IP and UDP headers.
+pub fn compute(ip_header: &[u8], udp_header: &[u8], ib: &[u8]) -> Result<u32> {
+    check("BTH", ib, bth::HEADER_LEN)?;
+    let mut icrc = Icrc::new(ip_header, udp_header)?;
+    let mut b = [0u8; bth::HEADER_LEN];
+    b.copy_from_slice(&ib[..bth::HEADER_LEN]);
+    icrc.update_bth(&b);
+    icrc.update(&ib[bth::HEADER_LEN..]);
+    Ok(icrc.finish())
+}
+
+/// The ICRC carried in the last four bytes of `ib_with_icrc`.
+pub fn carried(ib_with_icrc: &[u8]) -> Result<u32> {
+    check("ICRC", ib_with_icrc, LEN)?;
+    let n = ib_with_icrc.len();
+    let mut v = [0u8; LEN];
+    v.copy_from_slice(&ib_with_icrc[n - LEN..]);
+    Ok(u32::from_le_bytes(v))
+}
+
+/// Checks the ICRC at the end of `ib_with_icrc` (BTH through ICRC).
+pub fn verify(ip_header: &[u8], udp_header: &[u8], ib_with_icrc: &[u8]) -> Result<()> {
+    check("packet with ICRC", ib_with_icrc, bth::HEADER_LEN + LEN)?;
+    let carried = carried(ib_with_icrc)?;
+    let computed = compute(
+        ip_header,
+        udp_header,
+        &ib_with_icrc[..ib_with_icrc.len() - LEN],
+    )?;
+    if carried == computed {
+        Ok(())
+    } else {
+        Err(Error::BadIcrc { computed, carried })
+    }
+}
+
+/// Writes the ICRC into the last four bytes of `ib_with_icrc`.
+pub fn fill(ip_header: &[u8], udp_header: &[u8], ib_with_icrc: &mut [u8]) -> Result<u32> {
+    check("packet with ICRC", ib_with_icrc, bth::HEADER_LEN + LEN)?;
+    let n = ib_with_icrc.len();
+    let crc = compute(ip_header, udp_header, &ib_with_icrc[..n - LEN])?;
+    ib_with_icrc[n - LEN..].copy_from_slice(&crc.to_le_bytes());
+    Ok(crc)
+}
+
+/// The IPv4 header a kernel will put in front of a RoCEv2 datagram, as far as
+/// the ICRC sees it (the masked fields are left zero).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ipv4Pseudo {
+    /// Source address.
+    pub src: [u8; 4],
+    /// Destination address.
+    pub dst: [u8; 4],
+    /// Identification field (0 from an unconnected Linux UDP socket with DF).
+    pub identification: u16,
+    /// Don't-fragment flag.
+    pub dont_fragment: bool,
+}
+
+impl Ipv4Pseudo {
+    /// The 20 header bytes for a UDP datagram of `udp_len` bytes (header included).
+    pub fn header(&self, udp_len: u16) -> [u8; IPV4_HEADER_LEN] {
+        let mut h = [0u8; IPV4_HEADER_LEN];
+        h[0] = 0x45;
+        h[2..4].copy_from_slice(&(udp_len.wrapping_add(IPV4_HEADER_LEN as u16)).to_be_bytes());
+        h[4..6].copy_from_slice(&self.identification.to_be_bytes());
+        h[6] = if self.dont_fragment { 0x40 } else { 0 };
+        h[9] = 17; // UDP
+        h[12..16].copy_from_slice(&self.src);
+        h[16..20].copy_from_slice(&self.dst);
+        h
+    }
+}
+
+/// The IPv6 header in front of a RoCEv2 datagram, as the ICRC sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ipv6Pseudo {
+    /// Source address.
+    pub src: [u8; 16],
+    /// Destination address.
+    pub dst: [u8; 16],
+}
+
+impl Ipv6Pseudo {
+    /// The 40 header bytes for a UDP datagram of `udp_len` bytes (header included).
+    pub fn header(&self, udp_len: u16) -> [u8; IPV6_HEADER_LEN] {
+        let mut h = [0u8; IPV6_HEADER_LEN];
+        h[0] = 0x60;
+        h[4..6].copy_from_slice(&udp_len.to_be_bytes());
+        h[6] = 17; // UDP
+        h[8..24].copy_from_slice(&self.src);
+        h[24..40].copy_from_slice(&self.dst);
+        h
+    }
+}
+
+/// A UDP header of a RoCEv2 datagram of `udp_len` bytes (checksum 0; it is masked).
+pub fn udp_header(src_port: u16, dst_port: u16, udp_len: u16) -> [u8; UDP_HEADER_LEN] {
+    let mut h = [0u8; UDP_HEADER_LEN];
+    h[0..2].copy_from_slice(&src_port.to_be_bytes());
+    h[2..4].copy_from_slice(&dst_port.to_be_bytes());
+    h[4..6].copy_from_slice(&udp_len.to_be_bytes());
+    h
+}
+
+/// The UDP length field of a UDP header.
+pub fn udp_len(udp_header: &[u8]) -> Result<u16> {
+    check("UDP header", udp_header, UDP_HEADER_LEN)?;
+    Ok(get_u16(udp_header, 4..6))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // rxe_write_bw.pcap frame 99, from the IP header on.
+    const ACK_FRAME: [u8; 48] = [
+        0x45, 0x00, 0x00, 0x30, 0x4c, 0x36, 0x40, 0x00, 0x40, 0x11, 0xd9, 0xbc, 0x0a, 0x63, 0x00,
+        0x02, 0x0a, 0x63, 0x00, 0x03, // IPv4
+        0xc1, 0x21, 0x12, 0xb7, 0x00, 0x1c, 0x00, 0x00, // UDP
+        0x11, 0x00, 0xff, 0xff, 0x00, 0x00, 0x00, 0x11, 0x00, 0x03, 0x7d, 0x59, // BTH
+        0x1f, 0x00, 0x00, 0x01, // AETH
+        0xdd, 0x1f, 0x4b, 0xca, // ICRC
+    ];
+
+    #[test]
+    fn golden_ipv4() {
+        let (ip, rest) = ACK_FRAME.split_at(20);
+        let (udp, ib) = rest.split_at(8);
+        verify(ip, udp, ib).unwrap();
+        assert_eq!(carried(ib).unwrap(), 0xca4b_1fdd);
+        let mut copy = ib.to_vec();
+        copy[44 - 28] ^= 1; // an AETH bit
+        assert!(matches!(verify(ip, udp, &copy), Err(Error::BadIcrc { .. })));
+    }
+
+    #[test]
+    fn masked_fields_do_not_matter() {
+        let mut f = ACK_FRAME;
+        f[1] = 0x2e; // TOS
+        f[8] = 1; // TTL
+        f[10] = 0; // IP checksum
+        f[26] = 0x12; // UDP checksum
+        f[28 + 4] = 0xc0; // FECN, BECN
+        let (ip, rest) = f.split_at(20);
+        let (udp, ib) = rest.split_at(8);
+        verify(ip, udp, ib).unwrap();
+        // The identification is covered.
+        let mut g = ACK_FRAME;
+        g[5] ^= 1;
+        let (ip, rest) = g.split_at(20);
+        let (udp, ib) = rest.split_at(8);
+        assert!(verify(ip, udp, ib).is_err());
+    }
+
+    #[test]
+    fn pseudo_header_matches_the_real_one() {
+        let p = Ipv4Pseudo {
+            src: [10, 99, 0, 2],
+            dst: [10, 99, 0, 3],
+            identification: 0x4c36,
+            dont_fragment: true,
+        };
+        let udp = udp_header(49441, 4791, 28);
+        let ib = &ACK_FRAME[28..44];
+        assert_eq!(
+            compute(&p.header(28), &udp, ib).unwrap(),
+            carried(&ACK_FRAME[28..]).unwrap()
+        );
+        assert_eq!(udp_len(&udp).unwrap(), 28);
+    }
+
+    #[test]
+    fn pieces_equal_whole() {
+        let (ip, rest) = ACK_FRAME.split_at(20);
+        let (udp, ib) = rest.split_at(8);
+        let mut i = Icrc::new(ip, udp).unwrap();
+        i.update_bth(ib[..12].try_into().unwrap());
+        i.update(&ib[12..14]);
+        i.update(&ib[14..16]);
+        assert_eq!(i.finish(), carried(ib).unwrap());
+    }
+
+    #[test]
+    fn rejects() {
+        let udp = [0u8; 8];
+        assert!(matches!(
+            Icrc::new(&[0x55; 20], &udp),
+            Err(Error::UnsupportedVersion { value: 5, .. })
+        ));
+        assert!(Icrc::new(&[0x46; 24], &udp).is_err(), "IPv4 options");
+        assert!(Icrc::new(&[0x45; 19], &udp).is_err());
+        assert!(Icrc::new(&[0x60; 39], &udp).is_err());
+        assert!(Icrc::new(&[0x45; 20], &udp[..7]).is_err());
+        assert!(verify(&[0x45; 20], &udp, &[0u8; 15]).is_err());
+        assert!(Icrc::new(&[], &udp).is_err());
+    }
+
+    #[test]
+    fn fills() {
+        let (ip, rest) = ACK_FRAME.split_at(20);
+        let (udp, ib) = rest.split_at(8);
+        let mut copy = ib.to_vec();
+        copy[16..].fill(0);
+        fill(ip, udp, &mut copy).unwrap();
+        assert_eq!(copy, ib);
+    }
+}
