@@ -211,6 +211,13 @@ mod tests {
 
     proptest! {
         #[test]
+        fn ack_round_trip(v: u64) {
+            let mut buf = [0u8; ACK_HEADER_LEN];
+            AckHeader::new_unchecked(&mut buf[..]).set_original(v);
+            prop_assert_eq!(AckHeader::new_checked(&buf[..]).unwrap().original(), v);
+        }
+
+        #[test]
         fn round_trip(va: u64, rkey: u32, swap_add: u64, compare: u64) {
             let r = Repr { va, rkey, swap_add, compare };
             let mut buf = [0u8; HEADER_LEN];

@@ -49,6 +49,16 @@ impl<T: AsRef<[u8]> + AsMut<[u8]>> Header<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn round_trip(v: u32) {
+            let mut buf = [0u8; HEADER_LEN];
+            Header::new_unchecked(&mut buf[..]).set_value(v);
+            prop_assert_eq!(Header::new_checked(&buf[..]).unwrap().value(), v);
+        }
+    }
 
     #[test]
     fn word() {

@@ -825,6 +825,26 @@ mod tests {
         }
 
         #[test]
+        fn start_frame_round_trip(reply: bool, m: bool, c: bool, r: bool, res in 0u8..16,
+                                  rev in 1u8..3, io: Option<(bool, bool, u16, bool, bool, u16)>,
+                                  ulp in proptest::collection::vec(any::<u8>(), 0..500)) {
+            let ird_ord = io.filter(|_| rev == 2).map(|(p, s, i, w, rd, o)| IrdOrd {
+                peer_to_peer: p, send_rtr: s, ird: i & 0x3fff, write_rtr: w, read_rtr: rd,
+                ord: o & 0x3fff });
+            let repr = StartFrameRepr {
+                kind: if reply { Kind::Reply } else { Kind::Request },
+                markers: m, crc: c, reject: r, reserved_flags: res, revision: rev, ird_ord,
+                ulp_private_data_len: ulp.len(),
+            };
+            let mut buf = vec![0u8; repr.buffer_len()];
+            repr.emit(&mut StartFrame::new_unchecked(&mut buf[..]), &ulp).unwrap();
+            let f = StartFrame::new_checked(&buf[..]).unwrap();
+            prop_assert_eq!(StartFrameRepr::parse(&f).unwrap(), repr);
+            let pd = f.private_data();
+            prop_assert_eq!(&pd[pd.len() - ulp.len()..], &ulp[..]);
+        }
+
+        #[test]
         fn plain_round_trip(ulpdu in proptest::collection::vec(any::<u8>(), 0..1500)) {
             let mut buf = vec![0u8; 2048];
             let n = emit(&mut buf, &ulpdu, true).unwrap();

@@ -386,6 +386,49 @@ mod tests {
     use super::*;
     use crate::Psn;
     use crate::aeth::Syndrome;
+    use proptest::prelude::*;
+
+    prop_compose! {
+        fn any_repr()(op in proptest::sample::select(Opcode::all().collect::<Vec<_>>()),
+                      se: bool, fecn: bool, becn: bool, pkey: u16, qp in 0u32..(1 << 24),
+                      a: bool, psn in 0u32..(1 << 24), va: u64, rkey: u32, len: u32,
+                      swap: u64, cmp: u64, syn: u8, msn in 0u32..(1 << 24), orig: u64,
+                      imm: u32, inv: u32, qkey: u32, sqp in 0u32..(1 << 24),
+                      payload in 0usize..300) -> Repr {
+            let info = op.info().unwrap();
+            let payload_len = if info.has_payload { payload } else { 0 };
+            let mut r = Repr::new(op, qp, Psn::new(psn), payload_len);
+            r.bth.solicited = se;
+            r.bth.fecn = fecn;
+            r.bth.becn = becn;
+            r.bth.pkey = pkey;
+            r.bth.ack_req = a;
+            let h = info.headers;
+            r.deth = h.contains(Headers::DETH).then_some(deth::Repr { qkey, src_qp: sqp });
+            r.reth = h.contains(Headers::RETH).then_some(reth::Repr { va, rkey, dma_len: len });
+            r.atomic = h.contains(Headers::ATOMIC_ETH)
+                .then_some(atomic::Repr { va, rkey, swap_add: swap, compare: cmp });
+            r.aeth = h.contains(Headers::AETH)
+                .then_some(aeth::Repr { syndrome: Syndrome::from_byte(syn), msn });
+            r.atomic_ack = h.contains(Headers::ATOMIC_ACK_ETH).then_some(orig);
+            r.immediate = h.contains(Headers::IMM_DT).then_some(imm);
+            r.invalidate_rkey = h.contains(Headers::IETH).then_some(inv);
+            r
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn round_trip(r in any_repr(), fill: u8) {
+            let mut buf = vec![0u8; r.buffer_len().unwrap()];
+            let payload = vec![fill; r.payload_len];
+            r.emit(&mut buf, &payload).unwrap();
+            let p = Packet::new_checked(&buf[..]).unwrap();
+            prop_assert_eq!(Repr::parse(&p).unwrap(), r);
+            prop_assert_eq!(p.payload(), &payload[..]);
+            prop_assert_eq!((p.payload().len() + p.pad().len()) % 4, 0);
+        }
+    }
 
     // rxe_atomic_bw.pcap frame 29: ATOMIC ACKNOWLEDGE, BTH through ICRC.
     const ATOMIC_ACK: [u8; 28] = [

@@ -1,0 +1,198 @@
+//! `softrdma decode` on the shared captures and on damaged ones.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn data(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/data")
+        .join(name)
+}
+
+fn decode(args: &[&str], file: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_softrdma"))
+        .arg("decode")
+        .args(args)
+        .arg(file)
+        .output()
+        .expect("run softrdma")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// The summary line's error count.
+fn errors(o: &Output) -> u64 {
+    let out = stdout(o);
+    let last = out.lines().last().unwrap_or_default();
+    let n = last
+        .rsplit("; ")
+        .next()
+        .and_then(|s| s.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no summary in {out}"));
+    n.parse().unwrap()
+}
+
+fn write_temp(dir: &tempfile::TempDir, name: &str, bytes: &[u8]) -> PathBuf {
+    let p = dir.path().join(name);
+    std::fs::write(&p, bytes).unwrap();
+    p
+}
+
+fn flip_first(bytes: &mut [u8], pattern: &[u8]) {
+    let at = bytes
+        .windows(pattern.len())
+        .position(|w| w == pattern)
+        .expect("pattern in capture");
+    bytes[at] ^= 0x01;
+}
+
+#[test]
+fn every_shared_capture_decodes_cleanly_but_the_inverted_icrc() {
+    let mut names: Vec<String> = std::fs::read_dir(data(""))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.ends_with(".pcap"))
+        .collect();
+    names.sort();
+    assert!(names.len() >= 18, "{names:?}");
+    for name in names {
+        let o = decode(&[], &data(&name));
+        if name == "server_mode_host_client.pcap" {
+            assert_eq!(o.status.code(), Some(1), "{name}");
+            assert_eq!(errors(&o), 1, "{name}");
+            let bad: Vec<_> = stdout(&o)
+                .lines()
+                .filter(|l| l.contains("!!"))
+                .map(String::from)
+                .collect();
+            assert_eq!(bad.len(), 1);
+            assert!(bad[0].trim_start().starts_with("17 "), "{bad:?}");
+            assert!(bad[0].contains("bad ICRC"), "{bad:?}");
+        } else {
+            assert!(o.status.success(), "{name}: {}", stdout(&o));
+            assert_eq!(errors(&o), 0, "{name}");
+        }
+    }
+}
+
+#[test]
+fn lines_show_the_key_fields() {
+    let o = decode(&[], &data("rxe_read_bw.pcap"));
+    let out = stdout(&o);
+    let req = out
+        .lines()
+        .find(|l| l.contains("RDMA_READ_REQUEST"))
+        .unwrap();
+    for want in [
+        "10.99.0.3:49441 -> 10.99.0.2:4791",
+        "dqp=0x000011",
+        "psn=0x86ca48",
+        "rkey=0x202",
+        "len=4096",
+    ] {
+        assert!(req.contains(want), "{want} not in {req}");
+    }
+    let o = decode(&[], &data("rxe_rping.pcap"));
+    assert!(stdout(&o).contains("MAD CM REQ"));
+    let o = decode(&[], &data("siw_rping.pcap"));
+    let out = stdout(&o);
+    assert!(out.contains("MPA Request rev=2 ird=1 ord=1"), "{out}");
+    assert!(out.contains("RDMAP RDMA Read Request"), "{out}");
+}
+
+#[test]
+fn a_flipped_roce_payload_byte_is_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut bytes = std::fs::read(data("rxe_rc_pingpong.pcap")).unwrap();
+    // ibv_rc_pingpong fills its buffers with 0x7b.
+    flip_first(&mut bytes, &[0x7b; 32]);
+    let p = write_temp(&dir, "flipped.pcap", &bytes);
+    let o = decode(&["--quiet"], &p);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(errors(&o), 1);
+    assert!(stdout(&o).contains("bad ICRC"));
+}
+
+#[test]
+fn a_flipped_iwarp_payload_byte_is_reported_when_crc_is_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut bytes = std::fs::read(data("siwcrc_rping.pcap")).unwrap();
+    // The end of frame 10's rdma_info and its CRC32c.
+    flip_first(
+        &mut bytes,
+        &[0x00, 0x00, 0x00, 0x40, 0x8c, 0x15, 0x3b, 0xcc],
+    );
+    let p = write_temp(&dir, "flipped.pcap", &bytes);
+    let o = decode(&[], &p);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(errors(&o), 1);
+    assert!(stdout(&o).contains("bad MPA CRC32c"));
+}
+
+#[test]
+fn a_truncated_capture_decodes_what_is_there_then_fails() {
+    let dir = tempfile::tempdir().unwrap();
+    let bytes = std::fs::read(data("rxe_write_bw.pcap")).unwrap();
+    let p = write_temp(&dir, "cut.pcap", &bytes[..bytes.len() / 2 + 7]);
+    let o = decode(&[], &p);
+    assert_eq!(o.status.code(), Some(1));
+    let out = stdout(&o);
+    assert!(out.contains("capture truncated"), "{out}");
+    assert!(out.contains("RDMA_WRITE_FIRST"), "{out}");
+}
+
+#[test]
+fn not_a_capture() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = write_temp(&dir, "text.pcap", b"this is not a capture at all\n");
+    let o = decode(&[], &p);
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("not a pcap or pcapng capture"), "{err}");
+    let p = write_temp(&dir, "empty.pcap", b"");
+    let o = decode(&[], &p);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("only 0 bytes"));
+    let o = decode(&[], &dir.path().join("missing.pcap"));
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("cannot read"));
+}
+
+#[test]
+fn bad_flags_are_refused() {
+    let o = decode(&["--roce-port", "notaport"], &data("rxe_rping.pcap"));
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("invalid value"));
+    let o = Command::new(env!("CARGO_BIN_EXE_softrdma"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    assert!(stdout(&o).contains("decode"));
+}
+
+#[test]
+fn other_roce_ports_decode_when_asked() {
+    // Rewrite the UDP destination port of every RoCEv2 frame from 4791 to 4792.
+    let dir = tempfile::tempdir().unwrap();
+    let mut bytes = std::fs::read(data("rxe_send_lat.pcap")).unwrap();
+    let mut n = 0;
+    for i in 0..bytes.len() - 4 {
+        // UDP header: ..., dst port 4791, length; IPv4 proto 17 sits 13 bytes before.
+        if bytes[i..i + 2] == [0x12, 0xb7] && i >= 13 && bytes[i - 13] == 17 {
+            bytes[i + 1] = 0xb8;
+            n += 1;
+        }
+    }
+    assert_eq!(n, 20);
+    let p = write_temp(&dir, "port.pcap", &bytes);
+    let o = decode(&[], &p);
+    assert!(stdout(&o).contains("0 RoCEv2 packets"));
+    let o = decode(&["--roce-port", "4792"], &p);
+    let out = stdout(&o);
+    assert!(out.contains("20 RoCEv2 packets"), "{out}");
+    // The port is inside the ICRC: every packet now fails its check.
+    assert_eq!(errors(&o), 20);
+}

@@ -1,0 +1,17 @@
+//! BTH: parse, emit, re-parse.
+#![no_main]
+use libfuzzer_sys::fuzz_target;
+use softrdma_wire::bth::{Header, Repr};
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(h) = Header::new_checked(data) else {
+        return;
+    };
+    let Ok(r) = Repr::parse(&h) else {
+        return;
+    };
+    let _ = r.to_string();
+    let mut out = [0u8; 12];
+    r.emit(&mut Header::new_unchecked(&mut out[..]));
+    assert_eq!(Repr::parse(&Header::new_checked(&out[..]).unwrap()).unwrap(), r);
+});

@@ -1,0 +1,20 @@
+//! The ICRC over arbitrary IP/UDP/IB splits: never panics; fill then verify agrees.
+#![no_main]
+use libfuzzer_sys::fuzz_target;
+use softrdma_wire::icrc;
+
+fuzz_target!(|data: &[u8]| {
+    if data.len() < 2 {
+        return;
+    }
+    let ip_len = usize::from(data[0] % 48);
+    let rest = &data[1..];
+    let (ip, rest) = rest.split_at(ip_len.min(rest.len()));
+    let (udp, ib) = rest.split_at(8.min(rest.len()));
+    let checked = icrc::verify(ip, udp, ib);
+    let mut copy = ib.to_vec();
+    if icrc::fill(ip, udp, &mut copy).is_ok() {
+        assert!(icrc::verify(ip, udp, &copy).is_ok());
+        assert_eq!(checked.is_ok(), copy == ib);
+    }
+});
