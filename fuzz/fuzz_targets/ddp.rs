@@ -14,5 +14,8 @@ fuzz_target!(|data: &[u8]| {
     let _ = r.to_string();
     let mut out = vec![0u8; r.buffer_len()];
     r.emit(&mut Segment::new_unchecked(&mut out[..]));
-    assert_eq!(Repr::parse(&Segment::new_checked(&out[..]).unwrap()).unwrap(), r);
+    assert_eq!(
+        Repr::parse(&Segment::new_checked(&out[..]).unwrap()).unwrap(),
+        r
+    );
 });

@@ -13,5 +13,8 @@ fuzz_target!(|data: &[u8]| {
     let _ = (r.to_string(), r.sgid(), r.dgid());
     let mut out = [0u8; 40];
     r.emit(&mut Header::new_unchecked(&mut out[..]));
-    assert_eq!(Repr::parse(&Header::new_checked(&out[..]).unwrap()).unwrap(), r);
+    assert_eq!(
+        Repr::parse(&Header::new_checked(&out[..]).unwrap()).unwrap(),
+        r
+    );
 });

@@ -12,6 +12,7 @@ fuzz_target!(|data: &[u8]| {
     let pd = f.private_data();
     let ulp = &pd[pd.len() - r.ulp_private_data_len..];
     let mut out = vec![0u8; r.buffer_len()];
-    r.emit(&mut StartFrame::new_unchecked(&mut out[..]), ulp).unwrap();
+    r.emit(&mut StartFrame::new_unchecked(&mut out[..]), ulp)
+        .unwrap();
     assert_eq!(out[..], data[..r.buffer_len()]);
 });

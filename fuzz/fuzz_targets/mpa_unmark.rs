@@ -19,7 +19,10 @@ fuzz_target!(|data: &[u8]| {
     let n = mpa::emit_marked(&mut marked, pos, f.ulpdu(), true).unwrap();
     let mut again = vec![0u8; 70_000];
     let v = mpa::unmark(&marked[..n], pos, &mut again).unwrap();
-    assert_eq!((v.consumed, v.written, v.markers), (n, u.written, u.markers));
+    assert_eq!(
+        (v.consumed, v.written, v.markers),
+        (n, u.written, u.markers)
+    );
     let g = Fpdu::new_checked(&again[..v.written]).unwrap();
     assert_eq!(g.ulpdu(), f.ulpdu());
     assert_eq!(g.crc(), v.computed_crc);

@@ -8,7 +8,13 @@ fuzz_target!(|data: &[u8]| {
     let Ok(p) = Packet::new_checked(data) else {
         return;
     };
-    let _ = (p.payload(), p.pad(), p.icrc(), p.immediate(), p.invalidate_rkey());
+    let _ = (
+        p.payload(),
+        p.pad(),
+        p.icrc(),
+        p.immediate(),
+        p.invalidate_rkey(),
+    );
     let Ok(r) = Repr::parse(&p) else {
         return;
     };
