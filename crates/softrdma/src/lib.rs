@@ -4,5 +4,6 @@
 #![warn(missing_docs)]
 
 pub mod capture;
+pub mod memory;
 
 pub use softrdma_wire as wire;

@@ -1,0 +1,228 @@
+//! The memory behind regions. This is one of the few places with `unsafe`: it
+//! owns raw allocations that the progress engine writes on a peer's behalf
+//! while the application may be reading them, as a NIC's DMA would.
+//!
+//! No Rust reference to region memory is ever formed by safe code: accesses are
+//! raw-pointer copies and `AtomicU64` operations (the approach of rust-vmm's
+//! `vm-memory` for guest memory). Concurrent accesses to the same bytes by the
+//! application and a peer are the application's race, as on hardware: they may
+//! tear, they cannot reach memory outside the region.
+
+use std::alloc::{self, Layout};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+const PAGE: usize = 4096;
+
+/// An allocation that memory regions are carved from.
+#[derive(Debug)]
+pub struct RegionMemory {
+    ptr: NonNull<u8>,
+    len: usize,
+    owner: Owner,
+}
+
+#[derive(Debug)]
+enum Owner {
+    /// Allocated here with this layout.
+    Alloc(Layout),
+    /// A caller's vector, given back with `into_vec`.
+    Vec { capacity: usize },
+}
+
+// SAFETY: the allocation is owned by the RegionMemory and only reached through
+// raw-pointer copies and atomics, which are sound to issue from any thread.
+unsafe impl Send for RegionMemory {}
+// SAFETY: as above; shared access never creates references to the bytes.
+unsafe impl Sync for RegionMemory {}
+
+impl RegionMemory {
+    /// `len` zeroed bytes, page aligned. `None` if the allocation fails or `len` is 0.
+    pub fn zeroed(len: usize) -> Option<RegionMemory> {
+        if len == 0 {
+            return None;
+        }
+        let layout = Layout::from_size_align(len, PAGE).ok()?;
+        // SAFETY: the layout has a nonzero size.
+        let ptr = NonNull::new(unsafe { alloc::alloc_zeroed(layout) })?;
+        Some(RegionMemory {
+            ptr,
+            len,
+            owner: Owner::Alloc(layout),
+        })
+    }
+
+    /// Takes over a caller's buffer (which may be empty).
+    pub fn from_vec(v: Vec<u8>) -> RegionMemory {
+        let mut v = std::mem::ManuallyDrop::new(v);
+        let (ptr, len, capacity) = (v.as_mut_ptr(), v.len(), v.capacity());
+        RegionMemory {
+            // SAFETY: a Vec's pointer is never null (dangling but non-null when empty).
+            ptr: unsafe { NonNull::new_unchecked(ptr) },
+            len,
+            owner: Owner::Vec { capacity },
+        }
+    }
+
+    /// Gives a caller's buffer back, or `None` for memory allocated here.
+    pub fn into_vec(self) -> Option<Vec<u8>> {
+        let this = std::mem::ManuallyDrop::new(self);
+        match this.owner {
+            // SAFETY: ptr/len/capacity came from a Vec<u8> in `from_vec` and the
+            // ManuallyDrop keeps Drop from freeing them as well.
+            Owner::Vec { capacity } => {
+                Some(unsafe { Vec::from_raw_parts(this.ptr.as_ptr(), this.len, capacity) })
+            }
+            Owner::Alloc(layout) => {
+                // SAFETY: allocated in `zeroed` with this layout; not freed elsewhere.
+                unsafe { alloc::dealloc(this.ptr.as_ptr(), layout) };
+                None
+            }
+        }
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The memory is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The address of the first byte (what a region over it may advertise as its iova).
+    pub fn addr(&self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+
+    fn check(&self, offset: usize, len: usize) {
+        assert!(
+            offset.checked_add(len).is_some_and(|e| e <= self.len),
+            "access {offset}+{len} outside {} bytes",
+            self.len
+        );
+    }
+
+    /// Copies `data` to `offset`.
+    pub fn write(&self, offset: usize, data: &[u8]) {
+        self.check(offset, data.len());
+        // SAFETY: the range is inside the allocation (checked); `data` is a
+        // separate Rust slice, so the ranges cannot overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr().add(offset), data.len())
+        };
+    }
+
+    /// Copies from `offset` into `out`.
+    pub fn read(&self, offset: usize, out: &mut [u8]) {
+        self.check(offset, out.len());
+        // SAFETY: as in `write`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(offset), out.as_mut_ptr(), out.len())
+        };
+    }
+
+    fn word(&self, offset: usize) -> &AtomicU64 {
+        self.check(offset, 8);
+        // SAFETY: in bounds (checked); the callers checked 8-byte alignment of
+        // the iova, and the pointer itself must be aligned for AtomicU64.
+        let p = unsafe { self.ptr.as_ptr().add(offset) };
+        assert!(p as usize % 8 == 0, "atomic on a misaligned host address");
+        // SAFETY: aligned, in bounds, lives as long as `self`; all atomic
+        // accesses to region memory go through AtomicU64.
+        unsafe { AtomicU64::from_ptr(p.cast::<u64>()) }
+    }
+
+    /// Atomic compare-and-swap of the host-order word at `offset`; returns the old value.
+    pub fn compare_swap(&self, offset: usize, compare: u64, swap: u64) -> u64 {
+        match self
+            .word(offset)
+            .compare_exchange(compare, swap, Ordering::SeqCst, Ordering::SeqCst)
+        {
+            Ok(v) | Err(v) => v,
+        }
+    }
+
+    /// Atomic fetch-and-add of the host-order word at `offset`; returns the old value.
+    pub fn fetch_add(&self, offset: usize, add: u64) -> u64 {
+        self.word(offset).fetch_add(add, Ordering::SeqCst)
+    }
+
+    /// A view of `offset..offset + len` for gather I/O.
+    ///
+    /// # Safety
+    /// Region memory may be written at any moment by the progress engine on a
+    /// peer's behalf. The caller must use the slice only for a send it is
+    /// building now and not keep it; contents written concurrently are
+    /// unspecified, as DMA from a buffer being written is on hardware.
+    pub unsafe fn slice(&self, offset: usize, len: usize) -> &[u8] {
+        self.check(offset, len);
+        // SAFETY: in bounds and alive for `&self`; the caller takes the
+        // contract about concurrent writes stated above.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset), len) }
+    }
+}
+
+impl Drop for RegionMemory {
+    fn drop(&mut self) {
+        match self.owner {
+            // SAFETY: allocated in `zeroed` with this layout.
+            Owner::Alloc(layout) => unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) },
+            // SAFETY: the parts of a Vec<u8> taken in `from_vec`.
+            Owner::Vec { capacity } => drop(unsafe {
+                Vec::from_raw_parts(self.ptr.as_ptr(), self.len, capacity)
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zeroed_is_page_aligned_and_zero() {
+        let m = RegionMemory::zeroed(10_000).unwrap();
+        assert_eq!(m.addr() % 4096, 0);
+        let mut b = [1u8; 16];
+        m.read(9_984, &mut b);
+        assert_eq!(b, [0; 16]);
+        assert!(RegionMemory::zeroed(0).is_none());
+    }
+
+    #[test]
+    fn vec_round_trip() {
+        let m = RegionMemory::from_vec(b"hello".to_vec());
+        m.write(0, b"J");
+        assert_eq!(m.into_vec().unwrap(), b"Jello");
+        assert_eq!(RegionMemory::zeroed(8).unwrap().into_vec(), None);
+        assert_eq!(RegionMemory::from_vec(Vec::new()).len(), 0);
+    }
+
+    #[test]
+    #[should_panic(expected = "outside")]
+    fn out_of_bounds_panics_instead_of_touching_memory() {
+        let m = RegionMemory::zeroed(8).unwrap();
+        m.write(4, &[0; 5]);
+    }
+
+    #[test]
+    fn atomics_from_many_threads() {
+        let m = std::sync::Arc::new(RegionMemory::zeroed(64).unwrap());
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let m = m.clone();
+                std::thread::spawn(move || {
+                    for _ in 0..10_000 {
+                        m.fetch_add(8, 1);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(m.fetch_add(8, 0), 40_000);
+    }
+}
