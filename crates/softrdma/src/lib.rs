@@ -4,6 +4,7 @@
 #![warn(missing_docs)]
 
 pub mod capture;
+pub mod engine;
 pub mod memory;
 
 pub use softrdma_wire as wire;

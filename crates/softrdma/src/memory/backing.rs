@@ -68,9 +68,9 @@ impl RegionMemory {
     pub fn into_vec(self) -> Option<Vec<u8>> {
         let this = std::mem::ManuallyDrop::new(self);
         match this.owner {
-            // SAFETY: ptr/len/capacity came from a Vec<u8> in `from_vec` and the
-            // ManuallyDrop keeps Drop from freeing them as well.
             Owner::Vec { capacity } => {
+                // SAFETY: ptr/len/capacity came from a Vec<u8> in `from_vec`, and
+                // the ManuallyDrop keeps Drop from freeing them as well.
                 Some(unsafe { Vec::from_raw_parts(this.ptr.as_ptr(), this.len, capacity) })
             }
             Owner::Alloc(layout) => {
@@ -119,7 +119,11 @@ impl RegionMemory {
         self.check(offset, out.len());
         // SAFETY: as in `write`.
         unsafe {
-            std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(offset), out.as_mut_ptr(), out.len())
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(offset),
+                out.as_mut_ptr(),
+                out.len(),
+            )
         };
     }
 
@@ -128,7 +132,10 @@ impl RegionMemory {
         // SAFETY: in bounds (checked); the callers checked 8-byte alignment of
         // the iova, and the pointer itself must be aligned for AtomicU64.
         let p = unsafe { self.ptr.as_ptr().add(offset) };
-        assert!(p as usize % 8 == 0, "atomic on a misaligned host address");
+        assert!(
+            (p as usize).is_multiple_of(8),
+            "atomic on a misaligned host address"
+        );
         // SAFETY: aligned, in bounds, lives as long as `self`; all atomic
         // accesses to region memory go through AtomicU64.
         unsafe { AtomicU64::from_ptr(p.cast::<u64>()) }
@@ -169,10 +176,11 @@ impl Drop for RegionMemory {
         match self.owner {
             // SAFETY: allocated in `zeroed` with this layout.
             Owner::Alloc(layout) => unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) },
-            // SAFETY: the parts of a Vec<u8> taken in `from_vec`.
-            Owner::Vec { capacity } => drop(unsafe {
-                Vec::from_raw_parts(self.ptr.as_ptr(), self.len, capacity)
-            }),
+            Owner::Vec { capacity } => {
+                // SAFETY: the parts of a Vec<u8> taken in `from_vec`.
+                let v = unsafe { Vec::from_raw_parts(self.ptr.as_ptr(), self.len, capacity) };
+                drop(v);
+            }
         }
     }
 }

@@ -370,7 +370,7 @@ impl MrTable {
         let offset = r.range(key, addr, len)?;
         // The host word must be aligned too, whatever iova the region advertises.
         if need.contains(Access::REMOTE_ATOMIC)
-            && (addr % 8 != 0 || (r.memory.addr() + offset as u64) % 8 != 0)
+            && (!addr.is_multiple_of(8) || !(r.memory.addr() + offset as u64).is_multiple_of(8))
         {
             return Err(AccessError::Unaligned(addr));
         }
@@ -406,7 +406,10 @@ mod tests {
     #[test]
     fn checks_keys_pd_rights_bounds() {
         let (t, _) = table();
-        assert!(t.local(7, 0x1111, 0x10_0000, 4096, Access::LOCAL_WRITE).is_ok());
+        assert!(
+            t.local(7, 0x1111, 0x10_0000, 4096, Access::LOCAL_WRITE)
+                .is_ok()
+        );
         assert_eq!(
             t.local(7, 0x3333, 0x10_0000, 1, Access::NONE).unwrap_err(),
             AccessError::UnknownKey(0x3333)
@@ -463,7 +466,11 @@ mod tests {
         assert_eq!(a.compare_swap(6, 200), 100);
         let mut b = [0u8; 8];
         a.read(0, &mut b);
-        assert_eq!(u64::from_ne_bytes(b), 100, "atomics act on host-order words");
+        assert_eq!(
+            u64::from_ne_bytes(b),
+            100,
+            "atomics act on host-order words"
+        );
     }
 
     #[test]
@@ -473,7 +480,10 @@ mod tests {
         let r = t.remove(0x1111).unwrap();
         assert_eq!(r.rkey, 0x2222);
         assert!(t.is_empty());
-        assert!(t.remote(7, 0x2222, 0x10_0000, 1, Access::REMOTE_WRITE).is_err());
+        assert!(
+            t.remote(7, 0x2222, 0x10_0000, 1, Access::REMOTE_WRITE)
+                .is_err()
+        );
     }
 
     #[test]

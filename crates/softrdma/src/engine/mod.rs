@@ -1,0 +1,305 @@
+//! Sans-I/O transport state machines, after quinn-proto: a queue pair's
+//! transport is a plain struct told everything (posted work requests, received
+//! packets, the time) and asked for everything (packets to send, completions,
+//! the next timer). No sockets, threads or clocks here; the providers and the
+//! simulator drive the same code.
+
+pub mod qp;
+pub mod rc;
+pub mod sim;
+
+use std::fmt;
+use std::time::Duration;
+
+pub use qp::{QpAttr, QpState, TransitionError};
+
+/// The engine's clock: nanoseconds since an arbitrary origin, given by the driver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Time(pub u64);
+
+impl Time {
+    /// `self + d`, saturating.
+    #[must_use]
+    pub fn after(self, d: Duration) -> Time {
+        Time(
+            self.0
+                .saturating_add(d.as_nanos().min(u128::from(u64::MAX)) as u64),
+        )
+    }
+    /// Time since `earlier` (zero if it is later).
+    pub fn since(self, earlier: Time) -> Duration {
+        Duration::from_nanos(self.0.saturating_sub(earlier.0))
+    }
+}
+
+/// A scatter/gather element: `len` bytes at `addr` of the region with `lkey`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sge {
+    /// Address (the region's iova space).
+    pub addr: u64,
+    /// Bytes.
+    pub len: u32,
+    /// Local key.
+    pub lkey: u32,
+}
+
+/// Send work request operations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SendOp {
+    /// SEND.
+    Send,
+    /// SEND with immediate data.
+    SendWithImm(u32),
+    /// RDMA WRITE.
+    Write {
+        /// Remote address.
+        remote_addr: u64,
+        /// Remote key.
+        rkey: u32,
+    },
+    /// RDMA WRITE with immediate data.
+    WriteWithImm {
+        /// Remote address.
+        remote_addr: u64,
+        /// Remote key.
+        rkey: u32,
+        /// Immediate data.
+        imm: u32,
+    },
+    /// RDMA READ into the local SGEs.
+    Read {
+        /// Remote address.
+        remote_addr: u64,
+        /// Remote key.
+        rkey: u32,
+    },
+    /// Atomic compare and swap of 8 bytes; the old value lands in the local SGE.
+    CompareSwap {
+        /// Remote address (8-byte aligned).
+        remote_addr: u64,
+        /// Remote key.
+        rkey: u32,
+        /// Expected value.
+        compare: u64,
+        /// New value.
+        swap: u64,
+    },
+    /// Atomic fetch and add of 8 bytes; the old value lands in the local SGE.
+    FetchAdd {
+        /// Remote address (8-byte aligned).
+        remote_addr: u64,
+        /// Remote key.
+        rkey: u32,
+        /// Addend.
+        add: u64,
+    },
+}
+
+impl SendOp {
+    /// The work completion opcode this operation reports.
+    pub fn wc_opcode(&self) -> WcOpcode {
+        match self {
+            SendOp::Send | SendOp::SendWithImm(_) => WcOpcode::Send,
+            SendOp::Write { .. } | SendOp::WriteWithImm { .. } => WcOpcode::RdmaWrite,
+            SendOp::Read { .. } => WcOpcode::RdmaRead,
+            SendOp::CompareSwap { .. } => WcOpcode::CompareSwap,
+            SendOp::FetchAdd { .. } => WcOpcode::FetchAdd,
+        }
+    }
+    /// READ or atomic: needs a responder resource and counts against max_rd_atomic.
+    pub fn is_read_or_atomic(&self) -> bool {
+        matches!(
+            self,
+            SendOp::Read { .. } | SendOp::CompareSwap { .. } | SendOp::FetchAdd { .. }
+        )
+    }
+    /// An atomic.
+    pub fn is_atomic(&self) -> bool {
+        matches!(self, SendOp::CompareSwap { .. } | SendOp::FetchAdd { .. })
+    }
+}
+
+/// Flags of a send work request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SendFlags {
+    /// Report a work completion on success (errors always complete).
+    pub signaled: bool,
+    /// Wait for every earlier READ and atomic to complete first.
+    pub fence: bool,
+    /// Ask the receiver for a solicited event.
+    pub solicited: bool,
+    /// The payload was copied into the work request at post time.
+    pub inline: bool,
+}
+
+/// A send work request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SendWr {
+    /// Caller's identifier, returned in the completion.
+    pub wr_id: u64,
+    /// What to do.
+    pub op: SendOp,
+    /// Local buffers: the payload of SEND/WRITE, the sink of READ/atomics.
+    pub sgl: Vec<Sge>,
+    /// Flags.
+    pub flags: SendFlags,
+    /// Payload copied at post time when `flags.inline` (SEND/WRITE only).
+    pub inline_data: Vec<u8>,
+}
+
+/// A receive work request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecvWr {
+    /// Caller's identifier, returned in the completion.
+    pub wr_id: u64,
+    /// Where an incoming SEND's payload goes.
+    pub sgl: Vec<Sge>,
+}
+
+/// Work completion status (libibverbs' `ibv_wc_status` values).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum WcStatus {
+    /// Success.
+    Success = 0,
+    /// A receive buffer too small for the message, or a bad length.
+    LocLenErr = 1,
+    /// Internal inconsistency of the local QP.
+    LocQpOpErr = 2,
+    /// A local buffer's key, bounds or rights were wrong.
+    LocProtErr = 4,
+    /// Flushed: the QP was in the error state.
+    WrFlushErr = 5,
+    /// The responder's answer was malformed.
+    BadRespErr = 7,
+    /// The responder found the request invalid (or its QP forbids it).
+    RemInvReqErr = 9,
+    /// The responder refused the remote key, bounds or rights.
+    RemAccessErr = 10,
+    /// The responder could not complete the operation.
+    RemOpErr = 11,
+    /// No answer after retry_cnt retransmissions.
+    RetryExcErr = 12,
+    /// Receiver not ready after rnr_retry retries.
+    RnrRetryExcErr = 13,
+    /// General error.
+    GeneralErr = 21,
+}
+
+impl fmt::Display for WcStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            WcStatus::Success => "success",
+            WcStatus::LocLenErr => "local length error",
+            WcStatus::LocQpOpErr => "local QP operation error",
+            WcStatus::LocProtErr => "local protection error",
+            WcStatus::WrFlushErr => "work request flushed",
+            WcStatus::BadRespErr => "bad response",
+            WcStatus::RemInvReqErr => "remote invalid request",
+            WcStatus::RemAccessErr => "remote access error",
+            WcStatus::RemOpErr => "remote operational error",
+            WcStatus::RetryExcErr => "transport retry counter exceeded",
+            WcStatus::RnrRetryExcErr => "RNR retry counter exceeded",
+            WcStatus::GeneralErr => "general error",
+        })
+    }
+}
+
+/// Work completion opcodes (libibverbs' `ibv_wc_opcode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WcOpcode {
+    /// SEND (with or without immediate).
+    Send,
+    /// RDMA WRITE.
+    RdmaWrite,
+    /// RDMA READ.
+    RdmaRead,
+    /// Compare and swap.
+    CompareSwap,
+    /// Fetch and add.
+    FetchAdd,
+    /// A receive consumed by a SEND.
+    Recv,
+    /// A receive consumed by an RDMA WRITE with immediate.
+    RecvRdmaWithImm,
+}
+
+/// A work completion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkCompletion {
+    /// The work request's identifier.
+    pub wr_id: u64,
+    /// Outcome.
+    pub status: WcStatus,
+    /// What completed (meaningful on success).
+    pub opcode: WcOpcode,
+    /// Bytes received (receives) or read.
+    pub byte_len: u32,
+    /// Immediate data, if the message carried some.
+    pub imm: Option<u32>,
+    /// The local QP.
+    pub qp_num: u32,
+    /// The sending QP (UD receives; the peer for RC).
+    pub src_qp: u32,
+    /// The receive buffer starts with a GRH (UD).
+    pub grh: bool,
+    /// The sender asked for a solicited event.
+    pub solicited: bool,
+}
+
+/// Which completion queue a completion goes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CqKind {
+    /// The send CQ.
+    Send,
+    /// The receive CQ.
+    Recv,
+}
+
+/// A packet the engine wants sent: `len` bytes of headers (and inline payload)
+/// in the caller's buffer, then the payload pieces it pushed, then pad and ICRC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Transmit {
+    /// Bytes of the caller's buffer used.
+    pub len: usize,
+    /// Bytes in the payload pieces.
+    pub payload_len: usize,
+    /// Pad bytes to add after the payload (the BTH says so too).
+    pub pad: u8,
+}
+
+/// Errors a post reports on the call, as libibverbs does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum PostError {
+    /// The QP's state does not allow this post.
+    #[error("queue pair is in state {0}, which does not accept this work request")]
+    BadState(QpState),
+    /// The queue is full.
+    #[error("the queue is full ({0} work requests outstanding)")]
+    QueueFull(u32),
+    /// More SGEs than the QP was created for.
+    #[error("{given} scatter/gather elements given, the queue pair allows {max}")]
+    TooManySges {
+        /// Given.
+        given: usize,
+        /// Allowed.
+        max: u32,
+    },
+    /// Inline data larger than the QP's max_inline_data.
+    #[error("{given} bytes of inline data, the queue pair allows {max}")]
+    InlineTooLarge {
+        /// Given.
+        given: usize,
+        /// Allowed.
+        max: u32,
+    },
+    /// An operation this QP type or transport cannot do.
+    #[error("{0}")]
+    Unsupported(&'static str),
+    /// A message longer than the transport allows.
+    #[error("message of {0} bytes is longer than the 2 GiB limit")]
+    TooLong(u64),
+    /// An atomic whose local buffer is not 8 bytes.
+    #[error("atomic operations need exactly one 8-byte local buffer")]
+    BadAtomicSge,
+}

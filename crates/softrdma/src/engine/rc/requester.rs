@@ -1,0 +1,436 @@
+//! The requester: send work requests become request packets.
+
+use std::collections::VecDeque;
+
+use softrdma_wire::packet::Repr;
+use softrdma_wire::{Opcode, Psn, atomic, bth, reth};
+
+use super::{MAX_PKTS_PER_ACK, MAX_UNACKED_PSNS, RcQp};
+use crate::engine::{CqKind, PostError, QpState, SendOp, SendWr, Time, Transmit, WcStatus};
+use crate::memory::{Access, MrTable, Segment};
+
+/// A send work request and its progress.
+#[derive(Debug)]
+pub(super) struct SendWqe {
+    pub wr: SendWr,
+    /// Payload (SEND/WRITE) or read size (READ) in bytes; 8 for atomics.
+    pub len: u64,
+    /// PSNs are assigned when the WQE is first transmitted.
+    pub started: bool,
+    pub first_psn: Psn,
+    /// PSNs the WQE consumes: its packets, or a READ's response packets.
+    pub npsn: u32,
+    /// SEND/WRITE: next packet to (re)send. READ/atomic: 1 once the request went out.
+    pub next_pkt: u32,
+    /// SEND/WRITE: packets acknowledged. READ: response packets received.
+    pub acked: u32,
+    /// The local buffers, resolved when the WQE starts.
+    pub segs: Vec<Segment>,
+    /// Set when the WQE is finished.
+    pub status: Option<WcStatus>,
+}
+
+impl SendWqe {
+    pub fn last_psn(&self) -> Psn {
+        self.first_psn.add(self.npsn - 1)
+    }
+    pub fn contains(&self, psn: Psn) -> bool {
+        self.started && psn.in_range(self.first_psn, self.npsn)
+    }
+    /// The first PSN not yet acknowledged or answered.
+    pub fn unacked_psn(&self) -> Psn {
+        self.first_psn.add(self.acked)
+    }
+    fn request_packets(&self) -> u32 {
+        if self.wr.op.is_read_or_atomic() {
+            1
+        } else {
+            self.npsn
+        }
+    }
+    pub fn fully_sent(&self) -> bool {
+        self.next_pkt >= self.request_packets()
+    }
+}
+
+/// Requester and completer state.
+#[derive(Debug, Default)]
+pub(super) struct Requester {
+    pub sq: VecDeque<SendWqe>,
+    /// Index in `sq` of the WQE being transmitted.
+    pub next: usize,
+    /// Next PSN to assign.
+    pub psn: Psn,
+    /// Highest PSN sent plus one, to tell retransmissions.
+    pub high_psn: Option<Psn>,
+    pub retry_left: u8,
+    pub rnr_left: u8,
+    /// Retransmission deadline.
+    pub timer: Option<Time>,
+    /// No transmission before this (RNR back-off).
+    pub rnr_until: Option<Time>,
+    pub since_ackreq: u32,
+}
+
+/// PSNs a message of `len` bytes takes at `pmtu`.
+pub(super) fn packets_for(len: u64, pmtu: usize) -> u32 {
+    len.div_ceil(pmtu as u64).max(1) as u32
+}
+
+/// Pushes the pieces of `segs` covering `off..off + len` onto `pieces`.
+pub(super) fn push_pieces(
+    segs: &[Segment],
+    mut off: usize,
+    mut len: usize,
+    pieces: &mut Vec<Segment>,
+) {
+    for s in segs {
+        if len == 0 {
+            break;
+        }
+        if off >= s.len() {
+            off -= s.len();
+            continue;
+        }
+        let n = (s.len() - off).min(len);
+        pieces.push(s.slice(off, n).expect("inside the segment"));
+        len -= n;
+        off = 0;
+    }
+}
+
+impl RcQp {
+    pub(super) fn req_post(&mut self, wr: SendWr) -> Result<(), PostError> {
+        match self.state {
+            QpState::Reset | QpState::Init | QpState::Rtr => {
+                return Err(PostError::BadState(self.state));
+            }
+            _ => {}
+        }
+        if wr.sgl.len() > self.caps.max_send_sge as usize {
+            return Err(PostError::TooManySges {
+                given: wr.sgl.len(),
+                max: self.caps.max_send_sge,
+            });
+        }
+        let len = if wr.flags.inline {
+            if wr.op.is_read_or_atomic() {
+                return Err(PostError::Unsupported(
+                    "inline data is for SEND and RDMA WRITE only",
+                ));
+            }
+            if wr.inline_data.len() > self.caps.max_inline_data as usize {
+                return Err(PostError::InlineTooLarge {
+                    given: wr.inline_data.len(),
+                    max: self.caps.max_inline_data,
+                });
+            }
+            wr.inline_data.len() as u64
+        } else {
+            wr.sgl.iter().map(|s| u64::from(s.len)).sum()
+        };
+        if len > 1 << 31 {
+            return Err(PostError::TooLong(len));
+        }
+        if wr.op.is_atomic() && (wr.sgl.len() != 1 || wr.sgl[0].len != 8) {
+            return Err(PostError::BadAtomicSge);
+        }
+        if self.req.sq.len() >= self.caps.max_send_wr as usize {
+            return Err(PostError::QueueFull(self.caps.max_send_wr));
+        }
+        if self.state == QpState::Err {
+            let wc = self.wc(wr.wr_id, WcStatus::WrFlushErr, wr.op.wc_opcode());
+            self.completions.push_back((CqKind::Send, wc));
+            return Ok(());
+        }
+        self.req.sq.push_back(SendWqe {
+            wr,
+            len,
+            started: false,
+            first_psn: Psn::default(),
+            npsn: 0,
+            next_pkt: 0,
+            acked: 0,
+            segs: Vec::new(),
+            status: None,
+        });
+        Ok(())
+    }
+
+    /// READ and atomic WQEs sent and not yet answered.
+    fn outstanding_rd_atomic(&self) -> usize {
+        self.req
+            .sq
+            .iter()
+            .filter(|w| w.started && w.status.is_none() && w.wr.op.is_read_or_atomic())
+            .count()
+    }
+
+    /// Resolves a WQE's local buffers; `false` (and the QP in error) if one is bad.
+    fn resolve(&mut self, idx: usize, mrs: &MrTable) -> bool {
+        let pd = self.pd;
+        let w = &mut self.req.sq[idx];
+        if w.wr.flags.inline {
+            return true;
+        }
+        let need = if w.wr.op.is_read_or_atomic() {
+            Access::LOCAL_WRITE
+        } else {
+            Access::NONE
+        };
+        let mut segs = Vec::with_capacity(w.wr.sgl.len());
+        for sge in &w.wr.sgl {
+            if sge.len == 0 {
+                continue;
+            }
+            match mrs.local(pd, sge.lkey, sge.addr, sge.len, need) {
+                Ok(s) => segs.push(s),
+                Err(_) => {
+                    w.status = Some(WcStatus::LocProtErr);
+                    self.enter_error();
+                    return false;
+                }
+            }
+        }
+        w.segs = segs;
+        true
+    }
+
+    pub(super) fn req_transmit(
+        &mut self,
+        now: Time,
+        mrs: &MrTable,
+        buf: &mut [u8],
+        pieces: &mut Vec<Segment>,
+    ) -> Option<Transmit> {
+        if !matches!(self.state, QpState::Rts | QpState::Sqd) {
+            return None;
+        }
+        if self.req.rnr_until.is_some_and(|t| now < t) {
+            return None;
+        }
+        self.req.rnr_until = None;
+        let oldest = self.oldest_unacked();
+        loop {
+            let idx = self.req.next;
+            let w = self.req.sq.get(idx)?;
+            if w.status.is_some() || (w.started && w.fully_sent()) {
+                self.req.next += 1;
+                continue;
+            }
+            if !w.started {
+                if self.state == QpState::Sqd {
+                    return None;
+                }
+                if w.wr.flags.fence
+                    && self
+                        .req
+                        .sq
+                        .iter()
+                        .take(idx)
+                        .any(|e| e.wr.op.is_read_or_atomic() && e.status.is_none())
+                {
+                    return None;
+                }
+                if w.wr.op.is_read_or_atomic() {
+                    if self.max_rd_atomic == 0 {
+                        // The QP was set up to issue no READs or atomics.
+                        self.req.sq[idx].status = Some(WcStatus::LocQpOpErr);
+                        self.enter_error();
+                        return None;
+                    }
+                    if self.outstanding_rd_atomic() >= usize::from(self.max_rd_atomic) {
+                        return None;
+                    }
+                }
+                if self.req.psn.distance(oldest) >= MAX_UNACKED_PSNS as i32 {
+                    return None;
+                }
+                if !self.resolve(idx, mrs) {
+                    return None;
+                }
+                let pmtu = self.pmtu;
+                let psn = self.req.psn;
+                let w = &mut self.req.sq[idx];
+                w.npsn = if w.wr.op.is_atomic() {
+                    1
+                } else {
+                    packets_for(w.len, pmtu)
+                };
+                w.first_psn = psn;
+                w.started = true;
+                w.next_pkt = 0;
+                w.acked = 0;
+                self.req.psn = psn.add(w.npsn);
+            }
+            let t = self.build_request(idx, oldest, buf, pieces)?;
+            self.stats.requests_sent += 1;
+            if self.req.timer.is_none()
+                && let Some(d) = self.ack_timeout()
+            {
+                self.req.timer = Some(now.after(d));
+            }
+            return Some(t);
+        }
+    }
+
+    /// Writes the next packet of WQE `idx`, or `None` when the PSN window is full.
+    fn build_request(
+        &mut self,
+        idx: usize,
+        oldest: Psn,
+        buf: &mut [u8],
+        pieces: &mut Vec<Segment>,
+    ) -> Option<Transmit> {
+        let pmtu = self.pmtu;
+        let dest_qp = self.dest_qp;
+        let w = &self.req.sq[idx];
+        let k = w.next_pkt;
+        let (psn, mut repr, payload) = match w.wr.op {
+            SendOp::Read { remote_addr, rkey } => {
+                // A (re)request starts at the first response not yet received.
+                let skip = u64::from(w.acked) * pmtu as u64;
+                let psn = w.first_psn.add(w.acked);
+                let mut r = Repr::new(Opcode::RC_RDMA_READ_REQUEST, dest_qp, psn, 0);
+                r.reth = Some(reth::Repr {
+                    va: remote_addr.wrapping_add(skip),
+                    rkey,
+                    dma_len: (w.len - skip.min(w.len)) as u32,
+                });
+                (psn, r, None)
+            }
+            SendOp::CompareSwap {
+                remote_addr,
+                rkey,
+                compare,
+                swap,
+            } => {
+                let mut r = Repr::new(Opcode::RC_COMPARE_SWAP, dest_qp, w.first_psn, 0);
+                r.atomic = Some(atomic::Repr {
+                    va: remote_addr,
+                    rkey,
+                    swap_add: swap,
+                    compare,
+                });
+                (w.first_psn, r, None)
+            }
+            SendOp::FetchAdd {
+                remote_addr,
+                rkey,
+                add,
+            } => {
+                let mut r = Repr::new(Opcode::RC_FETCH_ADD, dest_qp, w.first_psn, 0);
+                r.atomic = Some(atomic::Repr {
+                    va: remote_addr,
+                    rkey,
+                    swap_add: add,
+                    compare: 0,
+                });
+                (w.first_psn, r, None)
+            }
+            op => {
+                let n = w.npsn;
+                let off = u64::from(k) * pmtu as u64;
+                let len = (w.len - off).min(pmtu as u64) as usize;
+                let (first, last) = (k == 0, k + 1 == n);
+                use Opcode as O;
+                let (opcode, imm, reth_on) = match op {
+                    SendOp::Send | SendOp::SendWithImm(_) => {
+                        let imm = match op {
+                            SendOp::SendWithImm(i) => Some(i),
+                            _ => None,
+                        };
+                        let opc = match (first, last, imm.is_some()) {
+                            (true, true, false) => O::RC_SEND_ONLY,
+                            (true, true, true) => O::RC_SEND_ONLY_WITH_IMMEDIATE,
+                            (true, false, _) => O::RC_SEND_FIRST,
+                            (false, false, _) => O::RC_SEND_MIDDLE,
+                            (false, true, false) => O::RC_SEND_LAST,
+                            (false, true, true) => O::RC_SEND_LAST_WITH_IMMEDIATE,
+                        };
+                        (opc, imm.filter(|_| last), false)
+                    }
+                    _ => {
+                        let imm = match op {
+                            SendOp::WriteWithImm { imm, .. } => Some(imm),
+                            _ => None,
+                        };
+                        let opc = match (first, last, imm.is_some()) {
+                            (true, true, false) => O::RC_RDMA_WRITE_ONLY,
+                            (true, true, true) => O::RC_RDMA_WRITE_ONLY_WITH_IMMEDIATE,
+                            (true, false, _) => O::RC_RDMA_WRITE_FIRST,
+                            (false, false, _) => O::RC_RDMA_WRITE_MIDDLE,
+                            (false, true, false) => O::RC_RDMA_WRITE_LAST,
+                            (false, true, true) => O::RC_RDMA_WRITE_LAST_WITH_IMMEDIATE,
+                        };
+                        (opc, imm.filter(|_| last), first)
+                    }
+                };
+                let psn = w.first_psn.add(k);
+                let mut r = Repr::new(opcode, dest_qp, psn, len);
+                r.immediate = imm;
+                if reth_on {
+                    let (remote_addr, rkey) = match op {
+                        SendOp::Write { remote_addr, rkey }
+                        | SendOp::WriteWithImm {
+                            remote_addr, rkey, ..
+                        } => (remote_addr, rkey),
+                        _ => unreachable!("WRITE opcodes only"),
+                    };
+                    r.reth = Some(reth::Repr {
+                        va: remote_addr,
+                        rkey,
+                        dma_len: w.len as u32,
+                    });
+                }
+                let wants_se = matches!(
+                    op,
+                    SendOp::Send | SendOp::SendWithImm(_) | SendOp::WriteWithImm { .. }
+                );
+                r.bth.solicited = last && w.wr.flags.solicited && wants_se;
+                (psn, r, Some((off as usize, len, last)))
+            }
+        };
+        if psn.distance(oldest) >= MAX_UNACKED_PSNS as i32 {
+            return None;
+        }
+        let last = payload.is_none_or(|p| p.2);
+        self.req.since_ackreq += 1;
+        repr.bth.ack_req = last || self.req.since_ackreq >= MAX_PKTS_PER_ACK;
+        if repr.bth.ack_req {
+            self.req.since_ackreq = 0;
+        }
+        let w = &self.req.sq[idx];
+        let mut len = repr
+            .emit_header(buf)
+            .expect("the requester builds headers that match their opcodes");
+        if let Some((off, plen, _)) = payload {
+            if w.wr.flags.inline {
+                buf[len..len + plen].copy_from_slice(&w.wr.inline_data[off..off + plen]);
+                len += plen;
+            } else {
+                push_pieces(&w.segs, off, plen, pieces);
+            }
+        }
+        if self.req.high_psn.is_some_and(|h| psn.before(h)) {
+            self.stats.retransmitted += 1;
+        }
+        if self.req.high_psn.is_none_or(|h| !psn.before(h)) {
+            let end = if matches!(w.wr.op, SendOp::Read { .. }) {
+                w.first_psn.add(w.npsn)
+            } else {
+                psn.next()
+            };
+            self.req.high_psn = Some(end);
+        }
+        self.req.sq[idx].next_pkt += 1;
+        if self.req.sq[idx].fully_sent() {
+            self.req.next += 1;
+        }
+        Some(Transmit {
+            len,
+            payload_len: payload.map_or(0, |p| p.1),
+            pad: bth::pad_for(payload.map_or(0, |p| p.1)),
+        })
+    }
+}

@@ -1,0 +1,611 @@
+//! The responder: incoming requests executed against registered memory, in
+//! PSN order, with ACKs, NAKs, READ responses and atomic ACKs as rxe sends them.
+
+use std::collections::VecDeque;
+
+use softrdma_wire::aeth::{self, NakCode, RnrTimer, Syndrome};
+use softrdma_wire::opcode::{Operation, Position};
+use softrdma_wire::packet::{Packet, Repr};
+use softrdma_wire::{Opcode, Psn, bth};
+
+use super::RcQp;
+use super::requester::{packets_for, push_pieces};
+use crate::engine::{CqKind, PostError, QpState, RecvWr, Transmit, WcOpcode, WcStatus};
+use crate::memory::{Access, MrTable, Segment};
+
+/// A message being received over several packets.
+#[derive(Debug)]
+enum InProgress {
+    /// A SEND into this receive WQE.
+    Send {
+        wqe: RecvWr,
+        segs: Vec<Segment>,
+        room: u64,
+        received: u64,
+        overflow: bool,
+    },
+    /// An RDMA WRITE into this range.
+    Write {
+        seg: Option<Segment>,
+        dma_len: u64,
+        written: u64,
+    },
+}
+
+/// What the responder keeps of a READ or atomic, to answer a duplicate.
+#[derive(Debug, Clone, Copy)]
+enum Resource {
+    Read {
+        first_psn: Psn,
+        npsn: u32,
+        va: u64,
+        rkey: u32,
+        len: u64,
+    },
+    Atomic {
+        psn: Psn,
+        original: u64,
+    },
+}
+
+/// A response waiting to go out.
+#[derive(Debug)]
+enum Pending {
+    Ack {
+        psn: Psn,
+        syndrome: Syndrome,
+        msn: u32,
+    },
+    AtomicAck {
+        psn: Psn,
+        original: u64,
+        msn: u32,
+    },
+    /// READ response packets `next..npsn` of a READ of `len` bytes at `first_psn`.
+    Read {
+        seg: Option<Segment>,
+        first_psn: Psn,
+        npsn: u32,
+        next: u32,
+        len: u64,
+        msn: u32,
+    },
+}
+
+#[derive(Debug, Default)]
+pub(super) struct Responder {
+    /// Expected PSN.
+    pub epsn: Psn,
+    /// Messages completed.
+    pub msn: u32,
+    /// A sequence-error NAK went out for the current gap.
+    nak_sent: bool,
+    current: Option<InProgress>,
+    pub rq: VecDeque<RecvWr>,
+    resources: VecDeque<Resource>,
+    out: VecDeque<Pending>,
+}
+
+/// Why a request is refused: the NAK to send.
+struct Refusal(NakCode);
+
+impl RcQp {
+    pub(super) fn resp_post(&mut self, wr: RecvWr) -> Result<(), PostError> {
+        if self.state == QpState::Reset {
+            return Err(PostError::BadState(self.state));
+        }
+        if wr.sgl.len() > self.caps.max_recv_sge as usize {
+            return Err(PostError::TooManySges {
+                given: wr.sgl.len(),
+                max: self.caps.max_recv_sge,
+            });
+        }
+        if self.resp.rq.len() >= self.caps.max_recv_wr as usize {
+            return Err(PostError::QueueFull(self.caps.max_recv_wr));
+        }
+        if self.state == QpState::Err {
+            let wc = self.wc(wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv);
+            self.completions.push_back((CqKind::Recv, wc));
+            return Ok(());
+        }
+        self.resp.rq.push_back(wr);
+        Ok(())
+    }
+
+    /// Queues an ACK, replacing one not yet sent (ACKs are cumulative).
+    fn queue_ack(&mut self, psn: Psn) {
+        let msn = self.resp.msn;
+        if let Some(Pending::Ack { syndrome, .. }) = self.resp.out.back()
+            && syndrome.is_ack()
+        {
+            self.resp.out.pop_back();
+        }
+        self.resp.out.push_back(Pending::Ack {
+            psn,
+            syndrome: Syndrome::ACK,
+            msn,
+        });
+    }
+
+    fn queue_nak(&mut self, psn: Psn, syndrome: Syndrome) {
+        let msn = self.resp.msn;
+        self.resp.out.push_back(Pending::Ack { psn, syndrome, msn });
+    }
+
+    fn save_resource(&mut self, r: Resource) {
+        let max = usize::from(self.max_dest_rd_atomic.max(1));
+        while self.resp.resources.len() >= max {
+            self.resp.resources.pop_front();
+        }
+        self.resp.resources.push_back(r);
+    }
+
+    pub(super) fn respond_packet(&mut self, p: &Packet<&[u8]>, mrs: &MrTable) {
+        if !matches!(self.state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
+            self.stats.dropped += 1;
+            return;
+        }
+        let psn = p.bth().psn();
+        let d = psn.distance(self.resp.epsn);
+        if d > 0 {
+            if !self.resp.nak_sent {
+                self.resp.nak_sent = true;
+                self.stats.seq_naks_sent += 1;
+                let epsn = self.resp.epsn;
+                self.queue_nak(epsn, Syndrome::Nak(NakCode::PsnSequenceError));
+            } else {
+                self.stats.dropped += 1;
+            }
+            return;
+        }
+        if d < 0 {
+            self.stats.duplicates += 1;
+            self.duplicate(p, mrs);
+            return;
+        }
+        if let Err(Refusal(code)) = self.execute(p, mrs) {
+            let epsn = self.resp.epsn;
+            self.queue_nak(epsn, Syndrome::Nak(code));
+            self.enter_error();
+        }
+    }
+
+    /// A request at the expected PSN.
+    fn execute(&mut self, p: &Packet<&[u8]>, mrs: &MrTable) -> Result<(), Refusal> {
+        let info = p.info();
+        let psn = p.bth().psn();
+        let payload = p.payload();
+        let invalid = Refusal(NakCode::InvalidRequest);
+        // The opcode must continue the message in progress, or start one.
+        let continues = match (&self.resp.current, info.operation) {
+            (Some(InProgress::Send { .. }), Operation::Send)
+            | (Some(InProgress::Write { .. }), Operation::RdmaWrite) => !info.position.starts(),
+            (None, _) => info.position.starts(),
+            _ => false,
+        };
+        if !continues || info.headers.contains(softrdma_wire::opcode::Headers::IETH) {
+            return Err(invalid);
+        }
+        // FIRST and MIDDLE carry exactly a path MTU; LAST at least one byte.
+        let plen = payload.len();
+        match info.position {
+            Position::First | Position::Middle if plen != self.pmtu => return Err(invalid),
+            Position::Last if plen == 0 || plen > self.pmtu => return Err(invalid),
+            Position::Only if plen > self.pmtu => return Err(invalid),
+            _ => {}
+        }
+        let ack_req = p.bth().ack_req();
+        match info.operation {
+            Operation::Send => self.execute_send(p, mrs)?,
+            Operation::RdmaWrite => self.execute_write(p, mrs)?,
+            Operation::ReadRequest => {
+                if !self.access.contains(Access::REMOTE_READ) {
+                    return Err(invalid);
+                }
+                let reth = p.reth().expect("READ requests carry a RETH");
+                let len = u64::from(reth.dma_len());
+                let seg = if len == 0 {
+                    None
+                } else {
+                    Some(
+                        mrs.remote(self.pd, reth.rkey(), reth.va(), len, Access::REMOTE_READ)
+                            .map_err(|_| Refusal(NakCode::RemoteAccessError))?,
+                    )
+                };
+                let npsn = packets_for(len, self.pmtu);
+                self.save_resource(Resource::Read {
+                    first_psn: psn,
+                    npsn,
+                    va: reth.va(),
+                    rkey: reth.rkey(),
+                    len,
+                });
+                self.resp.msn = self.resp.msn.wrapping_add(1) & 0xff_ffff;
+                let msn = self.resp.msn;
+                self.resp.out.push_back(Pending::Read {
+                    seg,
+                    first_psn: psn,
+                    npsn,
+                    next: 0,
+                    len,
+                    msn,
+                });
+                self.resp.epsn = psn.add(npsn);
+                self.resp.nak_sent = false;
+                return Ok(());
+            }
+            Operation::CompareSwap | Operation::FetchAdd => {
+                if !self.access.contains(Access::REMOTE_ATOMIC) {
+                    return Err(invalid);
+                }
+                let a = p.atomic_eth().expect("atomics carry an AtomicETH");
+                if !a.va().is_multiple_of(8) {
+                    return Err(invalid);
+                }
+                let seg = mrs
+                    .remote(self.pd, a.rkey(), a.va(), 8, Access::REMOTE_ATOMIC)
+                    .map_err(|_| Refusal(NakCode::RemoteAccessError))?;
+                let original = if info.operation == Operation::CompareSwap {
+                    seg.compare_swap(a.compare(), a.swap_add())
+                } else {
+                    seg.fetch_add(a.swap_add())
+                };
+                self.save_resource(Resource::Atomic { psn, original });
+                self.resp.msn = self.resp.msn.wrapping_add(1) & 0xff_ffff;
+                let msn = self.resp.msn;
+                self.resp
+                    .out
+                    .push_back(Pending::AtomicAck { psn, original, msn });
+                self.resp.epsn = psn.next();
+                self.resp.nak_sent = false;
+                return Ok(());
+            }
+            _ => return Err(invalid),
+        }
+        // SEND and WRITE packets that were accepted (not RNR-NAKed) advance.
+        if self.resp.epsn == psn {
+            return Ok(());
+        }
+        if ack_req {
+            self.queue_ack(psn);
+        }
+        Ok(())
+    }
+
+    /// Takes the next receive WQE with its buffers resolved, or RNR-NAKs.
+    fn take_recv(&mut self, mrs: &MrTable) -> Result<Option<(RecvWr, Vec<Segment>, u64)>, Refusal> {
+        let Some(wqe) = self.resp.rq.pop_front() else {
+            self.stats.rnr_naks_sent += 1;
+            let epsn = self.resp.epsn;
+            self.queue_nak(
+                epsn,
+                Syndrome::RnrNak(RnrTimer::from_code(self.min_rnr_timer)),
+            );
+            return Ok(None);
+        };
+        let mut segs = Vec::with_capacity(wqe.sgl.len());
+        let mut room = 0u64;
+        for sge in &wqe.sgl {
+            if sge.len == 0 {
+                continue;
+            }
+            match mrs.local(self.pd, sge.lkey, sge.addr, sge.len, Access::LOCAL_WRITE) {
+                Ok(s) => {
+                    room += s.len() as u64;
+                    segs.push(s);
+                }
+                Err(_) => {
+                    let wc = self.wc(wqe.wr_id, WcStatus::LocProtErr, WcOpcode::Recv);
+                    self.completions.push_back((CqKind::Recv, wc));
+                    return Err(Refusal(NakCode::RemoteOperationalError));
+                }
+            }
+        }
+        Ok(Some((wqe, segs, room)))
+    }
+
+    fn finish_recv(&mut self, wqe: &RecvWr, opcode: WcOpcode, byte_len: u64, p: &Packet<&[u8]>) {
+        let mut wc = self.wc(wqe.wr_id, WcStatus::Success, opcode);
+        wc.byte_len = byte_len as u32;
+        wc.imm = p.immediate();
+        wc.solicited = p.bth().solicited();
+        self.completions.push_back((CqKind::Recv, wc));
+        self.resp.msn = self.resp.msn.wrapping_add(1) & 0xff_ffff;
+    }
+
+    fn execute_send(&mut self, p: &Packet<&[u8]>, mrs: &MrTable) -> Result<(), Refusal> {
+        let info = p.info();
+        let psn = p.bth().psn();
+        if info.position.starts() {
+            let Some((wqe, segs, room)) = self.take_recv(mrs)? else {
+                return Ok(());
+            };
+            self.resp.current = Some(InProgress::Send {
+                wqe,
+                segs,
+                room,
+                received: 0,
+                overflow: false,
+            });
+        }
+        let payload = p.payload();
+        let Some(InProgress::Send {
+            segs,
+            room,
+            received,
+            overflow,
+            ..
+        }) = &mut self.resp.current
+        else {
+            unreachable!("a SEND is in progress");
+        };
+        if *received + payload.len() as u64 > *room {
+            *overflow = true;
+        }
+        if !*overflow {
+            let mut pieces = Vec::new();
+            push_pieces(segs, *received as usize, payload.len(), &mut pieces);
+            let mut at = 0;
+            for s in &pieces {
+                s.write(0, &payload[at..at + s.len()]);
+                at += s.len();
+            }
+        }
+        *received += payload.len() as u64;
+        self.resp.epsn = psn.next();
+        self.resp.nak_sent = false;
+        if info.position.ends() {
+            let Some(InProgress::Send {
+                wqe,
+                received,
+                overflow,
+                ..
+            }) = self.resp.current.take()
+            else {
+                unreachable!("a SEND is in progress");
+            };
+            if overflow {
+                // As rxe: the receive fails with a length error, the sender
+                // hears "remote operational error" at the last packet.
+                let mut wc = self.wc(wqe.wr_id, WcStatus::LocLenErr, WcOpcode::Recv);
+                wc.byte_len = received as u32;
+                self.completions.push_back((CqKind::Recv, wc));
+                self.resp.epsn = psn;
+                return Err(Refusal(NakCode::RemoteOperationalError));
+            }
+            self.finish_recv(&wqe, WcOpcode::Recv, received, p);
+        }
+        Ok(())
+    }
+
+    fn execute_write(&mut self, p: &Packet<&[u8]>, mrs: &MrTable) -> Result<(), Refusal> {
+        if !self.access.contains(Access::REMOTE_WRITE) {
+            return Err(Refusal(NakCode::InvalidRequest));
+        }
+        let info = p.info();
+        let psn = p.bth().psn();
+        let payload = p.payload();
+        // WRITE with immediate consumes a receive WQE at its last packet; ask
+        // for one before touching memory so that an RNR retry finds it unchanged.
+        let needs_recv = info.has_immediate();
+        if needs_recv && self.resp.rq.is_empty() {
+            self.take_recv(mrs)?;
+            return Ok(());
+        }
+        if info.position.starts() {
+            let reth = p.reth().expect("WRITE FIRST/ONLY carry a RETH");
+            let dma_len = u64::from(reth.dma_len());
+            if (info.position == Position::Only && dma_len != payload.len() as u64)
+                || (info.position == Position::First && dma_len <= payload.len() as u64)
+            {
+                return Err(Refusal(NakCode::InvalidRequest));
+            }
+            // rxe ACKs a zero-length WRITE without looking at the key.
+            let seg = if dma_len == 0 {
+                None
+            } else {
+                Some(
+                    mrs.remote(
+                        self.pd,
+                        reth.rkey(),
+                        reth.va(),
+                        dma_len,
+                        Access::REMOTE_WRITE,
+                    )
+                    .map_err(|_| Refusal(NakCode::RemoteAccessError))?,
+                )
+            };
+            self.resp.current = Some(InProgress::Write {
+                seg,
+                dma_len,
+                written: 0,
+            });
+        }
+        let Some(InProgress::Write {
+            seg,
+            dma_len,
+            written,
+        }) = &mut self.resp.current
+        else {
+            unreachable!("a WRITE is in progress");
+        };
+        let end = *written + payload.len() as u64;
+        if end > *dma_len || (info.position.ends() && end != *dma_len) {
+            return Err(Refusal(NakCode::InvalidRequest));
+        }
+        if let Some(s) = seg {
+            s.write(*written as usize, payload);
+        }
+        *written = end;
+        let total = *dma_len;
+        self.resp.epsn = psn.next();
+        self.resp.nak_sent = false;
+        if info.position.ends() {
+            self.resp.current = None;
+            if needs_recv {
+                let Some((wqe, _, _)) = self.take_recv(mrs)? else {
+                    unreachable!("checked above that a receive WQE is there");
+                };
+                self.finish_recv(&wqe, WcOpcode::RecvRdmaWithImm, total, p);
+            } else {
+                self.resp.msn = self.resp.msn.wrapping_add(1) & 0xff_ffff;
+            }
+        }
+        Ok(())
+    }
+
+    /// A request below the expected PSN: re-ACK, re-read, or replay an atomic.
+    fn duplicate(&mut self, p: &Packet<&[u8]>, mrs: &MrTable) {
+        let psn = p.bth().psn();
+        let msn = self.resp.msn;
+        match p.info().operation {
+            Operation::ReadRequest => {
+                let found = self.resp.resources.iter().rev().find_map(|r| match *r {
+                    Resource::Read {
+                        first_psn,
+                        npsn,
+                        va,
+                        rkey,
+                        len,
+                    } if psn.in_range(first_psn, npsn) => Some((first_psn, npsn, va, rkey, len)),
+                    _ => None,
+                });
+                let Some((first_psn, npsn, va, rkey, len)) = found else {
+                    self.stats.dropped += 1;
+                    return;
+                };
+                // Re-execute from memory, from the PSN asked for.
+                let seg = if len == 0 {
+                    None
+                } else {
+                    match mrs.remote(self.pd, rkey, va, len, Access::REMOTE_READ) {
+                        Ok(s) => Some(s),
+                        Err(_) => {
+                            self.stats.dropped += 1;
+                            return;
+                        }
+                    }
+                };
+                self.resp.out.push_back(Pending::Read {
+                    seg,
+                    first_psn,
+                    npsn,
+                    next: psn.distance(first_psn) as u32,
+                    len,
+                    msn,
+                });
+            }
+            Operation::CompareSwap | Operation::FetchAdd => {
+                let found = self.resp.resources.iter().rev().find_map(|r| match *r {
+                    Resource::Atomic { psn: q, original } if q == psn => Some(original),
+                    _ => None,
+                });
+                match found {
+                    // Never execute an atomic twice: replay the saved result.
+                    Some(original) => {
+                        self.resp
+                            .out
+                            .push_back(Pending::AtomicAck { psn, original, msn })
+                    }
+                    None => self.stats.dropped += 1,
+                }
+            }
+            _ => {
+                if p.bth().ack_req() {
+                    let last = self.resp.epsn.sub(1);
+                    self.queue_ack(last);
+                }
+            }
+        }
+    }
+
+    pub(super) fn resp_transmit(
+        &mut self,
+        buf: &mut [u8],
+        pieces: &mut Vec<crate::memory::Segment>,
+    ) -> Option<Transmit> {
+        let dest_qp = self.dest_qp;
+        let pmtu = self.pmtu;
+        let front = self.resp.out.front_mut()?;
+        let (repr, payload) = match front {
+            Pending::Ack { psn, syndrome, msn } => {
+                let mut r = Repr::new(Opcode::RC_ACKNOWLEDGE, dest_qp, *psn, 0);
+                r.aeth = Some(aeth::Repr {
+                    syndrome: *syndrome,
+                    msn: *msn,
+                });
+                self.resp.out.pop_front();
+                (r, None)
+            }
+            Pending::AtomicAck { psn, original, msn } => {
+                let mut r = Repr::new(Opcode::RC_ATOMIC_ACKNOWLEDGE, dest_qp, *psn, 0);
+                r.aeth = Some(aeth::Repr {
+                    syndrome: Syndrome::ACK,
+                    msn: *msn,
+                });
+                r.atomic_ack = Some(*original);
+                self.resp.out.pop_front();
+                (r, None)
+            }
+            Pending::Read {
+                seg,
+                first_psn,
+                npsn,
+                next,
+                len,
+                msn,
+            } => {
+                let k = *next;
+                let n = *npsn;
+                let off = u64::from(k) * pmtu as u64;
+                let plen = (*len - off.min(*len)).min(pmtu as u64) as usize;
+                let opcode = match (k == 0, k + 1 == n) {
+                    (true, true) => Opcode::RC_RDMA_READ_RESPONSE_ONLY,
+                    (true, false) => Opcode::RC_RDMA_READ_RESPONSE_FIRST,
+                    (false, true) => Opcode::RC_RDMA_READ_RESPONSE_LAST,
+                    (false, false) => Opcode::RC_RDMA_READ_RESPONSE_MIDDLE,
+                };
+                let mut r = Repr::new(opcode, dest_qp, first_psn.add(k), plen);
+                if k == 0 || k + 1 == n {
+                    r.aeth = Some(aeth::Repr {
+                        syndrome: Syndrome::ACK,
+                        msn: *msn,
+                    });
+                }
+                let piece = seg.as_ref().and_then(|s| s.slice(off as usize, plen));
+                *next += 1;
+                if *next >= n {
+                    self.resp.out.pop_front();
+                }
+                (r, piece)
+            }
+        };
+        let len = repr
+            .emit_header(buf)
+            .expect("the responder builds headers that match their opcodes");
+        let payload_len = payload.as_ref().map_or(0, |s| s.len());
+        if let Some(s) = payload {
+            pieces.push(s);
+        }
+        Some(Transmit {
+            len,
+            payload_len,
+            pad: bth::pad_for(payload_len),
+        })
+    }
+
+    /// On ERR: receives are flushed; only NAKs already queued still go out.
+    pub(super) fn resp_flush(&mut self) {
+        if let Some(InProgress::Send { wqe, .. }) = self.resp.current.take() {
+            let wc = self.wc(wqe.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv);
+            self.completions.push_back((CqKind::Recv, wc));
+        }
+        while let Some(wqe) = self.resp.rq.pop_front() {
+            let wc = self.wc(wqe.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv);
+            self.completions.push_back((CqKind::Recv, wc));
+        }
+        self.resp
+            .out
+            .retain(|p| matches!(p, Pending::Ack { syndrome, .. } if !syndrome.is_ack()));
+    }
+}

@@ -1,0 +1,810 @@
+//! The RC engine between two QPs over the simulator: every opcode, every error
+//! completion, and the transport's answers to duplicates and gaps.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::*;
+use crate::engine::sim::{Endpoint, NetConfig, Sim};
+use crate::engine::{QpAttr, RecvWr, SendFlags, SendOp, SendWr, Sge, WcOpcode, WcStatus};
+use crate::memory::{Access, MrTable, Region, RegionMemory};
+
+const MEM: usize = 1 << 20;
+const IOVA: [u64; 2] = [0x1000_0000, 0x2000_0000];
+const LKEY: [u32; 2] = [0x0a0a_0001, 0x0b0b_0001];
+const RKEY: [u32; 2] = [0x0a0a_0002, 0x0b0b_0002];
+const QPN: [u32; 2] = [0x11, 0x12];
+
+fn endpoint(i: usize, mr_access: Access) -> Endpoint {
+    let mem = Arc::new(RegionMemory::zeroed(MEM).unwrap());
+    let mut mrs = MrTable::new();
+    mrs.insert(Region::new(1, (LKEY[i], RKEY[i]), mem, 0, MEM, IOVA[i], mr_access).unwrap());
+    let qp = RcQp::new(QPN[i], 1, QpCaps::default());
+    Endpoint::new(qp, mrs, [10, 0, 0, 1 + i as u8])
+}
+
+struct Pair {
+    sim: Sim,
+    next_wr: u64,
+}
+
+#[derive(Clone, Copy)]
+struct Setup {
+    pmtu: Mtu,
+    psn: [u32; 2],
+    qp_access: Access,
+    mr_access: Access,
+    retry_cnt: u8,
+    rnr_retry: u8,
+    max_rd_atomic: u8,
+    timeout: u8,
+    net: NetConfig,
+    seed: u64,
+}
+
+impl Default for Setup {
+    fn default() -> Self {
+        Setup {
+            pmtu: Mtu::Mtu1024,
+            psn: [0x12_3456, 0xff_fff0],
+            qp_access: Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC,
+            mr_access: Access::ALL,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            max_rd_atomic: 4,
+            timeout: 10,
+            net: NetConfig::PERFECT,
+            seed: 1,
+        }
+    }
+}
+
+impl Pair {
+    fn new(s: Setup) -> Pair {
+        let mut sim = Sim::new(
+            s.seed,
+            s.net,
+            endpoint(0, s.mr_access),
+            endpoint(1, s.mr_access),
+        );
+        for i in 0..2 {
+            let qp = &mut sim.ends[i].qp;
+            qp.modify(&QpAttr {
+                state: Some(QpState::Init),
+                pkey_index: Some(0),
+                port: Some(1),
+                access: Some(s.qp_access),
+                ..QpAttr::default()
+            })
+            .unwrap();
+            qp.modify(&QpAttr {
+                state: Some(QpState::Rtr),
+                path_mtu: Some(s.pmtu),
+                dest_qp: Some(QPN[1 - i]),
+                rq_psn: Some(s.psn[1 - i]),
+                max_dest_rd_atomic: Some(16),
+                min_rnr_timer: Some(1),
+                has_av: true,
+                ..QpAttr::default()
+            })
+            .unwrap();
+            qp.modify(&QpAttr {
+                state: Some(QpState::Rts),
+                sq_psn: Some(s.psn[i]),
+                max_rd_atomic: Some(s.max_rd_atomic),
+                retry_cnt: Some(s.retry_cnt),
+                rnr_retry: Some(s.rnr_retry),
+                timeout: Some(s.timeout),
+                ..QpAttr::default()
+            })
+            .unwrap();
+        }
+        Pair { sim, next_wr: 1 }
+    }
+
+    fn write_mem(&self, i: usize, off: u64, data: &[u8]) {
+        let e = &self.sim.ends[i];
+        e.mrs
+            .local(1, LKEY[i], IOVA[i] + off, data.len() as u32, Access::NONE)
+            .unwrap()
+            .write(0, data);
+    }
+
+    fn read_mem(&self, i: usize, off: u64, len: usize) -> Vec<u8> {
+        let e = &self.sim.ends[i];
+        let mut v = vec![0u8; len];
+        e.mrs
+            .local(1, LKEY[i], IOVA[i] + off, len as u32, Access::NONE)
+            .unwrap()
+            .read(0, &mut v);
+        v
+    }
+
+    fn sge(i: usize, off: u64, len: u32) -> Sge {
+        Sge {
+            addr: IOVA[i] + off,
+            len,
+            lkey: LKEY[i],
+        }
+    }
+
+    fn send(&mut self, i: usize, op: SendOp, sgl: Vec<Sge>) -> u64 {
+        self.send_flags(
+            i,
+            op,
+            sgl,
+            SendFlags {
+                signaled: true,
+                ..SendFlags::default()
+            },
+        )
+    }
+
+    fn send_flags(&mut self, i: usize, op: SendOp, sgl: Vec<Sge>, flags: SendFlags) -> u64 {
+        let wr_id = self.next_wr;
+        self.next_wr += 1;
+        self.sim.ends[i]
+            .qp
+            .post_send(SendWr {
+                wr_id,
+                op,
+                sgl,
+                flags,
+                inline_data: Vec::new(),
+            })
+            .unwrap();
+        wr_id
+    }
+
+    fn recv(&mut self, i: usize, sgl: Vec<Sge>) -> u64 {
+        let wr_id = self.next_wr;
+        self.next_wr += 1;
+        self.sim.ends[i]
+            .qp
+            .post_recv(RecvWr { wr_id, sgl })
+            .unwrap();
+        wr_id
+    }
+
+    /// Runs until both sides have `n` completions (or the network goes quiet).
+    fn run(&mut self, n: [usize; 2]) {
+        let ok = self.sim.run_until(Duration::from_secs(30), |s| {
+            s.ends[0].completions.len() >= n[0] && s.ends[1].completions.len() >= n[1]
+        });
+        assert!(
+            ok,
+            "wanted {n:?} completions, have {:?} / {:?}",
+            self.sim.ends[0].completions, self.sim.ends[1].completions
+        );
+    }
+
+    fn wcs(&self, i: usize) -> Vec<(CqKind, WorkCompletion)> {
+        self.sim.ends[i].completions.clone()
+    }
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+#[test]
+fn send_recv_multi_packet_with_psn_wrap() {
+    let mut p = Pair::new(Setup::default());
+    let data = pattern(5000, 7);
+    p.write_mem(0, 0, &data);
+    let r = p.recv(1, vec![Pair::sge(1, 100, 3000), Pair::sge(1, 8000, 3000)]);
+    let s = p.send(
+        0,
+        SendOp::Send,
+        vec![Pair::sge(0, 0, 1000), Pair::sge(0, 1000, 4000)],
+    );
+    p.run([1, 1]);
+    let (kind, wc) = p.wcs(1)[0];
+    assert_eq!(kind, CqKind::Recv);
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.opcode, wc.byte_len),
+        (r, WcStatus::Success, WcOpcode::Recv, 5000)
+    );
+    assert_eq!(wc.imm, None);
+    assert_eq!(p.read_mem(1, 100, 3000), data[..3000]);
+    assert_eq!(p.read_mem(1, 8000, 2000), data[3000..]);
+    let (kind, wc) = p.wcs(0)[0];
+    assert_eq!(
+        (kind, wc.wr_id, wc.status, wc.opcode),
+        (CqKind::Send, s, WcStatus::Success, WcOpcode::Send)
+    );
+    // 5 packets at PMTU 1024, from 0xfffff0 (the B->A side wraps too).
+    assert_eq!(p.sim.ends[0].qp.query().sq_psn, Some(0x12_3456 + 5));
+}
+
+#[test]
+fn send_with_immediate_and_solicited() {
+    let mut p = Pair::new(Setup::default());
+    p.write_mem(0, 0, b"hello");
+    p.recv(1, vec![Pair::sge(1, 0, 64)]);
+    p.send_flags(
+        0,
+        SendOp::SendWithImm(0xdead_beef),
+        vec![Pair::sge(0, 0, 5)],
+        SendFlags {
+            signaled: true,
+            solicited: true,
+            ..SendFlags::default()
+        },
+    );
+    p.run([1, 1]);
+    let wc = p.wcs(1)[0].1;
+    assert_eq!(
+        (wc.imm, wc.byte_len, wc.solicited),
+        (Some(0xdead_beef), 5, true)
+    );
+    assert_eq!(p.read_mem(1, 0, 5), b"hello");
+}
+
+#[test]
+fn inline_send() {
+    let mut p = Pair::new(Setup::default());
+    p.recv(1, vec![Pair::sge(1, 0, 64)]);
+    p.sim.ends[0]
+        .qp
+        .post_send(SendWr {
+            wr_id: 9,
+            op: SendOp::Send,
+            sgl: vec![],
+            flags: SendFlags {
+                signaled: true,
+                inline: true,
+                ..SendFlags::default()
+            },
+            inline_data: b"inline!".to_vec(),
+        })
+        .unwrap();
+    p.run([1, 1]);
+    assert_eq!(p.read_mem(1, 0, 7), b"inline!");
+    assert_eq!(p.wcs(1)[0].1.byte_len, 7);
+}
+
+#[test]
+fn rdma_write_and_write_with_immediate() {
+    let mut p = Pair::new(Setup::default());
+    let data = pattern(3333, 3);
+    p.write_mem(0, 0, &data);
+    let w = p.send(
+        0,
+        SendOp::Write {
+            remote_addr: IOVA[1] + 4096,
+            rkey: RKEY[1],
+        },
+        vec![Pair::sge(0, 0, 3333)],
+    );
+    p.run([1, 0]);
+    assert_eq!(p.wcs(0)[0].1.wr_id, w);
+    assert_eq!(p.wcs(0)[0].1.opcode, WcOpcode::RdmaWrite);
+    assert_eq!(p.read_mem(1, 4096, 3333), data);
+    assert!(
+        p.wcs(1).is_empty(),
+        "a plain WRITE is invisible to the target"
+    );
+    // With immediate: consumes a receive, reports the length and the immediate.
+    let r = p.recv(1, vec![]);
+    p.send(
+        0,
+        SendOp::WriteWithImm {
+            remote_addr: IOVA[1] + 65536,
+            rkey: RKEY[1],
+            imm: 42,
+        },
+        vec![Pair::sge(0, 0, 2049)],
+    );
+    p.run([2, 1]);
+    let wc = p.wcs(1)[0].1;
+    assert_eq!(
+        (wc.wr_id, wc.opcode, wc.byte_len, wc.imm),
+        (r, WcOpcode::RecvRdmaWithImm, 2049, Some(42))
+    );
+    assert_eq!(p.read_mem(1, 65536, 2049), data[..2049]);
+}
+
+#[test]
+fn rdma_read() {
+    let mut p = Pair::new(Setup::default());
+    let data = pattern(10_000, 9);
+    p.write_mem(1, 200_000, &data);
+    let id = p.send(
+        0,
+        SendOp::Read {
+            remote_addr: IOVA[1] + 200_000,
+            rkey: RKEY[1],
+        },
+        vec![Pair::sge(0, 0, 7000), Pair::sge(0, 50_000, 3000)],
+    );
+    p.run([1, 0]);
+    let wc = p.wcs(0)[0].1;
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.opcode, wc.byte_len),
+        (id, WcStatus::Success, WcOpcode::RdmaRead, 10_000)
+    );
+    assert_eq!(p.read_mem(0, 0, 7000), data[..7000]);
+    assert_eq!(p.read_mem(0, 50_000, 3000), data[7000..]);
+}
+
+#[test]
+fn zero_length_operations() {
+    let mut p = Pair::new(Setup::default());
+    p.recv(1, vec![]);
+    p.send(0, SendOp::Send, vec![]);
+    p.send(
+        0,
+        SendOp::Write {
+            remote_addr: 0,
+            rkey: 0,
+        },
+        vec![],
+    );
+    p.send(
+        0,
+        SendOp::Read {
+            remote_addr: IOVA[1],
+            rkey: RKEY[1],
+        },
+        vec![],
+    );
+    p.run([3, 1]);
+    assert!(p.wcs(0).iter().all(|c| c.1.status == WcStatus::Success));
+    assert_eq!(p.wcs(1)[0].1.byte_len, 0);
+}
+
+#[test]
+fn atomics() {
+    let mut p = Pair::new(Setup::default());
+    p.write_mem(1, 64, &100u64.to_ne_bytes());
+    p.send(
+        0,
+        SendOp::FetchAdd {
+            remote_addr: IOVA[1] + 64,
+            rkey: RKEY[1],
+            add: 5,
+        },
+        vec![Pair::sge(0, 0, 8)],
+    );
+    p.send(
+        0,
+        SendOp::CompareSwap {
+            remote_addr: IOVA[1] + 64,
+            rkey: RKEY[1],
+            compare: 105,
+            swap: 7,
+        },
+        vec![Pair::sge(0, 8, 8)],
+    );
+    p.send(
+        0,
+        SendOp::CompareSwap {
+            remote_addr: IOVA[1] + 64,
+            rkey: RKEY[1],
+            compare: 105,
+            swap: 9,
+        },
+        vec![Pair::sge(0, 16, 8)],
+    );
+    p.run([3, 0]);
+    let ops: Vec<_> = p.wcs(0).iter().map(|c| c.1.opcode).collect();
+    assert_eq!(
+        ops,
+        [
+            WcOpcode::FetchAdd,
+            WcOpcode::CompareSwap,
+            WcOpcode::CompareSwap
+        ]
+    );
+    let got = |off| u64::from_ne_bytes(p.read_mem(0, off, 8).try_into().unwrap());
+    assert_eq!((got(0), got(8), got(16)), (100, 105, 7));
+    assert_eq!(
+        u64::from_ne_bytes(p.read_mem(1, 64, 8).try_into().unwrap()),
+        7
+    );
+}
+
+#[test]
+fn unsignaled_requests_complete_silently() {
+    let mut p = Pair::new(Setup::default());
+    for _ in 0..5 {
+        p.send_flags(
+            0,
+            SendOp::Write {
+                remote_addr: IOVA[1],
+                rkey: RKEY[1],
+            },
+            vec![Pair::sge(0, 0, 100)],
+            SendFlags::default(),
+        );
+    }
+    let last = p.send(
+        0,
+        SendOp::Write {
+            remote_addr: IOVA[1],
+            rkey: RKEY[1],
+        },
+        vec![Pair::sge(0, 0, 100)],
+    );
+    p.run([1, 0]);
+    assert!(!p.sim.step() || p.wcs(0).len() == 1);
+    assert_eq!(p.wcs(0).len(), 1);
+    assert_eq!(p.wcs(0)[0].1.wr_id, last);
+}
+
+fn statuses(p: &Pair, i: usize) -> Vec<(u64, WcStatus)> {
+    p.wcs(i).iter().map(|c| (c.1.wr_id, c.1.status)).collect()
+}
+
+#[test]
+fn receive_too_small_is_loc_len_err_and_rem_op_err() {
+    let mut p = Pair::new(Setup::default());
+    let r = p.recv(1, vec![Pair::sge(1, 0, 1000)]);
+    let r2 = p.recv(1, vec![Pair::sge(1, 0, 1000)]);
+    let s = p.send(0, SendOp::Send, vec![Pair::sge(0, 0, 3000)]);
+    let s2 = p.send(0, SendOp::Send, vec![Pair::sge(0, 0, 10)]);
+    p.run([2, 2]);
+    assert_eq!(
+        statuses(&p, 1),
+        [(r, WcStatus::LocLenErr), (r2, WcStatus::WrFlushErr)]
+    );
+    assert_eq!(
+        statuses(&p, 0),
+        [(s, WcStatus::RemOpErr), (s2, WcStatus::WrFlushErr)]
+    );
+    assert_eq!(p.sim.ends[0].qp.state(), QpState::Err);
+    assert_eq!(p.sim.ends[1].qp.state(), QpState::Err);
+}
+
+#[test]
+fn bad_lkey_is_loc_prot_err_and_flushes_the_rest() {
+    let mut p = Pair::new(Setup::default());
+    let bad = p.send(
+        0,
+        SendOp::Write {
+            remote_addr: IOVA[1],
+            rkey: RKEY[1],
+        },
+        vec![Sge {
+            addr: IOVA[0],
+            len: 8,
+            lkey: 0x999,
+        }],
+    );
+    let after = p.send(
+        0,
+        SendOp::Write {
+            remote_addr: IOVA[1],
+            rkey: RKEY[1],
+        },
+        vec![Pair::sge(0, 0, 8)],
+    );
+    p.run([2, 0]);
+    assert_eq!(
+        statuses(&p, 0),
+        [(bad, WcStatus::LocProtErr), (after, WcStatus::WrFlushErr)]
+    );
+    // Posts to a QP in ERR complete as flushed.
+    let late = p.send(0, SendOp::Send, vec![]);
+    let late_r = p.recv(0, vec![]);
+    p.run([4, 0]);
+    assert_eq!(
+        statuses(&p, 0)[2..],
+        [(late, WcStatus::WrFlushErr), (late_r, WcStatus::WrFlushErr)]
+    );
+    // A READ into memory without LOCAL_WRITE is a local protection error too.
+    let mut p = Pair::new(Setup {
+        mr_access: Access::REMOTE_READ,
+        ..Setup::default()
+    });
+    let r = p.send(
+        0,
+        SendOp::Read {
+            remote_addr: IOVA[1],
+            rkey: RKEY[1],
+        },
+        vec![Pair::sge(0, 0, 8)],
+    );
+    p.run([1, 0]);
+    assert_eq!(statuses(&p, 0), [(r, WcStatus::LocProtErr)]);
+}
+
+#[test]
+fn forbidden_by_the_remote_qp_is_rem_inv_req_err() {
+    let mut p = Pair::new(Setup {
+        qp_access: Access::REMOTE_READ,
+        ..Setup::default()
+    });
+    let w = p.send(
+        0,
+        SendOp::Write {
+            remote_addr: IOVA[1],
+            rkey: RKEY[1],
+        },
+        vec![Pair::sge(0, 0, 8)],
+    );
+    p.run([1, 0]);
+    assert_eq!(statuses(&p, 0), [(w, WcStatus::RemInvReqErr)]);
+    assert_eq!(p.sim.ends[1].qp.state(), QpState::Err);
+    // An unaligned atomic, too.
+    let mut p = Pair::new(Setup::default());
+    let a = p.send(
+        0,
+        SendOp::FetchAdd {
+            remote_addr: IOVA[1] + 4,
+            rkey: RKEY[1],
+            add: 1,
+        },
+        vec![Pair::sge(0, 0, 8)],
+    );
+    p.run([1, 0]);
+    assert_eq!(statuses(&p, 0), [(a, WcStatus::RemInvReqErr)]);
+}
+
+#[test]
+fn bad_rkey_bounds_or_rights_is_rem_access_err() {
+    let cases: [(Access, SendOp); 4] = [
+        (
+            Access::ALL,
+            SendOp::Write {
+                remote_addr: IOVA[1],
+                rkey: 0x1234,
+            },
+        ),
+        (
+            Access::ALL,
+            SendOp::Write {
+                remote_addr: IOVA[1] + MEM as u64 - 4,
+                rkey: RKEY[1],
+            },
+        ),
+        (
+            Access::LOCAL_WRITE | Access::REMOTE_READ,
+            SendOp::Write {
+                remote_addr: IOVA[1],
+                rkey: RKEY[1],
+            },
+        ),
+        (
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+            SendOp::Read {
+                remote_addr: IOVA[1],
+                rkey: RKEY[1],
+            },
+        ),
+    ];
+    for (mr_access, op) in cases {
+        let mut p = Pair::new(Setup {
+            mr_access,
+            ..Setup::default()
+        });
+        p.write_mem(1, 0, b"untouched");
+        let id = p.send(0, op, vec![Pair::sge(0, 0, 8)]);
+        p.run([1, 0]);
+        assert_eq!(statuses(&p, 0), [(id, WcStatus::RemAccessErr)], "{op:?}");
+        assert_eq!(p.read_mem(1, 0, 9), b"untouched");
+    }
+}
+
+#[test]
+fn no_receive_exhausts_rnr_retry() {
+    let mut p = Pair::new(Setup {
+        rnr_retry: 2,
+        ..Setup::default()
+    });
+    let s = p.send(0, SendOp::Send, vec![Pair::sge(0, 0, 8)]);
+    p.run([1, 0]);
+    assert_eq!(statuses(&p, 0), [(s, WcStatus::RnrRetryExcErr)]);
+    assert_eq!(p.sim.ends[0].qp.stats().rnr_naks_received, 3);
+}
+
+#[test]
+fn rnr_recovers_when_a_receive_is_posted() {
+    let mut p = Pair::new(Setup::default());
+    p.write_mem(0, 0, b"late");
+    let s = p.send(0, SendOp::Send, vec![Pair::sge(0, 0, 4)]);
+    p.sim.run_until(Duration::from_millis(5), |_| false);
+    assert!(p.sim.ends[0].qp.stats().rnr_naks_received >= 2);
+    let r = p.recv(1, vec![Pair::sge(1, 0, 4)]);
+    p.run([1, 1]);
+    assert_eq!(statuses(&p, 0), [(s, WcStatus::Success)]);
+    assert_eq!(statuses(&p, 1), [(r, WcStatus::Success)]);
+    assert_eq!(p.read_mem(1, 0, 4), b"late");
+}
+
+#[test]
+fn vanished_peer_exhausts_retry_cnt() {
+    let mut p = Pair::new(Setup {
+        retry_cnt: 3,
+        ..Setup::default()
+    });
+    p.sim.down[1] = true;
+    let s = p.send(
+        0,
+        SendOp::Write {
+            remote_addr: IOVA[1],
+            rkey: RKEY[1],
+        },
+        vec![Pair::sge(0, 0, 8)],
+    );
+    let s2 = p.send(0, SendOp::Send, vec![Pair::sge(0, 0, 8)]);
+    p.run([2, 0]);
+    assert_eq!(
+        statuses(&p, 0),
+        [(s, WcStatus::RetryExcErr), (s2, WcStatus::WrFlushErr)]
+    );
+    assert_eq!(
+        p.sim.ends[0].qp.stats().timeouts,
+        4,
+        "three retries, then the error"
+    );
+}
+
+#[test]
+fn retry_cnt_seven_is_seven_retries_not_forever() {
+    let mut p = Pair::new(Setup {
+        retry_cnt: 7,
+        timeout: 1,
+        ..Setup::default()
+    });
+    p.sim.down[1] = true;
+    let s = p.send(0, SendOp::Send, vec![Pair::sge(0, 0, 8)]);
+    p.run([1, 0]);
+    assert_eq!(statuses(&p, 0), [(s, WcStatus::RetryExcErr)]);
+    assert_eq!(p.sim.ends[0].qp.stats().retransmitted, 7);
+}
+
+#[test]
+fn duplicate_atomic_replays_the_saved_answer() {
+    let mut p = Pair::new(Setup::default());
+    p.write_mem(1, 0, &10u64.to_ne_bytes());
+    // Every packet from B to A is lost until further notice: A times out and
+    // resends its FETCH_ADD, which B must answer from its saved result.
+    p.sim.down[1] = true;
+    p.send(
+        0,
+        SendOp::FetchAdd {
+            remote_addr: IOVA[1],
+            rkey: RKEY[1],
+            add: 1,
+        },
+        vec![Pair::sge(0, 0, 8)],
+    );
+    p.sim.run_until(Duration::from_micros(200), |_| false);
+    p.sim.down[1] = false;
+    p.run([1, 0]);
+    assert!(p.sim.ends[0].qp.stats().retransmitted >= 1);
+    assert!(p.sim.ends[1].qp.stats().duplicates >= 1);
+    assert_eq!(
+        u64::from_ne_bytes(p.read_mem(1, 0, 8).try_into().unwrap()),
+        11,
+        "executed once"
+    );
+    assert_eq!(
+        u64::from_ne_bytes(p.read_mem(0, 0, 8).try_into().unwrap()),
+        10
+    );
+}
+
+#[test]
+fn post_errors_are_reported_on_the_call() {
+    let mut p = Pair::new(Setup::default());
+    let qp = &mut p.sim.ends[0].qp;
+    let wr = |sgl: Vec<Sge>| SendWr {
+        wr_id: 1,
+        op: SendOp::Send,
+        sgl,
+        flags: SendFlags::default(),
+        inline_data: vec![],
+    };
+    assert!(matches!(
+        qp.post_send(wr(vec![Pair::sge(0, 0, 1); 5])),
+        Err(PostError::TooManySges { given: 5, max: 4 })
+    ));
+    let mut big = wr(vec![]);
+    big.flags.inline = true;
+    big.inline_data = vec![0; 300];
+    assert!(matches!(
+        qp.post_send(big),
+        Err(PostError::InlineTooLarge { .. })
+    ));
+    let atomic = SendWr {
+        op: SendOp::FetchAdd {
+            remote_addr: 0,
+            rkey: 0,
+            add: 1,
+        },
+        ..wr(vec![Pair::sge(0, 0, 4)])
+    };
+    assert_eq!(qp.post_send(atomic), Err(PostError::BadAtomicSge));
+    for _ in 0..128 {
+        qp.post_send(wr(vec![])).unwrap();
+    }
+    assert_eq!(qp.post_send(wr(vec![])), Err(PostError::QueueFull(128)));
+    let mut fresh = RcQp::new(5, 1, QpCaps::default());
+    assert_eq!(
+        fresh.post_send(wr(vec![])),
+        Err(PostError::BadState(QpState::Reset))
+    );
+    assert!(
+        fresh
+            .post_recv(RecvWr {
+                wr_id: 1,
+                sgl: vec![]
+            })
+            .is_err()
+    );
+}
+
+#[test]
+fn fence_waits_for_earlier_reads() {
+    let mut p = Pair::new(Setup::default());
+    p.write_mem(1, 0, &pattern(4096, 1));
+    p.send(
+        0,
+        SendOp::Read {
+            remote_addr: IOVA[1],
+            rkey: RKEY[1],
+        },
+        vec![Pair::sge(0, 0, 4096)],
+    );
+    // The fenced WRITE sends the bytes the READ brings in.
+    p.send_flags(
+        0,
+        SendOp::Write {
+            remote_addr: IOVA[1] + 8192,
+            rkey: RKEY[1],
+        },
+        vec![Pair::sge(0, 0, 4096)],
+        SendFlags {
+            signaled: true,
+            fence: true,
+            ..SendFlags::default()
+        },
+    );
+    p.run([2, 0]);
+    assert_eq!(p.read_mem(1, 8192, 4096), pattern(4096, 1));
+}
+
+#[test]
+fn lossy_network_still_delivers_in_order() {
+    for seed in 0..20 {
+        let net = NetConfig {
+            loss: 150,
+            duplicate: 50,
+            corrupt: 30,
+            min_delay: Duration::from_micros(1),
+            max_delay: Duration::from_micros(80),
+        };
+        let mut p = Pair::new(Setup {
+            net,
+            seed,
+            ..Setup::default()
+        });
+        let data = pattern(20_000, seed as u8);
+        p.write_mem(0, 0, &data);
+        let mut ids = vec![];
+        for k in 0..6u64 {
+            p.recv(1, vec![Pair::sge(1, k * 20_000, 20_000)]);
+            ids.push(p.send(
+                0,
+                SendOp::Send,
+                vec![Pair::sge(0, 0, 20_000 - k as u32 * 997)],
+            ));
+        }
+        p.run([6, 6]);
+        assert_eq!(
+            p.wcs(0).iter().map(|c| c.1.wr_id).collect::<Vec<_>>(),
+            ids,
+            "seed {seed}"
+        );
+        for k in 0..6u64 {
+            let n = 20_000 - k as usize * 997;
+            assert_eq!(p.wcs(1)[k as usize].1.byte_len as usize, n, "seed {seed}");
+            assert_eq!(p.read_mem(1, k * 20_000, n), data[..n], "seed {seed}");
+        }
+    }
+}
