@@ -49,6 +49,7 @@ impl RcQp {
             return;
         };
         self.req.next = i;
+        self.req.last_go_back = Some(psn);
         for (j, w) in self.req.sq.iter_mut().enumerate().skip(i) {
             if !w.started || w.status.is_some() {
                 continue;
@@ -120,11 +121,21 @@ impl RcQp {
         match self.ack_upto(psn) {
             Ok(()) => true,
             Err(from) => {
-                if self.use_retry() {
-                    self.go_back(from);
-                }
+                self.resend_from(from);
                 false
             }
+        }
+    }
+
+    /// Goes back to `from` on a NAK, using a retry, unless that restart is
+    /// already under way.
+    fn resend_from(&mut self, from: Psn) {
+        if self.req.last_go_back == Some(from) {
+            self.stats.dropped += 1;
+            return;
+        }
+        if self.use_retry() {
+            self.go_back(from);
         }
     }
 
@@ -146,6 +157,7 @@ impl RcQp {
         if self.oldest_unacked().distance(oldest) > 0 {
             self.req.retry_left = self.retry_cnt;
             self.req.rnr_left = self.rnr_retry;
+            self.req.last_go_back = None;
         }
     }
 
@@ -190,9 +202,7 @@ impl RcQp {
                         if !self.ack_or_resend(psn.sub(1)) {
                             return;
                         }
-                        if self.use_retry() {
-                            self.go_back(psn);
-                        }
+                        self.resend_from(psn);
                     }
                     Syndrome::Nak(code) => {
                         let status = match code {

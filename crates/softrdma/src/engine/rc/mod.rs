@@ -318,6 +318,27 @@ impl RcQp {
         self.completions.len()
     }
 
+    /// Send work requests not yet completed.
+    pub fn send_queue_len(&self) -> usize {
+        self.req.sq.len()
+    }
+
+    /// Receive work requests not yet consumed.
+    pub fn recv_queue_len(&self) -> usize {
+        self.resp.rq.len()
+    }
+
+    /// The requester's window: the oldest unacknowledged PSN and the next PSN
+    /// to assign. Everything in between is in flight.
+    pub fn requester_window(&self) -> (softrdma_wire::Psn, softrdma_wire::Psn) {
+        (self.oldest_unacked(), self.req.psn)
+    }
+
+    /// The responder's expected PSN.
+    pub fn expected_psn(&self) -> softrdma_wire::Psn {
+        self.resp.epsn
+    }
+
     /// The local ACK timeout as a duration (None when 0: no timer).
     fn ack_timeout(&self) -> Option<Duration> {
         (self.timeout != 0).then(|| Duration::from_nanos(4096u64 << self.timeout))
