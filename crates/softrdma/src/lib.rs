@@ -1,10 +1,16 @@
 //! softrdma: the RDMA verbs model over RoCEv2, iWARP, shared memory and
-//! libibverbs. See `DESIGN.md` for the layers.
+//! libibverbs. The layers, bottom up: [`wire`] (byte formats), [`memory`]
+//! (registered regions), [`engine`] (sans-I/O transports), [`provider`]
+//! (sockets and progress threads), [`verbs`] (the public API), [`cm`]
+//! (connection set-up). [`capture`] reads and decodes packet captures.
 
 #![warn(missing_docs)]
 
 pub mod capture;
+pub mod cm;
 pub mod engine;
 pub mod memory;
+pub mod provider;
+pub mod verbs;
 
 pub use softrdma_wire as wire;

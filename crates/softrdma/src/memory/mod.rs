@@ -187,6 +187,11 @@ impl Region {
         &self.memory
     }
 
+    /// The backing memory, taken out of the region.
+    pub fn into_memory(self) -> Arc<RegionMemory> {
+        self.memory
+    }
+
     fn range(&self, key: u32, addr: u64, len: u64) -> Result<usize, AccessError> {
         let oob = AccessError::OutOfBounds { key, addr, len };
         let start = addr.checked_sub(self.iova).ok_or(oob)?;

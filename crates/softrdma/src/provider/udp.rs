@@ -1,0 +1,450 @@
+//! RoCEv2 over a UDP socket: one socket per device, a progress thread that
+//! owns receiving and the timers, and transmission from whichever thread has
+//! work (the poster, or the progress thread after an ACK or a timer).
+//!
+//! Copies of payload bytes (the design's copy budget): none on send — headers,
+//! region memory and the ICRC go to the kernel as one gather list; one on
+//! receive — the engine copies from the datagram buffer into the target region.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::io::{self, IoSlice};
+use std::net::{SocketAddr, SocketAddrV4, UdpSocket};
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use rustix::event::{EventfdFlags, PollFd, PollFlags, eventfd};
+use rustix::net::{SendFlags, sockopt};
+use softrdma_wire::icrc::{self, Icrc, Ipv4Pseudo};
+use softrdma_wire::{ROCEV2_UDP_PORT, bth};
+
+use crate::engine::rc::{MAX_HEADER_LEN, RcQp};
+use crate::engine::{CqKind, Time, Transmit};
+use crate::memory::{MrTable, Segment};
+use crate::verbs::cq::CqInner;
+
+/// Packets taken from a QP under its lock before they are sent without it.
+const BATCH: usize = 16;
+/// Largest datagram received.
+const RX_BUF: usize = 65536;
+/// Most scatter/gather elements per work request on this provider (a packet's
+/// payload spans at most this many region pieces).
+pub(crate) const MAX_SGE: usize = 30;
+
+/// A QP as the provider holds it.
+#[derive(Debug)]
+pub(crate) struct QpSlot {
+    pub qpn: u32,
+    pub engine: Mutex<RcQp>,
+    /// The peer's address, set at RTR.
+    pub peer: Mutex<Option<SocketAddrV4>>,
+    pub send_cq: Arc<CqInner>,
+    pub recv_cq: Arc<CqInner>,
+    tx_busy: AtomicBool,
+    tx_again: AtomicBool,
+}
+
+impl QpSlot {
+    pub fn new(qp: RcQp, send_cq: Arc<CqInner>, recv_cq: Arc<CqInner>) -> QpSlot {
+        QpSlot {
+            qpn: qp.qpn(),
+            engine: Mutex::new(qp),
+            peer: Mutex::new(None),
+            send_cq,
+            recv_cq,
+            tx_busy: AtomicBool::new(false),
+            tx_again: AtomicBool::new(false),
+        }
+    }
+}
+
+/// Counters of the device.
+#[derive(Debug, Default)]
+pub struct DeviceStats {
+    /// Datagrams sent.
+    pub sent: AtomicU64,
+    /// Datagrams received.
+    pub received: AtomicU64,
+    /// Dropped: bad ICRC.
+    pub bad_icrc: AtomicU64,
+    /// Dropped: no such QP, or not a RoCEv2 packet.
+    pub no_qp: AtomicU64,
+    /// Send errors from the kernel.
+    pub send_errors: AtomicU64,
+}
+
+/// What the device's threads share.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub mrs: RwLock<MrTable>,
+    pub qps: RwLock<HashMap<u32, Arc<QpSlot>>>,
+    pub stats: DeviceStats,
+    socket: UdpSocket,
+    local: SocketAddrV4,
+    epoch: Instant,
+    wake: OwnedFd,
+    /// When the progress thread will wake by itself (engine time; MAX = never).
+    sleep_until: AtomicU64,
+    stop: AtomicBool,
+    busy_poll: AtomicBool,
+}
+
+impl Shared {
+    pub fn now(&self) -> Time {
+        Time(self.epoch.elapsed().as_nanos() as u64)
+    }
+
+    fn wake(&self) {
+        let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
+    }
+}
+
+/// One packet taken from a QP: headers (and inline payload), region pieces.
+#[derive(Debug)]
+struct TxSlot {
+    buf: Vec<u8>,
+    pieces: Vec<Segment>,
+    t: Transmit,
+}
+
+thread_local! {
+    static TX: RefCell<Vec<TxSlot>> = RefCell::new(
+        (0..BATCH)
+            .map(|_| TxSlot {
+                buf: vec![0u8; MAX_HEADER_LEN + 4096],
+                pieces: Vec::new(),
+                t: Transmit { len: 0, payload_len: 0, pad: 0 },
+            })
+            .collect(),
+    );
+}
+
+/// A RoCEv2 device on a UDP socket.
+#[derive(Debug)]
+pub(crate) struct UdpDevice {
+    pub shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl UdpDevice {
+    /// Binds `addr` and starts the progress thread.
+    pub fn open(addr: SocketAddrV4, busy_poll: bool) -> io::Result<UdpDevice> {
+        let sock = socket2::Socket::new(
+            socket2::Domain::IPV4,
+            socket2::Type::DGRAM,
+            Some(socket2::Protocol::UDP),
+        )?;
+        sock.set_recv_buffer_size(8 << 20)?;
+        sock.set_send_buffer_size(8 << 20)?;
+        sock.bind(&SocketAddr::V4(addr).into())?;
+        // DF set, and (unconnected) the kernel writes IP ID 0, which the ICRC covers.
+        sockopt::set_ip_mtu_discover(&sock, sockopt::Ipv4PathMtuDiscovery::DO)?;
+        sock.set_nonblocking(true)?;
+        let socket: UdpSocket = sock.into();
+        let local = match socket.local_addr()? {
+            SocketAddr::V4(a) => a,
+            SocketAddr::V6(_) => unreachable!("bound to IPv4"),
+        };
+        let shared = Arc::new(Shared {
+            mrs: RwLock::new(MrTable::new()),
+            qps: RwLock::new(HashMap::new()),
+            stats: DeviceStats::default(),
+            socket,
+            local,
+            epoch: Instant::now(),
+            wake: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?,
+            sleep_until: AtomicU64::new(u64::MAX),
+            stop: AtomicBool::new(false),
+            busy_poll: AtomicBool::new(busy_poll),
+        });
+        let s = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("softrdma-{}", local))
+            .spawn(move || progress(&s))?;
+        Ok(UdpDevice {
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddrV4 {
+        self.shared.local
+    }
+
+    /// Sends what a QP has to send now (after a post), and makes sure the
+    /// progress thread wakes for the QP's timers.
+    pub fn kick(&self, slot: &QpSlot) {
+        if let Some(t) = transmit(&self.shared, slot)
+            && t.0 < self.shared.sleep_until.load(Ordering::Acquire)
+        {
+            self.shared.wake();
+        }
+    }
+
+    /// Busy polling on or off (latency against CPU).
+    pub fn set_busy_poll(&self, on: bool) {
+        self.shared.busy_poll.store(on, Ordering::Release);
+        self.shared.wake();
+    }
+}
+
+impl Drop for UdpDevice {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        self.shared.wake();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Moves the QP's completions to its CQs; returns the CQs to signal.
+fn drain_completions(qp: &mut RcQp, slot: &QpSlot, signal: &mut [bool; 2]) {
+    while let Some((kind, wc)) = qp.poll_completion() {
+        let (cq, i) = match kind {
+            CqKind::Send => (&slot.send_cq, 0),
+            CqKind::Recv => (&slot.recv_cq, 1),
+        };
+        signal[i] |= cq.push(wc);
+    }
+}
+
+fn signal_cqs(slot: &QpSlot, signal: [bool; 2]) {
+    if signal[0] {
+        slot.send_cq.signal();
+    }
+    if signal[1] {
+        slot.recv_cq.signal();
+    }
+}
+
+/// Sends everything the QP has to send, unless another thread is at it (then
+/// that thread goes round again). Returns the QP's next timer.
+fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
+    if slot.tx_busy.swap(true, Ordering::AcqRel) {
+        slot.tx_again.store(true, Ordering::Release);
+        return None;
+    }
+    let mut timer = None;
+    TX.with_borrow_mut(|tx| {
+        loop {
+            slot.tx_again.store(false, Ordering::Release);
+            loop {
+                let mut signal = [false; 2];
+                let (n, peer) = {
+                    let mrs = shared.mrs.read().expect("MR table lock");
+                    let mut qp = slot.engine.lock().expect("QP lock");
+                    let now = shared.now();
+                    let mut n = 0;
+                    while n < BATCH {
+                        let s = &mut tx[n];
+                        match qp.poll_transmit(now, &mrs, &mut s.buf, &mut s.pieces) {
+                            Some(t) => {
+                                s.t = t;
+                                n += 1;
+                            }
+                            None => break,
+                        }
+                    }
+                    drain_completions(&mut qp, slot, &mut signal);
+                    timer = qp.poll_timeout();
+                    (n, *slot.peer.lock().expect("peer lock"))
+                };
+                signal_cqs(slot, signal);
+                if let Some(peer) = peer {
+                    for s in &tx[..n] {
+                        send_packet(shared, peer, s);
+                    }
+                }
+                for s in &mut tx[..n] {
+                    s.pieces.clear();
+                }
+                if n < BATCH {
+                    break;
+                }
+            }
+            slot.tx_busy.store(false, Ordering::Release);
+            if !slot.tx_again.load(Ordering::Acquire) || slot.tx_busy.swap(true, Ordering::AcqRel) {
+                break;
+            }
+        }
+    });
+    timer
+}
+
+/// Gathers headers, region pieces, pad and ICRC into one datagram.
+fn send_packet(shared: &Shared, peer: SocketAddrV4, s: &TxSlot) {
+    let t = s.t;
+    let ib_len = t.len + t.payload_len + usize::from(t.pad) + icrc::LEN;
+    let udp_len = (8 + ib_len) as u16;
+    let ip = Ipv4Pseudo {
+        src: shared.local.ip().octets(),
+        dst: peer.ip().octets(),
+        identification: 0,
+        dont_fragment: true,
+    }
+    .header(udp_len);
+    let udp = icrc::udp_header(shared.local.port(), peer.port(), udp_len);
+    let mut crc = Icrc::new(&ip, &udp).expect("a valid pseudo-header");
+    let head = &s.buf[..t.len];
+    let mut bth_bytes = [0u8; bth::HEADER_LEN];
+    bth_bytes.copy_from_slice(&head[..bth::HEADER_LEN]);
+    crc.update_bth(&bth_bytes);
+    crc.update(&head[bth::HEADER_LEN..]);
+    // Headers, at most MAX_SGE region pieces, the trailer: no allocation.
+    let mut iov = [IoSlice::new(&[]); MAX_SGE + 2];
+    iov[0] = IoSlice::new(head);
+    let mut n = 1;
+    for p in &s.pieces {
+        // SAFETY: the bytes go to the kernel right now and are not kept; a
+        // concurrent remote write into them makes what is sent unspecified,
+        // as DMA from a changing buffer would on a NIC.
+        let bytes = unsafe { p.bytes() };
+        crc.update(bytes);
+        iov[n] = IoSlice::new(bytes);
+        n += 1;
+    }
+    let pad = [0u8; 3];
+    crc.update(&pad[..usize::from(t.pad)]);
+    let mut trailer = [0u8; 7];
+    let tl = usize::from(t.pad) + icrc::LEN;
+    trailer[usize::from(t.pad)..tl].copy_from_slice(&crc.finish().to_le_bytes());
+    iov[n] = IoSlice::new(&trailer[..tl]);
+    n += 1;
+    match rustix::net::sendmsg_addr(
+        &shared.socket,
+        &SocketAddr::V4(peer),
+        &iov[..n],
+        &mut Default::default(),
+        SendFlags::empty(),
+    ) {
+        Ok(_) => {
+            shared.stats.sent.fetch_add(1, Ordering::Relaxed);
+        }
+        Err(_) => {
+            // A full socket buffer or an unreachable peer: the packet is lost,
+            // and the transport retransmits as for any loss.
+            shared.stats.send_errors.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The progress thread: receives, runs timers, sleeps in poll(2).
+fn progress(shared: &Arc<Shared>) {
+    let mut rx = vec![0u8; RX_BUF];
+    let mut slots: Vec<Arc<QpSlot>> = Vec::new();
+    while !shared.stop.load(Ordering::Acquire) {
+        // Timers.
+        let now = shared.now();
+        let mut next = u64::MAX;
+        slots.clear();
+        slots.extend(shared.qps.read().expect("QP table lock").values().cloned());
+        for slot in &slots {
+            let due = {
+                let mut qp = slot.engine.lock().expect("QP lock");
+                match qp.poll_timeout() {
+                    Some(t) if t <= now => {
+                        qp.handle_timeout(now);
+                        let mut signal = [false; 2];
+                        drain_completions(&mut qp, slot, &mut signal);
+                        drop(qp);
+                        signal_cqs(slot, signal);
+                        true
+                    }
+                    Some(t) => {
+                        next = next.min(t.0);
+                        false
+                    }
+                    None => false,
+                }
+            };
+            if due && let Some(t) = transmit(shared, slot) {
+                next = next.min(t.0);
+            }
+        }
+        shared.sleep_until.store(next, Ordering::Release);
+        // Sleep until a datagram, a wake-up or the next timer.
+        let busy = shared.busy_poll.load(Ordering::Acquire);
+        let timeout = if busy {
+            Some(Duration::ZERO)
+        } else if next == u64::MAX {
+            None
+        } else {
+            Some(Duration::from_nanos(next.saturating_sub(shared.now().0)))
+        };
+        let ts = timeout.map(|d| rustix::time::Timespec {
+            tv_sec: d.as_secs() as i64,
+            tv_nsec: i64::from(d.subsec_nanos()),
+        });
+        let mut fds = [
+            PollFd::new(&shared.socket, PollFlags::IN),
+            PollFd::new(&shared.wake, PollFlags::IN),
+        ];
+        if rustix::event::poll(&mut fds, ts.as_ref()).is_err() {
+            continue;
+        }
+        if !fds[1].revents().is_empty() {
+            let mut b = [0u8; 8];
+            let _ = rustix::io::read(&shared.wake, &mut b);
+        }
+        // Everything that is there.
+        loop {
+            match shared.socket.recv_from(&mut rx) {
+                Ok((n, SocketAddr::V4(from))) => receive(shared, &rx[..n], from),
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(_) => break,
+            }
+        }
+    }
+}
+
+/// One datagram: to its QP, if the ICRC holds.
+fn receive(shared: &Shared, packet: &[u8], from: SocketAddrV4) {
+    shared.stats.received.fetch_add(1, Ordering::Relaxed);
+    let Ok(h) = bth::Header::new_checked(packet) else {
+        shared.stats.no_qp.fetch_add(1, Ordering::Relaxed);
+        return;
+    };
+    let Some(slot) = shared
+        .qps
+        .read()
+        .expect("QP table lock")
+        .get(&h.dest_qp())
+        .cloned()
+    else {
+        shared.stats.no_qp.fetch_add(1, Ordering::Relaxed);
+        return;
+    };
+    let udp_len = (8 + packet.len()) as u16;
+    let ip = Ipv4Pseudo {
+        src: from.ip().octets(),
+        dst: shared.local.ip().octets(),
+        identification: 0,
+        dont_fragment: true,
+    }
+    .header(udp_len);
+    let udp = icrc::udp_header(from.port(), shared.local.port(), udp_len);
+    if icrc::verify(&ip, &udp, packet).is_err() {
+        shared.stats.bad_icrc.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    let mut signal = [false; 2];
+    {
+        let mrs = shared.mrs.read().expect("MR table lock");
+        let mut qp = slot.engine.lock().expect("QP lock");
+        qp.handle_packet(shared.now(), packet, &mrs);
+        drain_completions(&mut qp, &slot, &mut signal);
+    }
+    signal_cqs(&slot, signal);
+    transmit(shared, &slot);
+}
+
+/// The default RoCEv2 port, as a SocketAddrV4 helper.
+pub fn rocev2_addr(ip: std::net::Ipv4Addr) -> SocketAddrV4 {
+    SocketAddrV4::new(ip, ROCEV2_UDP_PORT)
+}

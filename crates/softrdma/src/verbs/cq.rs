@@ -1,0 +1,209 @@
+//! Completion queues: a bounded queue of work completions with blocking
+//! waits, and notification through a file descriptor (an eventfd) that works
+//! with epoll and async runtimes, like a libibverbs completion channel.
+
+use std::collections::VecDeque;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use rustix::event::{EventfdFlags, eventfd};
+
+use crate::engine::WorkCompletion;
+
+/// Why polling a CQ failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum CqError {
+    /// More completions arrived than the CQ holds: some were lost, and the
+    /// queue pairs that lost them are unreliable now. Create larger CQs.
+    #[error("completion queue overrun: more than {0} completions were waiting; some are lost")]
+    Overrun(usize),
+}
+
+#[derive(Debug)]
+struct State {
+    queue: VecDeque<WorkCompletion>,
+    /// Notification requested: Some(solicited_only).
+    armed: Option<bool>,
+}
+
+/// The shared part of a CQ, which the provider fills.
+#[derive(Debug)]
+pub(crate) struct CqInner {
+    capacity: usize,
+    state: Mutex<State>,
+    overrun: AtomicBool,
+    ready: Condvar,
+    event: OwnedFd,
+}
+
+impl CqInner {
+    pub(crate) fn new(capacity: usize) -> std::io::Result<CqInner> {
+        Ok(CqInner {
+            capacity,
+            state: Mutex::new(State {
+                queue: VecDeque::with_capacity(capacity.min(4096)),
+                armed: None,
+            }),
+            overrun: AtomicBool::new(false),
+            ready: Condvar::new(),
+            event: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?,
+        })
+    }
+
+    /// Adds a completion; returns whether the completion channel must be
+    /// signalled (call [`CqInner::signal`] after dropping other locks).
+    pub(crate) fn push(&self, wc: WorkCompletion) -> bool {
+        let mut s = self.state.lock().expect("CQ lock");
+        if s.queue.len() >= self.capacity {
+            self.overrun.store(true, Ordering::Release);
+            return false;
+        }
+        s.queue.push_back(wc);
+        let fire = match s.armed {
+            Some(solicited_only) => {
+                !solicited_only || wc.solicited || wc.status != crate::engine::WcStatus::Success
+            }
+            None => false,
+        };
+        if fire {
+            s.armed = None;
+        }
+        drop(s);
+        self.ready.notify_all();
+        fire
+    }
+
+    /// Signals the completion channel.
+    pub(crate) fn signal(&self) {
+        let _ = rustix::io::write(&self.event, &1u64.to_ne_bytes());
+    }
+}
+
+/// A completion queue.
+#[derive(Debug, Clone)]
+pub struct Cq {
+    pub(crate) inner: Arc<CqInner>,
+}
+
+impl Cq {
+    pub(crate) fn new(capacity: usize) -> std::io::Result<Cq> {
+        Ok(Cq {
+            inner: Arc::new(CqInner::new(capacity)?),
+        })
+    }
+
+    /// How many completions the CQ holds.
+    pub fn capacity(&self) -> usize {
+        self.inner.capacity
+    }
+
+    /// Takes up to `out.len()` completions (`ibv_poll_cq`); returns how many.
+    pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize, CqError> {
+        if self.inner.overrun.load(Ordering::Acquire) {
+            return Err(CqError::Overrun(self.inner.capacity));
+        }
+        let mut s = self.inner.state.lock().expect("CQ lock");
+        let n = out.len().min(s.queue.len());
+        for (slot, wc) in out.iter_mut().zip(s.queue.drain(..n)) {
+            *slot = wc;
+        }
+        Ok(n)
+    }
+
+    /// Takes one completion, if there is one.
+    pub fn poll_one(&self) -> Result<Option<WorkCompletion>, CqError> {
+        if self.inner.overrun.load(Ordering::Acquire) {
+            return Err(CqError::Overrun(self.inner.capacity));
+        }
+        Ok(self.inner.state.lock().expect("CQ lock").queue.pop_front())
+    }
+
+    /// Blocks until a completion is there, then takes it; `Ok(None)` after
+    /// `timeout`. No busy polling.
+    pub fn wait(&self, timeout: Duration) -> Result<Option<WorkCompletion>, CqError> {
+        let deadline = Instant::now() + timeout;
+        let mut s = self.inner.state.lock().expect("CQ lock");
+        loop {
+            if self.inner.overrun.load(Ordering::Acquire) {
+                return Err(CqError::Overrun(self.inner.capacity));
+            }
+            if let Some(wc) = s.queue.pop_front() {
+                return Ok(Some(wc));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(None);
+            }
+            s = self
+                .inner
+                .ready
+                .wait_timeout(s, deadline - now)
+                .expect("CQ lock")
+                .0;
+        }
+    }
+
+    /// Waits for `n` completions (or `timeout`); returns those that came.
+    pub fn wait_for(&self, n: usize, timeout: Duration) -> Result<Vec<WorkCompletion>, CqError> {
+        let deadline = Instant::now() + timeout;
+        let mut got = Vec::with_capacity(n);
+        while got.len() < n {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.wait(left)? {
+                Some(wc) => got.push(wc),
+                None => break,
+            }
+        }
+        Ok(got)
+    }
+
+    /// Asks for one event on the completion channel at the next completion
+    /// (`ibv_req_notify_cq`); with `solicited_only`, only at a solicited one
+    /// or an error. If completions are already waiting, the event fires now.
+    pub fn req_notify(&self, solicited_only: bool) {
+        let mut s = self.inner.state.lock().expect("CQ lock");
+        let pending = s.queue.iter().any(|wc| {
+            !solicited_only || wc.solicited || wc.status != crate::engine::WcStatus::Success
+        });
+        if pending {
+            s.armed = None;
+            drop(s);
+            self.inner.signal();
+        } else {
+            s.armed = Some(solicited_only);
+        }
+    }
+
+    /// Consumes the pending events of the completion channel (`ibv_get_cq_event`
+    /// plus `ibv_ack_cq_events`); returns how many there were (0 if none).
+    pub fn take_events(&self) -> u64 {
+        let mut b = [0u8; 8];
+        match rustix::io::read(&self.inner.event, &mut b) {
+            Ok(8) => u64::from_ne_bytes(b),
+            _ => 0,
+        }
+    }
+
+    /// Blocks until the completion channel fires or `timeout` passes; `true`
+    /// if it fired.
+    pub fn wait_event(&self, timeout: Duration) -> bool {
+        let mut fds = [rustix::event::PollFd::new(
+            &self.inner.event,
+            rustix::event::PollFlags::IN,
+        )];
+        let ts = rustix::time::Timespec {
+            tv_sec: timeout.as_secs() as i64,
+            tv_nsec: i64::from(timeout.subsec_nanos()),
+        };
+        matches!(rustix::event::poll(&mut fds, Some(&ts)), Ok(n) if n > 0) && self.take_events() > 0
+    }
+}
+
+impl AsFd for Cq {
+    /// The completion channel: readable when an event fired.
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.inner.event.as_fd()
+    }
+}

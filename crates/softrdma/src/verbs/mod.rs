@@ -1,0 +1,610 @@
+//! The verbs: what applications use. It feels like libibverbs — devices,
+//! protection domains, memory regions, completion queues, queue pairs, work
+//! requests and completions — with owned handles that free on drop and errors
+//! that say what went wrong.
+//!
+//! ```no_run
+//! use softrdma::verbs::*;
+//! # fn main() -> Result<(), VerbsError> {
+//! let ctx = Device::udp("127.0.0.1:4791".parse().unwrap()).open()?;
+//! let pd = ctx.alloc_pd()?;
+//! let mr = pd.register(4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
+//! let cq = ctx.create_cq(64)?;
+//! let qp = pd.create_qp(&QpInit::rc(&cq, &cq))?;
+//! # Ok(()) }
+//! ```
+
+pub(crate) mod cq;
+
+use std::fmt;
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+pub use crate::engine::qp::{Mtu, QpType};
+pub use crate::engine::rc::{QpCaps, RcStats};
+pub use crate::engine::{
+    PostError, QpAttr, QpState, RecvWr, SendFlags, SendOp, SendWr, Sge, TransitionError, WcOpcode,
+    WcStatus, WorkCompletion,
+};
+pub use crate::memory::{Access, AccessError};
+pub use cq::{Cq, CqError};
+
+use crate::engine::rc::RcQp;
+use crate::memory::{Region, RegionMemory};
+use crate::provider::udp::{MAX_SGE, QpSlot, UdpDevice};
+
+/// Errors of the verbs.
+#[derive(Debug, thiserror::Error)]
+pub enum VerbsError {
+    /// The operating system refused something (bind, thread, eventfd...).
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// A work request could not be posted.
+    #[error(transparent)]
+    Post(#[from] PostError),
+    /// A QP state change was refused.
+    #[error(transparent)]
+    Modify(#[from] TransitionError),
+    /// Polling a CQ failed.
+    #[error(transparent)]
+    Cq(#[from] CqError),
+    /// A memory access was refused.
+    #[error(transparent)]
+    Access(#[from] AccessError),
+    /// An argument out of range.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> VerbsError {
+    let what = what.into();
+    move |source| VerbsError::Io { what, source }
+}
+
+/// Result of the verbs.
+pub type Result<T> = std::result::Result<T, VerbsError>;
+
+/// A software RoCEv2 device: an IPv4 address and a UDP port.
+///
+/// Peers reach a device at its address and port; the port is 4791 unless the
+/// device is opened on another one (so that several processes can share an
+/// address) — then the peer must be told the port, which the connection
+/// helper in [`crate::cm`] does.
+#[derive(Debug, Clone)]
+pub struct Device {
+    addr: SocketAddrV4,
+    busy_poll: bool,
+    link_mtu: Option<usize>,
+}
+
+impl Device {
+    /// The RoCEv2-over-UDP device at `addr` (port 0 picks a free port).
+    pub fn udp(addr: SocketAddr) -> Device {
+        let addr = match addr {
+            SocketAddr::V4(a) => a,
+            SocketAddr::V6(a) => SocketAddrV4::new(
+                a.ip().to_ipv4_mapped().unwrap_or(Ipv4Addr::UNSPECIFIED),
+                a.port(),
+            ),
+        };
+        Device {
+            addr,
+            busy_poll: false,
+            link_mtu: None,
+        }
+    }
+
+    /// Busy-poll instead of sleeping in the progress thread (lower latency,
+    /// one CPU spent).
+    #[must_use]
+    pub fn busy_poll(mut self, on: bool) -> Device {
+        self.busy_poll = on;
+        self
+    }
+
+    /// The link MTU the port's active MTU derives from (default: the
+    /// interface's, 1500 if unknown; loopback 65536).
+    #[must_use]
+    pub fn link_mtu(mut self, mtu: usize) -> Device {
+        self.link_mtu = Some(mtu);
+        self
+    }
+
+    /// Opens the device: binds the socket and starts its progress thread.
+    pub fn open(&self) -> Result<Context> {
+        if self.addr.ip().is_unspecified() {
+            return Err(VerbsError::Invalid(
+                "a device needs a specific IPv4 address (its GID), not 0.0.0.0".into(),
+            ));
+        }
+        let dev = UdpDevice::open(self.addr, self.busy_poll).map_err(io_err(format!(
+            "cannot open a RoCEv2 device on {}",
+            self.addr
+        )))?;
+        let link_mtu = self.link_mtu.unwrap_or(if self.addr.ip().is_loopback() {
+            65536
+        } else {
+            1500
+        });
+        Ok(Context {
+            inner: Arc::new(ContextInner {
+                dev,
+                next_pd: AtomicU32::new(1),
+                next_qpn: Mutex::new(0x11),
+                active_mtu: Mtu::for_link(link_mtu),
+            }),
+        })
+    }
+}
+
+#[derive(Debug)]
+struct ContextInner {
+    dev: UdpDevice,
+    next_pd: AtomicU32,
+    next_qpn: Mutex<u32>,
+    active_mtu: Mtu,
+}
+
+/// Port attributes (`ibv_query_port`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PortAttr {
+    /// Port state: active once the device is open.
+    pub state: PortState,
+    /// Largest MTU: 4096.
+    pub max_mtu: Mtu,
+    /// The MTU the link allows.
+    pub active_mtu: Mtu,
+    /// GID table: the IPv4-mapped address of the device at index 0.
+    pub gids: Vec<[u8; 16]>,
+    /// The UDP port the device listens on.
+    pub udp_port: u16,
+}
+
+/// Port states.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PortState {
+    /// Up.
+    Active,
+    /// Down.
+    Down,
+}
+
+/// An open device.
+#[derive(Debug, Clone)]
+pub struct Context {
+    inner: Arc<ContextInner>,
+}
+
+impl Context {
+    /// The device's address and UDP port.
+    pub fn local_addr(&self) -> SocketAddrV4 {
+        self.inner.dev.local_addr()
+    }
+
+    /// The port's attributes.
+    pub fn query_port(&self) -> PortAttr {
+        let a = self.local_addr();
+        PortAttr {
+            state: PortState::Active,
+            max_mtu: Mtu::Mtu4096,
+            active_mtu: self.inner.active_mtu,
+            gids: vec![softrdma_wire::grh::ipv4_mapped(a.ip().octets())],
+            udp_port: a.port(),
+        }
+    }
+
+    /// The device's counters.
+    pub fn stats(&self) -> DeviceCounters {
+        let s = &self.inner.dev.shared.stats;
+        DeviceCounters {
+            sent: s.sent.load(Ordering::Relaxed),
+            received: s.received.load(Ordering::Relaxed),
+            bad_icrc: s.bad_icrc.load(Ordering::Relaxed),
+            no_qp: s.no_qp.load(Ordering::Relaxed),
+            send_errors: s.send_errors.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Busy polling on or off.
+    pub fn set_busy_poll(&self, on: bool) {
+        self.inner.dev.set_busy_poll(on);
+    }
+
+    /// A protection domain.
+    pub fn alloc_pd(&self) -> Result<Pd> {
+        Ok(Pd {
+            ctx: self.clone(),
+            id: self.inner.next_pd.fetch_add(1, Ordering::Relaxed),
+        })
+    }
+
+    /// A completion queue holding `capacity` completions.
+    pub fn create_cq(&self, capacity: usize) -> Result<Cq> {
+        if capacity == 0 || capacity > 1 << 22 {
+            return Err(VerbsError::Invalid(format!(
+                "CQ capacity {capacity} is outside 1..=4194304"
+            )));
+        }
+        Cq::new(capacity).map_err(io_err("cannot create a completion queue"))
+    }
+}
+
+/// Device counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceCounters {
+    /// Datagrams sent.
+    pub sent: u64,
+    /// Datagrams received.
+    pub received: u64,
+    /// Received with a bad ICRC (dropped).
+    pub bad_icrc: u64,
+    /// Received for no known QP (dropped).
+    pub no_qp: u64,
+    /// Datagrams the kernel refused to send.
+    pub send_errors: u64,
+}
+
+/// A protection domain: memory regions and queue pairs in one may work together.
+#[derive(Debug)]
+pub struct Pd {
+    ctx: Context,
+    id: u32,
+}
+
+fn random_key(taken: impl Fn(u32) -> bool) -> Result<u32> {
+    loop {
+        let k = getrandom::u32()
+            .map_err(|e| VerbsError::Invalid(format!("no randomness for keys: {e}")))?;
+        if k != 0 && !taken(k) {
+            return Ok(k);
+        }
+    }
+}
+
+impl Pd {
+    /// The context.
+    pub fn context(&self) -> &Context {
+        &self.ctx
+    }
+
+    fn check_access(access: Access) -> Result<()> {
+        if access.needs_local_write() && !access.contains(Access::LOCAL_WRITE) {
+            return Err(VerbsError::Invalid(format!(
+                "access {access} needs LOCAL_WRITE too (remote write and atomic rights require it)"
+            )));
+        }
+        Ok(())
+    }
+
+    fn insert(&self, memory: RegionMemory, access: Access) -> Result<Mr> {
+        let shared = &self.ctx.inner.dev.shared;
+        let mut mrs = shared.mrs.write().expect("MR table lock");
+        let lkey = random_key(|k| mrs.key_in_use(k))?;
+        let rkey = random_key(|k| k == lkey || mrs.key_in_use(k))?;
+        let len = memory.len();
+        let iova = memory.addr();
+        let region = Region::new(
+            self.id,
+            (lkey, rkey),
+            Arc::new(memory),
+            0,
+            len,
+            iova,
+            access,
+        )?;
+        let region = mrs.insert(region);
+        Ok(Mr {
+            ctx: self.ctx.clone(),
+            region,
+        })
+    }
+
+    /// Registers `len` bytes of zeroed, page-aligned memory the library allocates.
+    pub fn register(&self, len: usize, access: Access) -> Result<Mr> {
+        Self::check_access(access)?;
+        let memory = RegionMemory::zeroed(len)
+            .ok_or_else(|| VerbsError::Invalid(format!("cannot allocate a {len}-byte region")))?;
+        self.insert(memory, access)
+    }
+
+    /// Registers a buffer the caller provides; [`Mr::deregister`] gives it back.
+    pub fn register_vec(&self, buf: Vec<u8>, access: Access) -> Result<Mr> {
+        Self::check_access(access)?;
+        self.insert(RegionMemory::from_vec(buf), access)
+    }
+
+    /// Creates a queue pair in this domain.
+    pub fn create_qp(&self, init: &QpInit<'_>) -> Result<Qp> {
+        if init.qp_type != QpType::Rc {
+            return Err(VerbsError::Invalid("only RC queue pairs exist yet".into()));
+        }
+        let caps = init.caps;
+        if caps.max_send_sge as usize > MAX_SGE || caps.max_recv_sge as usize > MAX_SGE {
+            return Err(VerbsError::Invalid(format!(
+                "at most {MAX_SGE} scatter/gather elements per work request"
+            )));
+        }
+        if caps.max_send_wr == 0 || caps.max_send_wr > 1 << 16 || caps.max_recv_wr > 1 << 16 {
+            return Err(VerbsError::Invalid("queue depths must be 1..=65536".into()));
+        }
+        if caps.max_inline_data > 4096 {
+            return Err(VerbsError::Invalid(
+                "at most 4096 bytes of inline data".into(),
+            ));
+        }
+        let shared = &self.ctx.inner.dev.shared;
+        let mut qps = shared.qps.write().expect("QP table lock");
+        let qpn = {
+            let mut next = self.ctx.inner.next_qpn.lock().expect("QPN lock");
+            loop {
+                let q = *next;
+                *next = if q >= 0xff_ffff { 0x11 } else { q + 1 };
+                if !qps.contains_key(&q) {
+                    break q;
+                }
+            }
+        };
+        let slot = Arc::new(QpSlot::new(
+            RcQp::new(qpn, self.id, caps),
+            init.send_cq.inner.clone(),
+            init.recv_cq.inner.clone(),
+        ));
+        qps.insert(qpn, slot.clone());
+        Ok(Qp {
+            ctx: self.ctx.clone(),
+            slot,
+        })
+    }
+}
+
+/// A registered memory region. Remote peers may write it at any time (if its
+/// rights allow), so it is read and written by copy, never through a plain
+/// slice; deregistered when dropped.
+#[derive(Debug)]
+pub struct Mr {
+    ctx: Context,
+    region: Arc<Region>,
+}
+
+impl Mr {
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        self.region.lkey
+    }
+    /// Remote key (what a peer needs, with [`Mr::addr`]).
+    pub fn rkey(&self) -> u32 {
+        self.region.rkey
+    }
+    /// The address of the first byte, as SGEs and peers name it.
+    pub fn addr(&self) -> u64 {
+        self.region.iova
+    }
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.region.len
+    }
+    /// The region is empty.
+    pub fn is_empty(&self) -> bool {
+        self.region.len == 0
+    }
+    /// Rights.
+    pub fn access(&self) -> Access {
+        self.region.access
+    }
+
+    fn range(&self, offset: usize, len: usize) -> Result<()> {
+        if offset.checked_add(len).is_none_or(|e| e > self.region.len) {
+            return Err(VerbsError::Access(AccessError::OutOfBounds {
+                key: self.region.lkey,
+                addr: self.region.iova.wrapping_add(offset as u64),
+                len: len as u64,
+            }));
+        }
+        Ok(())
+    }
+
+    /// Copies `data` into the region at `offset`.
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+        self.range(offset, data.len())?;
+        self.region.memory().write(offset, data);
+        Ok(())
+    }
+
+    /// Copies from the region at `offset` into `out`.
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.range(offset, out.len())?;
+        self.region.memory().read(offset, out);
+        Ok(())
+    }
+
+    /// Copies `len` bytes from `offset` into a new vector.
+    pub fn read_vec(&self, offset: usize, len: usize) -> Result<Vec<u8>> {
+        let mut v = vec![0u8; len];
+        self.read(offset, &mut v)?;
+        Ok(v)
+    }
+
+    /// Reads the 8-byte word at `offset` atomically (host order, as remote
+    /// atomics leave it).
+    pub fn load_u64(&self, offset: usize) -> Result<u64> {
+        self.range(offset, 8)?;
+        if !(self.region.memory().addr() + offset as u64).is_multiple_of(8) {
+            return Err(VerbsError::Access(AccessError::Unaligned(
+                self.addr() + offset as u64,
+            )));
+        }
+        Ok(self.region.memory().fetch_add(offset, 0))
+    }
+
+    /// An SGE for `len` bytes at `offset` of this region.
+    pub fn sge(&self, offset: usize, len: u32) -> Sge {
+        Sge {
+            addr: self.addr() + offset as u64,
+            len,
+            lkey: self.lkey(),
+        }
+    }
+
+    /// Deregisters now; returns the caller's buffer for a region made by
+    /// [`Pd::register_vec`] (unless a transfer still holds it).
+    pub fn deregister(self) -> Option<Vec<u8>> {
+        let region = self.region.clone();
+        drop(self);
+        let region = Arc::try_unwrap(region).ok()?;
+        Arc::try_unwrap(region.into_memory()).ok()?.into_vec()
+    }
+}
+
+impl Drop for Mr {
+    fn drop(&mut self) {
+        self.ctx
+            .inner
+            .dev
+            .shared
+            .mrs
+            .write()
+            .expect("MR table lock")
+            .remove(self.region.lkey);
+    }
+}
+
+/// What a queue pair is created with.
+#[derive(Debug, Clone, Copy)]
+pub struct QpInit<'a> {
+    /// Transport type.
+    pub qp_type: QpType,
+    /// Where send completions go.
+    pub send_cq: &'a Cq,
+    /// Where receive completions go.
+    pub recv_cq: &'a Cq,
+    /// Capacities.
+    pub caps: QpCaps,
+}
+
+impl<'a> QpInit<'a> {
+    /// An RC QP with default capacities.
+    pub fn rc(send_cq: &'a Cq, recv_cq: &'a Cq) -> QpInit<'a> {
+        QpInit {
+            qp_type: QpType::Rc,
+            send_cq,
+            recv_cq,
+            caps: QpCaps::default(),
+        }
+    }
+
+    /// With these capacities.
+    #[must_use]
+    pub fn caps(mut self, caps: QpCaps) -> QpInit<'a> {
+        self.caps = caps;
+        self
+    }
+}
+
+/// Where the peer QP is: its device's address and UDP port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AddressVector {
+    /// IPv4 address and UDP port (4791 for rxe and NICs).
+    pub addr: SocketAddrV4,
+}
+
+impl fmt::Display for AddressVector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.addr)
+    }
+}
+
+/// A queue pair; destroyed when dropped (its peer then sees its requests time out).
+#[derive(Debug)]
+pub struct Qp {
+    ctx: Context,
+    slot: Arc<QpSlot>,
+}
+
+impl Qp {
+    /// QP number.
+    pub fn qpn(&self) -> u32 {
+        self.slot.qpn
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Context {
+        &self.ctx
+    }
+
+    /// Modifies the QP (`ibv_modify_qp`); RC's INIT -> RTR needs `av`.
+    pub fn modify(&self, attr: &QpAttr, av: Option<AddressVector>) -> Result<()> {
+        let mut a = *attr;
+        a.has_av = av.is_some();
+        if let Some(m) = a.path_mtu
+            && m > self.ctx.inner.active_mtu
+        {
+            return Err(VerbsError::Invalid(format!(
+                "path MTU {} is larger than the port's active MTU {}",
+                m.bytes(),
+                self.ctx.inner.active_mtu.bytes()
+            )));
+        }
+        {
+            let mut qp = self.slot.engine.lock().expect("QP lock");
+            qp.modify(&a)?;
+            if let Some(av) = av {
+                *self.slot.peer.lock().expect("peer lock") = Some(av.addr);
+            }
+            if qp.state() == QpState::Reset {
+                *self.slot.peer.lock().expect("peer lock") = None;
+            }
+        }
+        // Entering ERR flushes: the completions must reach the CQs.
+        self.ctx.inner.dev.kick(&self.slot);
+        Ok(())
+    }
+
+    /// The QP's attributes (`ibv_query_qp`).
+    pub fn query(&self) -> QpAttr {
+        self.slot.engine.lock().expect("QP lock").query()
+    }
+
+    /// Current state.
+    pub fn state(&self) -> QpState {
+        self.slot.engine.lock().expect("QP lock").state()
+    }
+
+    /// Transport counters.
+    pub fn stats(&self) -> RcStats {
+        self.slot.engine.lock().expect("QP lock").stats()
+    }
+
+    /// Posts a send work request; returns at once. For inline sends the
+    /// payload is copied from `wr.inline_data`.
+    pub fn post_send(&self, wr: SendWr) -> Result<()> {
+        self.slot.engine.lock().expect("QP lock").post_send(wr)?;
+        self.ctx.inner.dev.kick(&self.slot);
+        Ok(())
+    }
+
+    /// Posts a receive work request.
+    pub fn post_recv(&self, wr: RecvWr) -> Result<()> {
+        self.slot.engine.lock().expect("QP lock").post_recv(wr)?;
+        self.ctx.inner.dev.kick(&self.slot);
+        Ok(())
+    }
+}
+
+impl Drop for Qp {
+    fn drop(&mut self) {
+        self.ctx
+            .inner
+            .dev
+            .shared
+            .qps
+            .write()
+            .expect("QP table lock")
+            .remove(&self.slot.qpn);
+    }
+}

@@ -1,0 +1,194 @@
+//! RC over real UDP sockets on loopback: two devices in one process.
+
+use std::time::Duration;
+
+use softrdma::cm::{self, ConnInfo, RcOptions};
+use softrdma::verbs::*;
+
+const T: Duration = Duration::from_secs(10);
+
+struct End {
+    ctx: Context,
+    _pd: Pd,
+    mr: Mr,
+    cq: Cq,
+    qp: Qp,
+    info: ConnInfo,
+}
+
+fn end(ip: &str) -> End {
+    let ctx = Device::udp(format!("{ip}:0").parse().unwrap())
+        .open()
+        .unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let mr = pd.register(1 << 20, Access::ALL).unwrap();
+    let cq = ctx.create_cq(256).unwrap();
+    let qp = pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
+    let info = ConnInfo::local(&qp, Some(&mr)).unwrap();
+    End {
+        ctx,
+        _pd: pd,
+        mr,
+        cq,
+        qp,
+        info,
+    }
+}
+
+fn pair() -> (End, End) {
+    let a = end("127.0.0.1");
+    let b = end("127.0.0.1");
+    cm::connect(&a.qp, &a.info, &b.info, &RcOptions::default()).unwrap();
+    cm::connect(&b.qp, &b.info, &a.info, &RcOptions::default()).unwrap();
+    (a, b)
+}
+
+fn signaled(wr_id: u64, op: SendOp, sgl: Vec<Sge>) -> SendWr {
+    SendWr {
+        wr_id,
+        op,
+        sgl,
+        flags: SendFlags {
+            signaled: true,
+            ..SendFlags::default()
+        },
+        inline_data: vec![],
+    }
+}
+
+fn one(cq: &Cq) -> WorkCompletion {
+    cq.wait(T).unwrap().expect("a completion within 10 s")
+}
+
+#[test]
+fn every_operation_over_loopback() {
+    let (a, b) = pair();
+    let data: Vec<u8> = (0..100_000u32).map(|i| (i * 7 + 3) as u8).collect();
+    a.mr.write(0, &data).unwrap();
+    // SEND/RECV, multi-packet.
+    b.qp.post_recv(RecvWr {
+        wr_id: 1,
+        sgl: vec![b.mr.sge(0, 100_000)],
+    })
+    .unwrap();
+    a.qp.post_send(signaled(2, SendOp::Send, vec![a.mr.sge(0, 100_000)]))
+        .unwrap();
+    let wc = one(&b.cq);
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.byte_len),
+        (1, WcStatus::Success, 100_000)
+    );
+    assert_eq!(b.mr.read_vec(0, 100_000).unwrap(), data);
+    assert_eq!(one(&a.cq).wr_id, 2);
+    // WRITE then READ it back.
+    a.qp.post_send(signaled(
+        3,
+        SendOp::Write {
+            remote_addr: b.info.va + 200_000,
+            rkey: b.info.rkey,
+        },
+        vec![a.mr.sge(0, 65_537)],
+    ))
+    .unwrap();
+    assert_eq!(one(&a.cq).status, WcStatus::Success);
+    assert_eq!(b.mr.read_vec(200_000, 65_537).unwrap(), data[..65_537]);
+    a.qp.post_send(signaled(
+        4,
+        SendOp::Read {
+            remote_addr: b.info.va + 200_000,
+            rkey: b.info.rkey,
+        },
+        vec![a.mr.sge(500_000, 65_537)],
+    ))
+    .unwrap();
+    let wc = one(&a.cq);
+    assert_eq!(
+        (wc.status, wc.opcode, wc.byte_len),
+        (WcStatus::Success, WcOpcode::RdmaRead, 65_537)
+    );
+    assert_eq!(a.mr.read_vec(500_000, 65_537).unwrap(), data[..65_537]);
+    // Atomics.
+    b.mr.write(800_000, &41u64.to_ne_bytes()).unwrap();
+    a.qp.post_send(signaled(
+        5,
+        SendOp::FetchAdd {
+            remote_addr: b.info.va + 800_000,
+            rkey: b.info.rkey,
+            add: 1,
+        },
+        vec![a.mr.sge(900_000, 8)],
+    ))
+    .unwrap();
+    assert_eq!(one(&a.cq).status, WcStatus::Success);
+    assert_eq!(a.mr.load_u64(900_000).unwrap(), 41);
+    a.qp.post_send(signaled(
+        6,
+        SendOp::CompareSwap {
+            remote_addr: b.info.va + 800_000,
+            rkey: b.info.rkey,
+            compare: 42,
+            swap: 7,
+        },
+        vec![a.mr.sge(900_008, 8)],
+    ))
+    .unwrap();
+    assert_eq!(one(&a.cq).status, WcStatus::Success);
+    assert_eq!(a.mr.load_u64(900_008).unwrap(), 42);
+    assert_eq!(b.mr.load_u64(800_000).unwrap(), 7);
+    // WRITE with immediate.
+    b.qp.post_recv(RecvWr {
+        wr_id: 7,
+        sgl: vec![],
+    })
+    .unwrap();
+    a.qp.post_send(signaled(
+        8,
+        SendOp::WriteWithImm {
+            remote_addr: b.info.va,
+            rkey: b.info.rkey,
+            imm: 0xabcd,
+        },
+        vec![a.mr.sge(0, 10)],
+    ))
+    .unwrap();
+    let wc = one(&b.cq);
+    assert_eq!(
+        (wc.wr_id, wc.opcode, wc.imm, wc.byte_len),
+        (7, WcOpcode::RecvRdmaWithImm, Some(0xabcd), 10)
+    );
+    assert_eq!(one(&a.cq).wr_id, 8);
+    assert_eq!(a.ctx.stats().bad_icrc + b.ctx.stats().bad_icrc, 0);
+}
+
+#[test]
+fn a_destroyed_peer_gives_retry_exceeded() {
+    let (a, b) = pair();
+    let o = RcOptions {
+        timeout: 4,
+        retry_cnt: 2,
+        ..RcOptions::default()
+    };
+    // Reconnect A with a short timeout.
+    a.qp.modify(
+        &QpAttr {
+            state: Some(QpState::Reset),
+            ..QpAttr::default()
+        },
+        None,
+    )
+    .unwrap();
+    cm::connect(&a.qp, &a.info, &b.info, &o).unwrap();
+    drop(b);
+    a.qp.post_send(signaled(
+        1,
+        SendOp::Write {
+            remote_addr: 0,
+            rkey: 1,
+        },
+        vec![a.mr.sge(0, 8)],
+    ))
+    .unwrap();
+    let wc = one(&a.cq);
+    assert_eq!(wc.status, WcStatus::RetryExcErr);
+    assert_eq!(a.qp.state(), QpState::Err);
+}
