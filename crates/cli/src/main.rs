@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod decode;
+mod demo;
 
 /// RDMA verbs in Rust over RoCEv2, iWARP and shared memory.
 #[derive(Debug, Parser)]
@@ -17,6 +18,20 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run every RC operation between two endpoints over RoCEv2 on loopback,
+    /// from 1 byte to 1 MiB, and verify each result.
+    ///
+    /// Two devices on the given address (ephemeral UDP ports), one RC queue pair
+    /// each: SEND, SEND with immediate, RDMA WRITE (with immediate), RDMA READ,
+    /// compare-and-swap and fetch-and-add. Exits 0 only if everything verified.
+    Demo {
+        /// Local IPv4 address for both endpoints.
+        #[arg(long, default_value = "127.0.0.1")]
+        addr: std::net::Ipv4Addr,
+        /// Busy-poll in the progress threads instead of sleeping (lower latency, burns CPU).
+        #[arg(long)]
+        busy_poll: bool,
+    },
     /// Print the RoCEv2 and iWARP packets of a pcap or pcapng capture, one per line.
     ///
     /// RoCEv2 is UDP to port 4791 (add more with --roce-port); iWARP is found on TCP
@@ -42,5 +57,6 @@ fn main() -> ExitCode {
             roce_ports,
             quiet,
         } => decode::run(&file, &roce_ports, quiet),
+        Command::Demo { addr, busy_poll } => demo::run(&addr.to_string(), busy_poll),
     }
 }

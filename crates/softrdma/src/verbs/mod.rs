@@ -68,7 +68,7 @@ fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> VerbsError 
 }
 
 /// Result of the verbs.
-pub type Result<T> = std::result::Result<T, VerbsError>;
+pub type Result<T, E = VerbsError> = std::result::Result<T, E>;
 
 /// A software RoCEv2 device: an IPv4 address and a UDP port.
 ///

@@ -1,4 +1,4 @@
-//! `softrdma decode` on the shared captures and on damaged ones.
+//! The `softrdma` command: `decode` on intact and damaged captures, `demo`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -195,4 +195,38 @@ fn other_roce_ports_decode_when_asked() {
     assert!(out.contains("20 RoCEv2 packets"), "{out}");
     // The port is inside the ICRC: every packet now fails its check.
     assert_eq!(errors(&o), 20);
+}
+
+#[test]
+fn the_demo_verifies_every_operation() {
+    let o = Command::new(env!("CARGO_BIN_EXE_softrdma"))
+        .args(["demo", "--addr", "127.0.0.1"])
+        .output()
+        .unwrap();
+    let out = stdout(&o);
+    assert!(
+        o.status.success(),
+        "{out}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(out.contains("all 37 operations verified"), "{out}");
+    for op in [
+        "SEND_WITH_IMM",
+        "RDMA_WRITE_WITH_IMM",
+        "RDMA_READ",
+        "ATOMIC_CMP_AND_SWP",
+        "ATOMIC_FETCH_AND_ADD",
+    ] {
+        assert!(
+            out.lines().any(|l| l.starts_with(op) && l.contains("yes")),
+            "{op}: {out}"
+        );
+    }
+    assert!(out.contains("1048576  yes"), "{out}");
+    let o = Command::new(env!("CARGO_BIN_EXE_softrdma"))
+        .args(["demo", "--addr", "0.0.0.0"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("specific IPv4 address"));
 }
