@@ -1,0 +1,318 @@
+//! The verbs' own rules: registration, keys, CQ capacity and notification,
+//! QP transitions and post errors through the public API.
+
+use std::os::fd::AsFd;
+use std::time::Duration;
+
+use softrdma::cm::{self, ConnInfo, RcOptions};
+use softrdma::verbs::*;
+
+fn ctx() -> Context {
+    Device::udp("127.0.0.1:0".parse().unwrap()).open().unwrap()
+}
+
+#[test]
+fn registration_rules_and_keys() {
+    let c = ctx();
+    let pd = c.alloc_pd().unwrap();
+    // Remote write and atomic rights need local write (as the kernel insists).
+    assert!(pd.register(64, Access::REMOTE_WRITE).is_err());
+    assert!(
+        pd.register(64, Access::REMOTE_ATOMIC | Access::REMOTE_READ)
+            .is_err()
+    );
+    assert!(pd.register(0, Access::LOCAL_WRITE).is_err());
+    let a = pd.register(8192, Access::ALL).unwrap();
+    let b = pd.register(8192, Access::ALL).unwrap();
+    assert_eq!(a.addr() % 4096, 0, "library memory is page aligned");
+    let keys = [a.lkey(), a.rkey(), b.lkey(), b.rkey()];
+    for (i, k) in keys.iter().enumerate() {
+        assert!(keys[i + 1..].iter().all(|o| o != k), "keys are distinct");
+    }
+    // Random, not a counter: the difference between consecutive keys is not small.
+    assert!(
+        keys.windows(2).any(|w| w[0].abs_diff(w[1]) > 1 << 16),
+        "{keys:x?}"
+    );
+    // Safe accessors check bounds.
+    assert!(a.write(8190, b"abc").is_err());
+    assert!(a.read(usize::MAX, &mut [0u8; 2]).is_err());
+    a.write(8189, b"abc").unwrap();
+    assert_eq!(a.read_vec(8189, 3).unwrap(), b"abc");
+    assert!(a.load_u64(3).is_err(), "unaligned");
+    // A caller's buffer comes back on deregistration.
+    let v = pd
+        .register_vec(b"caller memory".to_vec(), Access::LOCAL_WRITE)
+        .unwrap();
+    v.write(0, b"C").unwrap();
+    assert_eq!(v.deregister().unwrap(), b"Caller memory");
+    assert!(a.deregister().is_none(), "library memory is not a Vec");
+}
+
+#[test]
+fn cq_capacity_and_overrun_is_an_error() {
+    let c = ctx();
+    assert!(c.create_cq(0).is_err());
+    let pd = c.alloc_pd().unwrap();
+    let mr = pd.register(4096, Access::ALL).unwrap();
+    let small = c.create_cq(2).unwrap();
+    let qp = pd.create_qp(&QpInit::rc(&small, &small)).unwrap();
+    let peer_cq = c.create_cq(16).unwrap();
+    let peer = pd.create_qp(&QpInit::rc(&peer_cq, &peer_cq)).unwrap();
+    let (li, pi) = (
+        ConnInfo::local(&qp, Some(&mr)).unwrap(),
+        ConnInfo::local(&peer, Some(&mr)).unwrap(),
+    );
+    cm::connect(&qp, &li, &pi, &RcOptions::default()).unwrap();
+    cm::connect(&peer, &pi, &li, &RcOptions::default()).unwrap();
+    for i in 0..4 {
+        qp.post_send(SendWr {
+            wr_id: i,
+            op: SendOp::Write {
+                remote_addr: mr.addr(),
+                rkey: mr.rkey(),
+            },
+            sgl: vec![mr.sge(0, 8)],
+            flags: SendFlags {
+                signaled: true,
+                ..SendFlags::default()
+            },
+            inline_data: vec![],
+        })
+        .unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let mut wcs = [WorkCompletion {
+        wr_id: 0,
+        status: WcStatus::Success,
+        opcode: WcOpcode::Send,
+        byte_len: 0,
+        imm: None,
+        qp_num: 0,
+        src_qp: 0,
+        grh: false,
+        solicited: false,
+    }; 8];
+    assert_eq!(small.poll(&mut wcs), Err(CqError::Overrun(2)));
+}
+
+#[test]
+fn completion_channel_fires_on_the_fd() {
+    let c = ctx();
+    let pd = c.alloc_pd().unwrap();
+    let mr = pd.register(4096, Access::ALL).unwrap();
+    let cq_a = c.create_cq(16).unwrap();
+    let cq_b = c.create_cq(16).unwrap();
+    let a = pd.create_qp(&QpInit::rc(&cq_a, &cq_a)).unwrap();
+    let b = pd.create_qp(&QpInit::rc(&cq_b, &cq_b)).unwrap();
+    let (ia, ib) = (
+        ConnInfo::local(&a, Some(&mr)).unwrap(),
+        ConnInfo::local(&b, Some(&mr)).unwrap(),
+    );
+    cm::connect(&a, &ia, &ib, &RcOptions::default()).unwrap();
+    cm::connect(&b, &ib, &ia, &RcOptions::default()).unwrap();
+    let _fd = cq_b.as_fd();
+    // Solicited only: an unsolicited SEND does not fire, a solicited one does.
+    cq_b.req_notify(true);
+    for solicited in [false, true] {
+        b.post_recv(RecvWr {
+            wr_id: 7,
+            sgl: vec![mr.sge(100, 16)],
+        })
+        .unwrap();
+        a.post_send(SendWr {
+            wr_id: 1,
+            op: SendOp::Send,
+            sgl: vec![mr.sge(0, 16)],
+            flags: SendFlags {
+                solicited,
+                ..SendFlags::default()
+            },
+            inline_data: vec![],
+        })
+        .unwrap();
+        let fired = cq_b.wait_event(Duration::from_millis(500));
+        assert_eq!(fired, solicited, "solicited={solicited}");
+        assert_eq!(
+            cq_b.wait(Duration::from_secs(5))
+                .unwrap()
+                .unwrap()
+                .solicited,
+            solicited
+        );
+    }
+    // Any completion fires a plain notification; one already waiting fires at once.
+    b.post_recv(RecvWr {
+        wr_id: 8,
+        sgl: vec![mr.sge(100, 16)],
+    })
+    .unwrap();
+    a.post_send(SendWr {
+        wr_id: 2,
+        op: SendOp::Send,
+        sgl: vec![mr.sge(0, 16)],
+        flags: SendFlags::default(),
+        inline_data: vec![],
+    })
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    cq_b.req_notify(false);
+    assert!(cq_b.wait_event(Duration::from_millis(500)));
+    assert!(
+        !cq_b.wait_event(Duration::from_millis(50)),
+        "one event per request"
+    );
+}
+
+#[test]
+fn qp_transitions_through_the_verbs() {
+    let c = ctx();
+    let pd = c.alloc_pd().unwrap();
+    let cq = c.create_cq(16).unwrap();
+    let qp = pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
+    assert_eq!(qp.state(), QpState::Reset);
+    // Posting before RTS is refused on the call.
+    let send = || SendWr {
+        wr_id: 1,
+        op: SendOp::Send,
+        sgl: vec![],
+        flags: SendFlags::default(),
+        inline_data: vec![],
+    };
+    assert!(matches!(
+        qp.post_send(send()),
+        Err(VerbsError::Post(PostError::BadState(QpState::Reset)))
+    ));
+    // INIT -> RTR without an address vector is refused.
+    qp.modify(
+        &QpAttr {
+            state: Some(QpState::Init),
+            pkey_index: Some(0),
+            port: Some(1),
+            access: Some(Access::NONE),
+            ..QpAttr::default()
+        },
+        None,
+    )
+    .unwrap();
+    let rtr = QpAttr {
+        state: Some(QpState::Rtr),
+        path_mtu: Some(Mtu::Mtu1024),
+        dest_qp: Some(0x12),
+        rq_psn: Some(5),
+        max_dest_rd_atomic: Some(1),
+        min_rnr_timer: Some(12),
+        ..QpAttr::default()
+    };
+    let err = qp.modify(&rtr, None).unwrap_err();
+    assert!(err.to_string().contains("ah_attr"), "{err}");
+    let av = AddressVector {
+        addr: "127.0.0.1:4791".parse().unwrap(),
+    };
+    qp.modify(&rtr, Some(av)).unwrap();
+    assert!(matches!(
+        qp.post_send(send()),
+        Err(VerbsError::Post(PostError::BadState(QpState::Rtr)))
+    ));
+    qp.post_recv(RecvWr {
+        wr_id: 1,
+        sgl: vec![],
+    })
+    .unwrap();
+    let rts = QpAttr {
+        state: Some(QpState::Rts),
+        sq_psn: Some(9),
+        timeout: Some(14),
+        retry_cnt: Some(7),
+        rnr_retry: Some(7),
+        max_rd_atomic: Some(1),
+        ..QpAttr::default()
+    };
+    qp.modify(&rts, None).unwrap();
+    let q = qp.query();
+    assert_eq!(
+        (q.state, q.sq_psn, q.rq_psn, q.dest_qp, q.path_mtu),
+        (
+            Some(QpState::Rts),
+            Some(9),
+            Some(5),
+            Some(0x12),
+            Some(Mtu::Mtu1024)
+        )
+    );
+    // SQD and back.
+    qp.modify(
+        &QpAttr {
+            state: Some(QpState::Sqd),
+            ..QpAttr::default()
+        },
+        None,
+    )
+    .unwrap();
+    qp.modify(
+        &QpAttr {
+            state: Some(QpState::Rts),
+            ..QpAttr::default()
+        },
+        None,
+    )
+    .unwrap();
+    // To ERR: the posted receive is flushed onto the CQ.
+    qp.modify(
+        &QpAttr {
+            state: Some(QpState::Err),
+            ..QpAttr::default()
+        },
+        None,
+    )
+    .unwrap();
+    let wc = cq.wait(Duration::from_secs(1)).unwrap().unwrap();
+    assert_eq!((wc.wr_id, wc.status), (1, WcStatus::WrFlushErr));
+    // ERR -> RTS is not a transition; ERR -> RESET is.
+    assert!(qp.modify(&rts, None).is_err());
+    qp.modify(
+        &QpAttr {
+            state: Some(QpState::Reset),
+            ..QpAttr::default()
+        },
+        None,
+    )
+    .unwrap();
+    assert_eq!(qp.state(), QpState::Reset);
+    // A path MTU above the port's is refused.
+    let c2 = Device::udp("127.0.0.1:0".parse().unwrap())
+        .link_mtu(1500)
+        .open()
+        .unwrap();
+    assert_eq!(c2.query_port().active_mtu, Mtu::Mtu1024);
+    let pd2 = c2.alloc_pd().unwrap();
+    let cq2 = c2.create_cq(4).unwrap();
+    let qp2 = pd2.create_qp(&QpInit::rc(&cq2, &cq2)).unwrap();
+    qp2.modify(
+        &QpAttr {
+            state: Some(QpState::Init),
+            pkey_index: Some(0),
+            port: Some(1),
+            access: Some(Access::NONE),
+            ..QpAttr::default()
+        },
+        None,
+    )
+    .unwrap();
+    let big = QpAttr {
+        path_mtu: Some(Mtu::Mtu4096),
+        ..rtr
+    };
+    assert!(qp2.modify(&big, Some(av)).is_err());
+}
+
+#[test]
+fn port_attributes() {
+    let c = ctx();
+    let p = c.query_port();
+    assert_eq!(p.state, PortState::Active);
+    assert_eq!(p.active_mtu, Mtu::Mtu4096, "loopback allows 4096");
+    assert_eq!(p.gids[0][10..], [0xff, 0xff, 127, 0, 0, 1]);
+    assert_eq!(p.udp_port, c.local_addr().port());
+    assert!(Device::udp("0.0.0.0:0".parse().unwrap()).open().is_err());
+}
