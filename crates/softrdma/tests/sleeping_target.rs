@@ -55,7 +55,16 @@ fn a_sleeping_target_process_serves_write_read_and_atomics() {
             break line[at + 7..].trim().parse().unwrap();
         }
     };
-    let result = std::panic::catch_unwind(|| {
+    /// Kills the target whatever happens.
+    struct Reap(std::process::Child);
+    impl Drop for Reap {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut child = Reap(child);
+    {
         let ctx = Device::udp("127.0.0.1:0".parse().unwrap()).open().unwrap();
         let pd = ctx.alloc_pd().unwrap();
         let mr = pd.register(1 << 20, Access::LOCAL_WRITE).unwrap();
@@ -145,11 +154,32 @@ fn a_sleeping_target_process_serves_write_read_and_atomics() {
         .unwrap();
         done(1);
         assert_eq!(mr.load_u64(800_008).unwrap(), 1);
-    });
-    // The target was asleep the whole time, and still is.
-    let still_sleeping = child.try_wait().unwrap().is_none();
-    let _ = child.kill();
-    let _ = child.wait();
-    result.unwrap();
-    assert!(still_sleeping, "the target process exited early");
+        // The target was asleep the whole time, and still is.
+        assert!(
+            child.0.try_wait().unwrap().is_none(),
+            "the target process exited early"
+        );
+
+        // kill -9: the next request gets a clean error, not a hang.
+        child.0.kill().unwrap();
+        child.0.wait().unwrap();
+        qp.post_send(signaled(
+            40,
+            SendOp::Write {
+                remote_addr: remote.va,
+                rkey: remote.rkey,
+            },
+            vec![mr.sge(0, 8)],
+        ))
+        .unwrap();
+        qp.post_send(signaled(41, SendOp::Send, vec![mr.sge(0, 8)]))
+            .unwrap();
+        let wcs = cq.wait_for(2, Duration::from_secs(10)).unwrap();
+        let statuses: Vec<_> = wcs.iter().map(|w| (w.wr_id, w.status)).collect();
+        assert_eq!(
+            statuses,
+            [(40, WcStatus::RetryExcErr), (41, WcStatus::WrFlushErr)]
+        );
+        assert_eq!(qp.state(), QpState::Err);
+    }
 }

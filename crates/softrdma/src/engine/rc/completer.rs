@@ -7,7 +7,7 @@ use softrdma_wire::opcode::{Operation, Position};
 use softrdma_wire::packet::Packet;
 
 use super::RcQp;
-use super::requester::push_pieces;
+use super::requester::scatter;
 use crate::engine::{CqKind, QpState, SendOp, Time, WcOpcode, WcStatus};
 
 impl RcQp {
@@ -297,13 +297,7 @@ impl RcQp {
             self.fail_at(psn, WcStatus::BadRespErr);
             return false;
         }
-        let mut pieces = Vec::new();
-        push_pieces(&w.segs, off as usize, want_len, &mut pieces);
-        let mut at = 0;
-        for s in &pieces {
-            s.write(0, &payload[at..at + s.len()]);
-            at += s.len();
-        }
+        scatter(&w.segs, off as usize, payload);
         w.acked += 1;
         if w.acked == n {
             w.status = Some(WcStatus::Success);

@@ -103,6 +103,24 @@ pub(super) fn push_pieces(
     }
 }
 
+/// Copies `data` into `segs` starting `off` bytes into them (the one copy of
+/// a receive: datagram buffer to region).
+pub(super) fn scatter(segs: &[Segment], mut off: usize, mut data: &[u8]) {
+    for s in segs {
+        if data.is_empty() {
+            break;
+        }
+        if off >= s.len() {
+            off -= s.len();
+            continue;
+        }
+        let n = (s.len() - off).min(data.len());
+        s.write(off, &data[..n]);
+        data = &data[n..];
+        off = 0;
+    }
+}
+
 impl RcQp {
     pub(super) fn req_post(&mut self, wr: SendWr) -> Result<(), PostError> {
         match self.state {

@@ -9,7 +9,7 @@ use softrdma_wire::packet::{Packet, Repr};
 use softrdma_wire::{Opcode, Psn, bth};
 
 use super::RcQp;
-use super::requester::{packets_for, push_pieces};
+use super::requester::{packets_for, scatter};
 use crate::engine::{CqKind, PostError, QpState, RecvWr, Transmit, WcOpcode, WcStatus};
 use crate::memory::{Access, MrTable, Segment};
 
@@ -343,13 +343,7 @@ impl RcQp {
             *overflow = true;
         }
         if !*overflow {
-            let mut pieces = Vec::new();
-            push_pieces(segs, *received as usize, payload.len(), &mut pieces);
-            let mut at = 0;
-            for s in &pieces {
-                s.write(0, &payload[at..at + s.len()]);
-                at += s.len();
-            }
+            scatter(segs, *received as usize, payload);
         }
         *received += payload.len() as u64;
         self.resp.epsn = psn.next();

@@ -1,0 +1,134 @@
+//! An RC QP in RTS fed hostile packets (and a few work requests of its own, so
+//! that hostile ACKs and responses meet outstanding requests): it must never
+//! panic, touch memory outside its region, or stop answering to its doors.
+//!
+//! Input: a control byte, then packets, each a 2-byte little-endian length
+//! and that many bytes; the BTH's destination QP is patched to this QP's and
+//! its PSN folded near the expected one so that the deep paths are reached.
+#![no_main]
+use std::sync::Arc;
+
+use libfuzzer_sys::fuzz_target;
+use softrdma::engine::rc::{MAX_HEADER_LEN, Mtu, QpCaps, RcQp};
+use softrdma::engine::{QpAttr, QpState, RecvWr, SendFlags, SendOp, SendWr, Sge, Time};
+use softrdma::memory::{Access, MrTable, Region, RegionMemory};
+
+const IOVA: u64 = 0x10_0000;
+
+fuzz_target!(|data: &[u8]| {
+    let Some((&ctl, mut rest)) = data.split_first() else {
+        return;
+    };
+    let mem = Arc::new(RegionMemory::zeroed(65536).unwrap());
+    let mut mrs = MrTable::new();
+    mrs.insert(Region::new(1, (0x100, 0x200), mem, 0, 65536, IOVA, Access::ALL).unwrap());
+    let mut qp = RcQp::new(0x11, 1, QpCaps::default());
+    let access = Access::from_bits(u32::from(ctl) & 0xe);
+    qp.modify(&QpAttr {
+        state: Some(QpState::Init),
+        pkey_index: Some(0),
+        port: Some(1),
+        access: Some(access),
+        ..QpAttr::default()
+    })
+    .unwrap();
+    qp.modify(&QpAttr {
+        state: Some(QpState::Rtr),
+        path_mtu: Mtu::from_code(1 + ctl % 5),
+        dest_qp: Some(0x12),
+        rq_psn: Some(0),
+        max_dest_rd_atomic: Some(4),
+        min_rnr_timer: Some(1),
+        has_av: true,
+        ..QpAttr::default()
+    })
+    .unwrap();
+    qp.modify(&QpAttr {
+        state: Some(QpState::Rts),
+        sq_psn: Some(0),
+        max_rd_atomic: Some(4),
+        retry_cnt: Some(2),
+        rnr_retry: Some(2),
+        timeout: Some(1),
+        ..QpAttr::default()
+    })
+    .unwrap();
+    if ctl & 0x10 != 0 {
+        let _ = qp.post_recv(RecvWr {
+            wr_id: 1,
+            sgl: vec![Sge {
+                addr: IOVA,
+                len: 3000,
+                lkey: 0x100,
+            }],
+        });
+    }
+    if ctl & 0x20 != 0 {
+        let sge = |len| {
+            vec![Sge {
+                addr: IOVA + 8192,
+                len,
+                lkey: 0x100,
+            }]
+        };
+        let flags = SendFlags {
+            signaled: true,
+            ..SendFlags::default()
+        };
+        for op in [
+            SendOp::Send,
+            SendOp::Read {
+                remote_addr: 0,
+                rkey: 1,
+            },
+            SendOp::FetchAdd {
+                remote_addr: 0,
+                rkey: 1,
+                add: 1,
+            },
+        ] {
+            let len = if matches!(op, SendOp::FetchAdd { .. }) {
+                8
+            } else {
+                5000
+            };
+            let _ = qp.post_send(SendWr {
+                wr_id: 2,
+                op,
+                sgl: sge(len),
+                flags,
+                inline_data: vec![],
+            });
+        }
+    }
+    let mut buf = vec![0u8; MAX_HEADER_LEN + 4096];
+    let mut pieces = Vec::new();
+    let mut now = Time(1);
+    let mut drain = |qp: &mut RcQp, now: Time, mrs: &MrTable| {
+        for _ in 0..10_000 {
+            if qp.poll_transmit(now, mrs, &mut buf, &mut pieces).is_none() {
+                break;
+            }
+        }
+        while qp.poll_completion().is_some() {}
+    };
+    drain(&mut qp, now, &mrs);
+    while rest.len() >= 2 {
+        let n = usize::from(u16::from_le_bytes([rest[0], rest[1]])).min(rest.len() - 2);
+        let mut p = rest[2..2 + n].to_vec();
+        rest = &rest[2 + n..];
+        if p.len() >= 12 {
+            p[5..8].copy_from_slice(&[0, 0, 0x11]);
+            p[9] = 0;
+            p[10] = 0;
+        }
+        now = Time(now.0 + 1000);
+        qp.handle_packet(now, &p, &mrs);
+        drain(&mut qp, now, &mrs);
+        if let Some(t) = qp.poll_timeout() {
+            now = now.max(t);
+            qp.handle_timeout(now);
+            drain(&mut qp, now, &mrs);
+        }
+    }
+});
