@@ -4,7 +4,7 @@
 use core::fmt;
 
 use crate::Result;
-use crate::bytes::{check, get_u24, set_u24};
+use crate::bytes::{get_u24, set_u24};
 
 mod field {
     use crate::bytes::Field;
@@ -193,31 +193,12 @@ impl fmt::Display for Syndrome {
     }
 }
 
-/// A view of an AETH.
-#[derive(Debug, Clone)]
-pub struct Header<T: AsRef<[u8]>> {
-    buffer: T,
-}
+crate::bytes::fixed_header_view!(
+    /// A view of an AETH.
+    Header, "AETH", HEADER_LEN
+);
 
 impl<T: AsRef<[u8]>> Header<T> {
-    /// Wraps a buffer without checking its length.
-    pub const fn new_unchecked(buffer: T) -> Header<T> {
-        Header { buffer }
-    }
-    /// Wraps a buffer that holds at least an AETH.
-    pub fn new_checked(buffer: T) -> Result<Header<T>> {
-        let h = Header::new_unchecked(buffer);
-        h.check_len()?;
-        Ok(h)
-    }
-    /// Fails unless the buffer holds a whole AETH.
-    pub fn check_len(&self) -> Result<()> {
-        check("AETH", self.buffer.as_ref(), HEADER_LEN)
-    }
-    /// The wrapped buffer.
-    pub fn into_inner(self) -> T {
-        self.buffer
-    }
     /// The raw syndrome byte.
     pub fn syndrome_byte(&self) -> u8 {
         self.buffer.as_ref()[field::SYNDROME]

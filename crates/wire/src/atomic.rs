@@ -4,7 +4,7 @@
 use core::fmt;
 
 use crate::Result;
-use crate::bytes::{check, get_u32, get_u64, set_u32, set_u64};
+use crate::bytes::{get_u32, get_u64, set_u32, set_u64};
 
 mod field {
     use crate::bytes::Field;
@@ -20,31 +20,12 @@ pub const HEADER_LEN: usize = 28;
 /// Length of the AtomicAckETH.
 pub const ACK_HEADER_LEN: usize = 8;
 
-/// A view of an AtomicETH.
-#[derive(Debug, Clone)]
-pub struct Header<T: AsRef<[u8]>> {
-    buffer: T,
-}
+crate::bytes::fixed_header_view!(
+    /// A view of an AtomicETH.
+    Header, "AtomicETH", HEADER_LEN
+);
 
 impl<T: AsRef<[u8]>> Header<T> {
-    /// Wraps a buffer without checking its length.
-    pub const fn new_unchecked(buffer: T) -> Header<T> {
-        Header { buffer }
-    }
-    /// Wraps a buffer that holds at least an AtomicETH.
-    pub fn new_checked(buffer: T) -> Result<Header<T>> {
-        let h = Header::new_unchecked(buffer);
-        h.check_len()?;
-        Ok(h)
-    }
-    /// Fails unless the buffer holds a whole AtomicETH.
-    pub fn check_len(&self) -> Result<()> {
-        check("AtomicETH", self.buffer.as_ref(), HEADER_LEN)
-    }
-    /// The wrapped buffer.
-    pub fn into_inner(self) -> T {
-        self.buffer
-    }
     /// Remote virtual address (8-byte aligned on a valid request).
     pub fn va(&self) -> u64 {
         get_u64(self.buffer.as_ref(), field::VA)
@@ -129,31 +110,12 @@ impl fmt::Display for Repr {
     }
 }
 
-/// A view of an AtomicAckETH.
-#[derive(Debug, Clone)]
-pub struct AckHeader<T: AsRef<[u8]>> {
-    buffer: T,
-}
+crate::bytes::fixed_header_view!(
+    /// A view of an AtomicAckETH.
+    AckHeader, "AtomicAckETH", ACK_HEADER_LEN
+);
 
 impl<T: AsRef<[u8]>> AckHeader<T> {
-    /// Wraps a buffer without checking its length.
-    pub const fn new_unchecked(buffer: T) -> AckHeader<T> {
-        AckHeader { buffer }
-    }
-    /// Wraps a buffer that holds at least an AtomicAckETH.
-    pub fn new_checked(buffer: T) -> Result<AckHeader<T>> {
-        let h = AckHeader::new_unchecked(buffer);
-        h.check_len()?;
-        Ok(h)
-    }
-    /// Fails unless the buffer holds a whole AtomicAckETH.
-    pub fn check_len(&self) -> Result<()> {
-        check("AtomicAckETH", self.buffer.as_ref(), ACK_HEADER_LEN)
-    }
-    /// The wrapped buffer.
-    pub fn into_inner(self) -> T {
-        self.buffer
-    }
     /// The value at the address before the atomic executed.
     pub fn original(&self) -> u64 {
         get_u64(self.buffer.as_ref(), field::ORIG)

@@ -2,7 +2,7 @@
 
 use core::fmt;
 
-use crate::bytes::{check, get_u16, get_u24, set_u16, set_u24};
+use crate::bytes::{get_u16, get_u24, set_u16, set_u24};
 use crate::{Error, Opcode, Psn, Result};
 
 mod field {
@@ -26,35 +26,12 @@ pub const TRANSPORT_VERSION: u8 = 0;
 /// The default partition key, full member.
 pub const DEFAULT_PKEY: u16 = 0xffff;
 
-/// A view of a BTH.
-#[derive(Debug, Clone)]
-pub struct Header<T: AsRef<[u8]>> {
-    buffer: T,
-}
+crate::bytes::fixed_header_view!(
+    /// A view of a BTH.
+    Header, "BTH", HEADER_LEN
+);
 
 impl<T: AsRef<[u8]>> Header<T> {
-    /// Wraps a buffer without checking its length.
-    pub const fn new_unchecked(buffer: T) -> Header<T> {
-        Header { buffer }
-    }
-
-    /// Wraps a buffer that holds at least a BTH.
-    pub fn new_checked(buffer: T) -> Result<Header<T>> {
-        let h = Header::new_unchecked(buffer);
-        h.check_len()?;
-        Ok(h)
-    }
-
-    /// Fails unless the buffer holds a whole BTH.
-    pub fn check_len(&self) -> Result<()> {
-        check("BTH", self.buffer.as_ref(), HEADER_LEN)
-    }
-
-    /// The wrapped buffer.
-    pub fn into_inner(self) -> T {
-        self.buffer
-    }
-
     /// Opcode.
     pub fn opcode(&self) -> Opcode {
         Opcode(self.buffer.as_ref()[field::OPCODE])

@@ -65,3 +65,37 @@ pub(crate) fn check(header: &'static str, buf: &[u8], need: usize) -> crate::Res
         Ok(())
     }
 }
+
+/// The view type of a fixed-length header: the struct, `new_unchecked`,
+/// `new_checked`, `check_len` and `into_inner`. Field accessors stay in each file.
+macro_rules! fixed_header_view {
+    ($(#[$meta:meta])* $name:ident, $what:literal, $len:expr) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone)]
+        pub struct $name<T: AsRef<[u8]>> {
+            buffer: T,
+        }
+
+        impl<T: AsRef<[u8]>> $name<T> {
+            /// Wraps a buffer without checking its length.
+            pub const fn new_unchecked(buffer: T) -> $name<T> {
+                $name { buffer }
+            }
+            /// Wraps a buffer that holds at least the whole header.
+            pub fn new_checked(buffer: T) -> $crate::Result<$name<T>> {
+                let h = $name::new_unchecked(buffer);
+                h.check_len()?;
+                Ok(h)
+            }
+            /// Fails unless the buffer holds the whole header.
+            pub fn check_len(&self) -> $crate::Result<()> {
+                $crate::bytes::check($what, self.buffer.as_ref(), $len)
+            }
+            /// The wrapped buffer.
+            pub fn into_inner(self) -> T {
+                self.buffer
+            }
+        }
+    };
+}
+pub(crate) use fixed_header_view;

@@ -2,7 +2,7 @@
 
 use core::fmt;
 
-use crate::bytes::{check, get_u24, get_u32, set_u24, set_u32};
+use crate::bytes::{get_u24, get_u32, set_u24, set_u32};
 use crate::{Error, Result};
 
 mod field {
@@ -17,31 +17,12 @@ pub const HEADER_LEN: usize = 8;
 /// The Q_Key of the general services interface (QP1), used by the IB CM.
 pub const GSI_QKEY: u32 = 0x8001_0000;
 
-/// A view of a DETH.
-#[derive(Debug, Clone)]
-pub struct Header<T: AsRef<[u8]>> {
-    buffer: T,
-}
+crate::bytes::fixed_header_view!(
+    /// A view of a DETH.
+    Header, "DETH", HEADER_LEN
+);
 
 impl<T: AsRef<[u8]>> Header<T> {
-    /// Wraps a buffer without checking its length.
-    pub const fn new_unchecked(buffer: T) -> Header<T> {
-        Header { buffer }
-    }
-    /// Wraps a buffer that holds at least a DETH.
-    pub fn new_checked(buffer: T) -> Result<Header<T>> {
-        let h = Header::new_unchecked(buffer);
-        h.check_len()?;
-        Ok(h)
-    }
-    /// Fails unless the buffer holds a whole DETH.
-    pub fn check_len(&self) -> Result<()> {
-        check("DETH", self.buffer.as_ref(), HEADER_LEN)
-    }
-    /// The wrapped buffer.
-    pub fn into_inner(self) -> T {
-        self.buffer
-    }
     /// Queue key.
     pub fn qkey(&self) -> u32 {
         get_u32(self.buffer.as_ref(), field::QKEY)

@@ -7,7 +7,7 @@
 
 use core::fmt;
 
-use crate::bytes::{check, get_u16, get_u32, set_u16, set_u32};
+use crate::bytes::{get_u16, get_u32, set_u16, set_u32};
 use crate::{Error, Result};
 
 mod field {
@@ -54,31 +54,12 @@ pub fn ipv4_checksum(header: &[u8]) -> u16 {
     !(sum as u16)
 }
 
-/// A view of a GRH area.
-#[derive(Debug, Clone)]
-pub struct Header<T: AsRef<[u8]>> {
-    buffer: T,
-}
+crate::bytes::fixed_header_view!(
+    /// A view of a GRH area.
+    Header, "GRH", HEADER_LEN
+);
 
 impl<T: AsRef<[u8]>> Header<T> {
-    /// Wraps a buffer without checking its length.
-    pub const fn new_unchecked(buffer: T) -> Header<T> {
-        Header { buffer }
-    }
-    /// Wraps a buffer that holds at least 40 bytes.
-    pub fn new_checked(buffer: T) -> Result<Header<T>> {
-        let h = Header::new_unchecked(buffer);
-        h.check_len()?;
-        Ok(h)
-    }
-    /// Fails unless the buffer holds 40 bytes.
-    pub fn check_len(&self) -> Result<()> {
-        check("GRH", self.buffer.as_ref(), HEADER_LEN)
-    }
-    /// The wrapped buffer.
-    pub fn into_inner(self) -> T {
-        self.buffer
-    }
     /// The area holds the RoCEv2/IPv4 form (20 zero bytes, then an IPv4 header).
     pub fn is_ipv4(&self) -> bool {
         let b = self.buffer.as_ref();

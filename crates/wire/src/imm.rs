@@ -2,37 +2,17 @@
 //! data of SEND/WRITE with immediate, and IETH, the R_Key a SEND with
 //! invalidate asks the responder to invalidate. Both are 4 opaque bytes.
 
-use crate::Result;
-use crate::bytes::{check, get_u32, set_u32};
+use crate::bytes::{get_u32, set_u32};
 
 /// Length of ImmDt and of IETH.
 pub const HEADER_LEN: usize = 4;
 
-/// A view of a one-word header (ImmDt or IETH).
-#[derive(Debug, Clone)]
-pub struct Header<T: AsRef<[u8]>> {
-    buffer: T,
-}
+crate::bytes::fixed_header_view!(
+    /// A view of a one-word header (ImmDt or IETH).
+    Header, "ImmDt/IETH", HEADER_LEN
+);
 
 impl<T: AsRef<[u8]>> Header<T> {
-    /// Wraps a buffer without checking its length.
-    pub const fn new_unchecked(buffer: T) -> Header<T> {
-        Header { buffer }
-    }
-    /// Wraps a buffer that holds at least 4 bytes.
-    pub fn new_checked(buffer: T) -> Result<Header<T>> {
-        let h = Header::new_unchecked(buffer);
-        h.check_len()?;
-        Ok(h)
-    }
-    /// Fails unless the buffer holds 4 bytes.
-    pub fn check_len(&self) -> Result<()> {
-        check("ImmDt/IETH", self.buffer.as_ref(), HEADER_LEN)
-    }
-    /// The wrapped buffer.
-    pub fn into_inner(self) -> T {
-        self.buffer
-    }
     /// The word: immediate data (opaque, passed as is) or the R_Key to invalidate.
     pub fn value(&self) -> u32 {
         get_u32(self.buffer.as_ref(), 0..4)

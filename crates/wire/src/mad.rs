@@ -4,7 +4,7 @@
 
 use core::fmt;
 
-use crate::bytes::{check, get_u16, get_u32, get_u64, set_u16, set_u32, set_u64};
+use crate::bytes::{get_u16, get_u32, get_u64, set_u16, set_u32, set_u64};
 use crate::{Error, Result};
 
 mod field {
@@ -82,31 +82,12 @@ pub fn method_name(method: u8) -> Option<&'static str> {
     })
 }
 
-/// A view of a MAD header.
-#[derive(Debug, Clone)]
-pub struct Header<T: AsRef<[u8]>> {
-    buffer: T,
-}
+crate::bytes::fixed_header_view!(
+    /// A view of a MAD header.
+    Header, "MAD header", HEADER_LEN
+);
 
 impl<T: AsRef<[u8]>> Header<T> {
-    /// Wraps a buffer without checking its length.
-    pub const fn new_unchecked(buffer: T) -> Header<T> {
-        Header { buffer }
-    }
-    /// Wraps a buffer that holds at least a MAD header.
-    pub fn new_checked(buffer: T) -> Result<Header<T>> {
-        let h = Header::new_unchecked(buffer);
-        h.check_len()?;
-        Ok(h)
-    }
-    /// Fails unless the buffer holds a whole MAD header.
-    pub fn check_len(&self) -> Result<()> {
-        check("MAD header", self.buffer.as_ref(), HEADER_LEN)
-    }
-    /// The wrapped buffer.
-    pub fn into_inner(self) -> T {
-        self.buffer
-    }
     /// Base version.
     pub fn base_version(&self) -> u8 {
         self.buffer.as_ref()[field::BASE_VERSION]

@@ -4,7 +4,7 @@
 use core::fmt;
 
 use crate::Result;
-use crate::bytes::{check, get_u32, get_u64, set_u32, set_u64};
+use crate::bytes::{get_u32, get_u64, set_u32, set_u64};
 
 mod field {
     use crate::bytes::Field;
@@ -16,31 +16,12 @@ mod field {
 /// Length of the RETH.
 pub const HEADER_LEN: usize = 16;
 
-/// A view of a RETH.
-#[derive(Debug, Clone)]
-pub struct Header<T: AsRef<[u8]>> {
-    buffer: T,
-}
+crate::bytes::fixed_header_view!(
+    /// A view of a RETH.
+    Header, "RETH", HEADER_LEN
+);
 
 impl<T: AsRef<[u8]>> Header<T> {
-    /// Wraps a buffer without checking its length.
-    pub const fn new_unchecked(buffer: T) -> Header<T> {
-        Header { buffer }
-    }
-    /// Wraps a buffer that holds at least a RETH.
-    pub fn new_checked(buffer: T) -> Result<Header<T>> {
-        let h = Header::new_unchecked(buffer);
-        h.check_len()?;
-        Ok(h)
-    }
-    /// Fails unless the buffer holds a whole RETH.
-    pub fn check_len(&self) -> Result<()> {
-        check("RETH", self.buffer.as_ref(), HEADER_LEN)
-    }
-    /// The wrapped buffer.
-    pub fn into_inner(self) -> T {
-        self.buffer
-    }
     /// Remote virtual address.
     pub fn va(&self) -> u64 {
         get_u64(self.buffer.as_ref(), field::VA)
