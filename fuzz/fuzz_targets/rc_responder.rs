@@ -97,6 +97,7 @@ fuzz_target!(|data: &[u8]| {
                 op,
                 sgl: sge(len),
                 flags,
+                ud: None,
                 inline_data: vec![],
             });
         }

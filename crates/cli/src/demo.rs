@@ -54,6 +54,7 @@ fn wr(wr_id: u64, op: SendOp, sgl: Vec<Sge>) -> SendWr {
             signaled: true,
             ..SendFlags::default()
         },
+        ud: None,
         inline_data: vec![],
     }
 }

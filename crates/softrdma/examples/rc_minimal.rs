@@ -70,6 +70,7 @@ fn client(server_ip: &str, ip: &str) -> std::result::Result<(), VerbsError> {
             signaled: true,
             ..SendFlags::default()
         },
+        ud: None,
         inline_data: vec![],
     })?;
     // RDMA READ them back into another part of our buffer. Completions come in
@@ -85,6 +86,7 @@ fn client(server_ip: &str, ip: &str) -> std::result::Result<(), VerbsError> {
             signaled: true,
             ..SendFlags::default()
         },
+        ud: None,
         inline_data: vec![],
     })?;
     for _ in 0..2 {

@@ -400,6 +400,7 @@ fn run_seed(seed: u64) -> Result<bool, String> {
                             inline,
                         },
                         inline_data,
+                        ud: None,
                     };
                     sim.ends[i]
                         .qp

@@ -82,6 +82,7 @@ fn a_sleeping_target_process_serves_write_read_and_atomics() {
                 signaled: true,
                 ..SendFlags::default()
             },
+            ud: None,
             inline_data: vec![],
         };
         let done = |n: usize| {

@@ -52,6 +52,7 @@ fn signaled(wr_id: u64, op: SendOp, sgl: Vec<Sge>) -> SendWr {
             signaled: true,
             ..SendFlags::default()
         },
+        ud: None,
         inline_data: vec![],
     }
 }

@@ -77,6 +77,7 @@ fn cq_capacity_and_overrun_is_an_error() {
                 signaled: true,
                 ..SendFlags::default()
             },
+            ud: None,
             inline_data: vec![],
         })
         .unwrap();
@@ -128,6 +129,7 @@ fn completion_channel_fires_on_the_fd() {
                 solicited,
                 ..SendFlags::default()
             },
+            ud: None,
             inline_data: vec![],
         })
         .unwrap();
@@ -152,6 +154,7 @@ fn completion_channel_fires_on_the_fd() {
         op: SendOp::Send,
         sgl: vec![mr.sge(0, 16)],
         flags: SendFlags::default(),
+        ud: None,
         inline_data: vec![],
     })
     .unwrap();
@@ -177,6 +180,7 @@ fn qp_transitions_through_the_verbs() {
         op: SendOp::Send,
         sgl: vec![],
         flags: SendFlags::default(),
+        ud: None,
         inline_data: vec![],
     };
     assert!(matches!(

@@ -7,8 +7,11 @@
 pub mod qp;
 pub mod rc;
 pub mod sim;
+pub mod ud;
 
 use std::fmt;
+
+use crate::memory::Segment;
 use std::time::Duration;
 
 pub use qp::{QpAttr, QpState, TransitionError};
@@ -145,6 +148,78 @@ pub struct SendWr {
     pub flags: SendFlags,
     /// Payload copied at post time when `flags.inline` (SEND/WRITE only).
     pub inline_data: Vec<u8>,
+    /// Where a UD SEND goes (UD QPs only).
+    pub ud: Option<UdDest>,
+}
+
+impl SendWr {
+    /// A signaled work request with these buffers; the rest off.
+    pub fn new(wr_id: u64, op: SendOp, sgl: Vec<Sge>) -> SendWr {
+        SendWr {
+            wr_id,
+            op,
+            sgl,
+            flags: SendFlags {
+                signaled: true,
+                ..SendFlags::default()
+            },
+            inline_data: Vec::new(),
+            ud: None,
+        }
+    }
+
+    /// Not signaled: no completion on success.
+    #[must_use]
+    pub fn unsignaled(mut self) -> SendWr {
+        self.flags.signaled = false;
+        self
+    }
+
+    /// With the solicited-event flag.
+    #[must_use]
+    pub fn solicited(mut self) -> SendWr {
+        self.flags.solicited = true;
+        self
+    }
+
+    /// Fenced behind earlier READs and atomics.
+    #[must_use]
+    pub fn fenced(mut self) -> SendWr {
+        self.flags.fence = true;
+        self
+    }
+
+    /// With this payload inline (copied now) instead of the SGEs.
+    #[must_use]
+    pub fn inline(mut self, data: &[u8]) -> SendWr {
+        self.flags.inline = true;
+        self.inline_data = data.to_vec();
+        self.sgl.clear();
+        self
+    }
+
+    /// A UD send to this destination.
+    #[must_use]
+    pub fn to(mut self, dest: UdDest) -> SendWr {
+        self.ud = Some(dest);
+        self
+    }
+}
+
+/// An address handle's number, as the provider hands them out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct AhId(pub u32);
+
+/// The destination of a UD send: an address handle, the remote QP and its Q_Key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UdDest {
+    /// Address handle.
+    pub ah: AhId,
+    /// Remote QP number.
+    pub remote_qpn: u32,
+    /// Remote Q_Key; with the high bit set the QP's own Q_Key is used instead
+    /// (the IBTA's privileged Q_Key rule, 10.2.5).
+    pub remote_qkey: u32,
 }
 
 /// A receive work request.
@@ -299,7 +374,55 @@ pub enum PostError {
     /// A message longer than the transport allows.
     #[error("message of {0} bytes is longer than the 2 GiB limit")]
     TooLong(u64),
+    /// A UD message longer than the path MTU.
+    #[error("a UD message of {len} bytes does not fit the {mtu}-byte MTU")]
+    LongerThanMtu {
+        /// Message length.
+        len: usize,
+        /// Path MTU.
+        mtu: usize,
+    },
     /// An atomic whose local buffer is not 8 bytes.
     #[error("atomic operations need exactly one 8-byte local buffer")]
     BadAtomicSge,
+}
+
+/// Pushes the pieces of `segs` covering `off..off + len` onto `pieces`.
+pub(crate) fn push_pieces(
+    segs: &[Segment],
+    mut off: usize,
+    mut len: usize,
+    pieces: &mut Vec<Segment>,
+) {
+    for s in segs {
+        if len == 0 {
+            break;
+        }
+        if off >= s.len() {
+            off -= s.len();
+            continue;
+        }
+        let n = (s.len() - off).min(len);
+        pieces.push(s.slice(off, n).expect("inside the segment"));
+        len -= n;
+        off = 0;
+    }
+}
+
+/// Copies `data` into `segs` starting `off` bytes into them (the one copy of
+/// a receive: datagram buffer to region).
+pub(crate) fn scatter(segs: &[Segment], mut off: usize, mut data: &[u8]) {
+    for s in segs {
+        if data.is_empty() {
+            break;
+        }
+        if off >= s.len() {
+            off -= s.len();
+            continue;
+        }
+        let n = (s.len() - off).min(data.len());
+        s.write(off, &data[..n]);
+        data = &data[n..];
+        off = 0;
+    }
 }

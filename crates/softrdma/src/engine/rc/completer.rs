@@ -7,7 +7,7 @@ use softrdma_wire::opcode::{Operation, Position};
 use softrdma_wire::packet::Packet;
 
 use super::RcQp;
-use super::requester::scatter;
+use crate::engine::scatter;
 use crate::engine::{CqKind, QpState, SendOp, Time, WcOpcode, WcStatus};
 
 impl RcQp {

@@ -6,6 +6,7 @@ use softrdma_wire::packet::Repr;
 use softrdma_wire::{Opcode, Psn, atomic, bth, reth};
 
 use super::{MAX_PKTS_PER_ACK, MAX_UNACKED_PSNS, RcQp};
+use crate::engine::push_pieces;
 use crate::engine::{CqKind, PostError, QpState, SendOp, SendWr, Time, Transmit, WcStatus};
 use crate::memory::{Access, MrTable, Segment};
 
@@ -79,46 +80,6 @@ pub(super) struct Requester {
 /// PSNs a message of `len` bytes takes at `pmtu`.
 pub(super) fn packets_for(len: u64, pmtu: usize) -> u32 {
     len.div_ceil(pmtu as u64).max(1) as u32
-}
-
-/// Pushes the pieces of `segs` covering `off..off + len` onto `pieces`.
-pub(super) fn push_pieces(
-    segs: &[Segment],
-    mut off: usize,
-    mut len: usize,
-    pieces: &mut Vec<Segment>,
-) {
-    for s in segs {
-        if len == 0 {
-            break;
-        }
-        if off >= s.len() {
-            off -= s.len();
-            continue;
-        }
-        let n = (s.len() - off).min(len);
-        pieces.push(s.slice(off, n).expect("inside the segment"));
-        len -= n;
-        off = 0;
-    }
-}
-
-/// Copies `data` into `segs` starting `off` bytes into them (the one copy of
-/// a receive: datagram buffer to region).
-pub(super) fn scatter(segs: &[Segment], mut off: usize, mut data: &[u8]) {
-    for s in segs {
-        if data.is_empty() {
-            break;
-        }
-        if off >= s.len() {
-            off -= s.len();
-            continue;
-        }
-        let n = (s.len() - off).min(data.len());
-        s.write(off, &data[..n]);
-        data = &data[n..];
-        off = 0;
-    }
 }
 
 impl RcQp {

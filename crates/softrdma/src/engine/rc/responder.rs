@@ -9,7 +9,8 @@ use softrdma_wire::packet::{Packet, Repr};
 use softrdma_wire::{Opcode, Psn, bth};
 
 use super::RcQp;
-use super::requester::{packets_for, scatter};
+use super::requester::packets_for;
+use crate::engine::scatter;
 use crate::engine::{CqKind, PostError, QpState, RecvWr, Transmit, WcOpcode, WcStatus};
 use crate::memory::{Access, MrTable, Segment};
 

@@ -150,6 +150,7 @@ impl Pair {
                 op,
                 sgl,
                 flags,
+                ud: None,
                 inline_data: Vec::new(),
             })
             .unwrap();
@@ -258,6 +259,7 @@ fn inline_send() {
                 inline: true,
                 ..SendFlags::default()
             },
+            ud: None,
             inline_data: b"inline!".to_vec(),
         })
         .unwrap();
@@ -698,6 +700,7 @@ fn post_errors_are_reported_on_the_call() {
         op: SendOp::Send,
         sgl,
         flags: SendFlags::default(),
+        ud: None,
         inline_data: vec![],
     };
     assert!(matches!(
