@@ -426,3 +426,105 @@ pub(crate) fn scatter(segs: &[Segment], mut off: usize, mut data: &[u8]) {
         off = 0;
     }
 }
+
+/// A queue pair's transport, whichever type it is: what a provider drives.
+#[derive(Debug)]
+pub enum QpEngine {
+    /// Reliable connected.
+    Rc(rc::RcQp),
+    /// Unreliable datagram.
+    Ud(ud::UdQp),
+}
+
+impl QpEngine {
+    /// QP number.
+    pub fn qpn(&self) -> u32 {
+        match self {
+            QpEngine::Rc(q) => q.qpn(),
+            QpEngine::Ud(q) => q.qpn(),
+        }
+    }
+    /// Current state.
+    pub fn state(&self) -> QpState {
+        match self {
+            QpEngine::Rc(q) => q.state(),
+            QpEngine::Ud(q) => q.state(),
+        }
+    }
+    /// Modifies the QP.
+    pub fn modify(&mut self, attr: &QpAttr) -> Result<(), TransitionError> {
+        match self {
+            QpEngine::Rc(q) => q.modify(attr),
+            QpEngine::Ud(q) => q.modify(attr),
+        }
+    }
+    /// The QP's attributes.
+    pub fn query(&self) -> QpAttr {
+        match self {
+            QpEngine::Rc(q) => q.query(),
+            QpEngine::Ud(q) => q.query(),
+        }
+    }
+    /// Posts a send.
+    pub fn post_send(&mut self, wr: SendWr) -> Result<(), PostError> {
+        match self {
+            QpEngine::Rc(q) => q.post_send(wr),
+            QpEngine::Ud(q) => q.post_send(wr),
+        }
+    }
+    /// Posts a receive.
+    pub fn post_recv(&mut self, wr: RecvWr) -> Result<(), PostError> {
+        match self {
+            QpEngine::Rc(q) => q.post_recv(wr),
+            QpEngine::Ud(q) => q.post_recv(wr),
+        }
+    }
+    /// A received packet; `meta` describes its IP header (UD writes it into the GRH area).
+    pub fn handle_packet(
+        &mut self,
+        now: Time,
+        packet: &[u8],
+        meta: &ud::RecvMeta,
+        mrs: &crate::memory::MrTable,
+    ) {
+        match self {
+            QpEngine::Rc(q) => q.handle_packet(now, packet, mrs),
+            QpEngine::Ud(q) => q.handle_packet(packet, meta, mrs),
+        }
+    }
+    /// The next packet, and for UD the address handle it goes to.
+    pub fn poll_transmit(
+        &mut self,
+        now: Time,
+        mrs: &crate::memory::MrTable,
+        buf: &mut [u8],
+        pieces: &mut Vec<Segment>,
+    ) -> Option<(Transmit, Option<AhId>)> {
+        match self {
+            QpEngine::Rc(q) => q.poll_transmit(now, mrs, buf, pieces).map(|t| (t, None)),
+            QpEngine::Ud(q) => q
+                .poll_transmit(mrs, buf, pieces)
+                .map(|(t, ah)| (t, Some(ah))),
+        }
+    }
+    /// The next timer.
+    pub fn poll_timeout(&self) -> Option<Time> {
+        match self {
+            QpEngine::Rc(q) => q.poll_timeout(),
+            QpEngine::Ud(_) => None,
+        }
+    }
+    /// Runs due timers.
+    pub fn handle_timeout(&mut self, now: Time) {
+        if let QpEngine::Rc(q) = self {
+            q.handle_timeout(now);
+        }
+    }
+    /// The next completion.
+    pub fn poll_completion(&mut self) -> Option<(CqKind, WorkCompletion)> {
+        match self {
+            QpEngine::Rc(q) => q.poll_completion(),
+            QpEngine::Ud(q) => q.poll_completion(),
+        }
+    }
+}

@@ -21,8 +21,9 @@ use rustix::net::{SendFlags, sockopt};
 use softrdma_wire::icrc::{self, Icrc, Ipv4Pseudo};
 use softrdma_wire::{ROCEV2_UDP_PORT, bth};
 
-use crate::engine::rc::{MAX_HEADER_LEN, RcQp};
-use crate::engine::{CqKind, Time, Transmit};
+use crate::engine::rc::MAX_HEADER_LEN;
+use crate::engine::ud::RecvMeta;
+use crate::engine::{AhId, CqKind, QpEngine, Time, Transmit};
 use crate::memory::{MrTable, Segment};
 use crate::verbs::cq::CqInner;
 
@@ -38,7 +39,7 @@ pub(crate) const MAX_SGE: usize = 30;
 #[derive(Debug)]
 pub(crate) struct QpSlot {
     pub qpn: u32,
-    pub engine: Mutex<RcQp>,
+    pub engine: Mutex<QpEngine>,
     /// The peer's address, set at RTR.
     pub peer: Mutex<Option<SocketAddrV4>>,
     pub send_cq: Arc<CqInner>,
@@ -48,7 +49,7 @@ pub(crate) struct QpSlot {
 }
 
 impl QpSlot {
-    pub fn new(qp: RcQp, send_cq: Arc<CqInner>, recv_cq: Arc<CqInner>) -> QpSlot {
+    pub fn new(qp: QpEngine, send_cq: Arc<CqInner>, recv_cq: Arc<CqInner>) -> QpSlot {
         QpSlot {
             qpn: qp.qpn(),
             engine: Mutex::new(qp),
@@ -81,6 +82,8 @@ pub struct DeviceStats {
 pub(crate) struct Shared {
     pub mrs: RwLock<MrTable>,
     pub qps: RwLock<HashMap<u32, Arc<QpSlot>>>,
+    /// Address handles: where UD sends go.
+    pub ahs: RwLock<HashMap<u32, SocketAddrV4>>,
     pub stats: DeviceStats,
     socket: UdpSocket,
     local: SocketAddrV4,
@@ -108,6 +111,8 @@ struct TxSlot {
     buf: Vec<u8>,
     pieces: Vec<Segment>,
     t: Transmit,
+    /// UD: the address handle; RC: the QP's peer.
+    ah: Option<AhId>,
 }
 
 thread_local! {
@@ -117,6 +122,7 @@ thread_local! {
                 buf: vec![0u8; MAX_HEADER_LEN + 4096],
                 pieces: Vec::new(),
                 t: Transmit { len: 0, payload_len: 0, pad: 0 },
+                ah: None,
             })
             .collect(),
     );
@@ -142,6 +148,11 @@ impl UdpDevice {
         sock.bind(&SocketAddr::V4(addr).into())?;
         // DF set, and (unconnected) the kernel writes IP ID 0, which the ICRC covers.
         sockopt::set_ip_mtu_discover(&sock, sockopt::Ipv4PathMtuDiscovery::DO)?;
+        // TTL and TOS of received datagrams, for the GRH of UD receives.
+        nix::sys::socket::setsockopt(&sock, nix::sys::socket::sockopt::Ipv4RecvTtl, &true)
+            .map_err(io::Error::from)?;
+        nix::sys::socket::setsockopt(&sock, nix::sys::socket::sockopt::IpRecvTos, &true)
+            .map_err(io::Error::from)?;
         sock.set_nonblocking(true)?;
         let socket: UdpSocket = sock.into();
         let local = match socket.local_addr()? {
@@ -151,6 +162,7 @@ impl UdpDevice {
         let shared = Arc::new(Shared {
             mrs: RwLock::new(MrTable::new()),
             qps: RwLock::new(HashMap::new()),
+            ahs: RwLock::new(HashMap::new()),
             stats: DeviceStats::default(),
             socket,
             local,
@@ -203,7 +215,7 @@ impl Drop for UdpDevice {
 }
 
 /// Moves the QP's completions to its CQs; returns the CQs to signal.
-fn drain_completions(qp: &mut RcQp, slot: &QpSlot, signal: &mut [bool; 2]) {
+fn drain_completions(qp: &mut QpEngine, slot: &QpSlot, signal: &mut [bool; 2]) {
     while let Some((kind, wc)) = qp.poll_completion() {
         let (cq, i) = match kind {
             CqKind::Send => (&slot.send_cq, 0),
@@ -243,8 +255,9 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
                     while n < BATCH {
                         let s = &mut tx[n];
                         match qp.poll_transmit(now, &mrs, &mut s.buf, &mut s.pieces) {
-                            Some(t) => {
+                            Some((t, ah)) => {
                                 s.t = t;
+                                s.ah = ah;
                                 n += 1;
                             }
                             None => break,
@@ -255,9 +268,22 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
                     (n, *slot.peer.lock().expect("peer lock"))
                 };
                 signal_cqs(slot, signal);
-                if let Some(peer) = peer {
-                    for s in &tx[..n] {
-                        send_packet(shared, peer, s);
+                for s in &tx[..n] {
+                    let dest = match s.ah {
+                        Some(ah) => shared
+                            .ahs
+                            .read()
+                            .expect("AH table lock")
+                            .get(&ah.0)
+                            .copied(),
+                        None => peer,
+                    };
+                    match dest {
+                        Some(d) => send_packet(shared, d, s),
+                        // An address handle destroyed with sends in flight.
+                        None => {
+                            shared.stats.send_errors.fetch_add(1, Ordering::Relaxed);
+                        }
                     }
                 }
                 for s in &mut tx[..n] {
@@ -336,6 +362,7 @@ fn send_packet(shared: &Shared, peer: SocketAddrV4, s: &TxSlot) {
 /// The progress thread: receives, runs timers, sleeps in poll(2).
 fn progress(shared: &Arc<Shared>) {
     let mut rx = vec![0u8; RX_BUF];
+    let mut cmsg = nix::cmsg_space!(i32, u8);
     let mut slots: Vec<Arc<QpSlot>> = Vec::new();
     while !shared.stop.load(Ordering::Acquire) {
         // Timers.
@@ -392,19 +419,52 @@ fn progress(shared: &Arc<Shared>) {
             let _ = rustix::io::read(&shared.wake, &mut b);
         }
         // Everything that is there.
-        loop {
-            match shared.socket.recv_from(&mut rx) {
-                Ok((n, SocketAddr::V4(from))) => receive(shared, &rx[..n], from),
-                Ok(_) => {}
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(_) => break,
-            }
+        while let Some((n, from, meta)) = recv(shared, &mut rx, &mut cmsg) {
+            receive(shared, &rx[..n], from, &meta);
         }
     }
 }
 
+/// Receives one datagram, with the TTL and TOS of its IP header (for the GRH
+/// a UD receive gets); `None` when there is none.
+fn recv(
+    shared: &Shared,
+    rx: &mut [u8],
+    cmsg: &mut Vec<u8>,
+) -> Option<(usize, SocketAddrV4, RecvMeta)> {
+    use nix::sys::socket::{ControlMessageOwned, MsgFlags, SockaddrIn, recvmsg};
+    use std::os::fd::AsRawFd;
+    let mut iov = [io::IoSliceMut::new(rx)];
+    let msg = recvmsg::<SockaddrIn>(
+        shared.socket.as_raw_fd(),
+        &mut iov,
+        Some(cmsg),
+        MsgFlags::MSG_DONTWAIT,
+    )
+    .ok()?;
+    let from = SocketAddrV4::from(msg.address?);
+    let (mut ttl, mut tos) = (64, 0);
+    if let Ok(cmsgs) = msg.cmsgs() {
+        for c in cmsgs {
+            match c {
+                ControlMessageOwned::Ipv4Ttl(t) => ttl = t as u8,
+                ControlMessageOwned::Ipv4Tos(t) => tos = t,
+                _ => {}
+            }
+        }
+    }
+    let meta = RecvMeta::V4 {
+        src: from.ip().octets(),
+        dst: shared.local.ip().octets(),
+        tos,
+        ttl,
+        identification: 0,
+    };
+    Some((msg.bytes, from, meta))
+}
+
 /// One datagram: to its QP, if the ICRC holds.
-fn receive(shared: &Shared, packet: &[u8], from: SocketAddrV4) {
+fn receive(shared: &Shared, packet: &[u8], from: SocketAddrV4, meta: &RecvMeta) {
     shared.stats.received.fetch_add(1, Ordering::Relaxed);
     let Ok(h) = bth::Header::new_checked(packet) else {
         shared.stats.no_qp.fetch_add(1, Ordering::Relaxed);
@@ -437,7 +497,7 @@ fn receive(shared: &Shared, packet: &[u8], from: SocketAddrV4) {
     {
         let mrs = shared.mrs.read().expect("MR table lock");
         let mut qp = slot.engine.lock().expect("QP lock");
-        qp.handle_packet(shared.now(), packet, &mrs);
+        qp.handle_packet(shared.now(), packet, meta, &mrs);
         drain_completions(&mut qp, &slot, &mut signal);
     }
     signal_cqs(&slot, signal);

@@ -30,7 +30,11 @@ pub use crate::engine::{
 pub use crate::memory::{Access, AccessError};
 pub use cq::{Cq, CqError};
 
+use crate::engine::QpEngine;
 use crate::engine::rc::RcQp;
+use crate::engine::ud::UdQp;
+pub use crate::engine::ud::UdStats;
+pub use crate::engine::{AhId, UdDest};
 use crate::memory::{Region, RegionMemory};
 use crate::provider::udp::{MAX_SGE, QpSlot, UdpDevice};
 
@@ -136,6 +140,7 @@ impl Device {
             inner: Arc::new(ContextInner {
                 dev,
                 next_pd: AtomicU32::new(1),
+                next_ah: AtomicU32::new(1),
                 next_qpn: Mutex::new(0x11),
                 active_mtu: Mtu::for_link(link_mtu),
             }),
@@ -147,6 +152,7 @@ impl Device {
 struct ContextInner {
     dev: UdpDevice,
     next_pd: AtomicU32,
+    next_ah: AtomicU32,
     next_qpn: Mutex<u32>,
     active_mtu: Mtu,
 }
@@ -305,6 +311,30 @@ impl Pd {
         })
     }
 
+    /// An address handle for UD sends to `attr`.
+    pub fn create_ah(&self, attr: AhAttr) -> Result<Ah> {
+        if attr.addr.ip().is_unspecified() || attr.addr.port() == 0 {
+            return Err(VerbsError::Invalid(format!(
+                "{} is not a destination",
+                attr.addr
+            )));
+        }
+        let id = AhId(self.ctx.inner.next_ah.fetch_add(1, Ordering::Relaxed));
+        self.ctx
+            .inner
+            .dev
+            .shared
+            .ahs
+            .write()
+            .expect("AH table lock")
+            .insert(id.0, attr.addr);
+        Ok(Ah {
+            ctx: self.ctx.clone(),
+            id,
+            attr,
+        })
+    }
+
     /// Registers `len` bytes of zeroed, page-aligned memory the library allocates.
     pub fn register(&self, len: usize, access: Access) -> Result<Mr> {
         Self::check_access(access)?;
@@ -321,9 +351,6 @@ impl Pd {
 
     /// Creates a queue pair in this domain.
     pub fn create_qp(&self, init: &QpInit<'_>) -> Result<Qp> {
-        if init.qp_type != QpType::Rc {
-            return Err(VerbsError::Invalid("only RC queue pairs exist yet".into()));
-        }
         let caps = init.caps;
         if caps.max_send_sge as usize > MAX_SGE || caps.max_recv_sge as usize > MAX_SGE {
             return Err(VerbsError::Invalid(format!(
@@ -350,8 +377,12 @@ impl Pd {
                 }
             }
         };
+        let engine = match init.qp_type {
+            QpType::Rc => QpEngine::Rc(RcQp::new(qpn, self.id, caps)),
+            QpType::Ud => QpEngine::Ud(UdQp::new(qpn, self.id, caps, self.ctx.inner.active_mtu)),
+        };
         let slot = Arc::new(QpSlot::new(
-            RcQp::new(qpn, self.id, caps),
+            engine,
             init.send_cq.inner.clone(),
             init.recv_cq.inner.clone(),
         ));
@@ -360,6 +391,53 @@ impl Pd {
             ctx: self.ctx.clone(),
             slot,
         })
+    }
+}
+
+/// Where an address handle points: a device's IPv4 address and UDP port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AhAttr {
+    /// IPv4 address and UDP port (4791 for rxe and NICs).
+    pub addr: SocketAddrV4,
+}
+
+/// An address handle: a destination for UD sends; destroyed when dropped.
+#[derive(Debug)]
+pub struct Ah {
+    ctx: Context,
+    id: AhId,
+    attr: AhAttr,
+}
+
+impl Ah {
+    /// The handle's number.
+    pub fn id(&self) -> AhId {
+        self.id
+    }
+    /// Where it points.
+    pub fn attr(&self) -> AhAttr {
+        self.attr
+    }
+    /// A UD destination: this address, the remote QP and its Q_Key.
+    pub fn dest(&self, remote_qpn: u32, remote_qkey: u32) -> UdDest {
+        UdDest {
+            ah: self.id,
+            remote_qpn,
+            remote_qkey,
+        }
+    }
+}
+
+impl Drop for Ah {
+    fn drop(&mut self) {
+        self.ctx
+            .inner
+            .dev
+            .shared
+            .ahs
+            .write()
+            .expect("AH table lock")
+            .remove(&self.id.0);
     }
 }
 
@@ -498,6 +576,16 @@ impl<'a> QpInit<'a> {
         }
     }
 
+    /// A UD QP with default capacities.
+    pub fn ud(send_cq: &'a Cq, recv_cq: &'a Cq) -> QpInit<'a> {
+        QpInit {
+            qp_type: QpType::Ud,
+            send_cq,
+            recv_cq,
+            caps: QpCaps::default(),
+        }
+    }
+
     /// With these capacities.
     #[must_use]
     pub fn caps(mut self, caps: QpCaps) -> QpInit<'a> {
@@ -575,9 +663,20 @@ impl Qp {
         self.slot.engine.lock().expect("QP lock").state()
     }
 
-    /// Transport counters.
-    pub fn stats(&self) -> RcStats {
-        self.slot.engine.lock().expect("QP lock").stats()
+    /// Transport counters of an RC QP.
+    pub fn stats(&self) -> Option<RcStats> {
+        match &*self.slot.engine.lock().expect("QP lock") {
+            QpEngine::Rc(q) => Some(q.stats()),
+            QpEngine::Ud(_) => None,
+        }
+    }
+
+    /// Counters of a UD QP.
+    pub fn ud_stats(&self) -> Option<UdStats> {
+        match &*self.slot.engine.lock().expect("QP lock") {
+            QpEngine::Ud(q) => Some(q.stats()),
+            QpEngine::Rc(_) => None,
+        }
     }
 
     /// Posts a send work request; returns at once. For inline sends the

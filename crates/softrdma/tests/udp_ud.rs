@@ -1,0 +1,215 @@
+//! UD over real sockets: one QP talks to 64 peer QPs on eight other devices,
+//! each served by its own thread.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use softrdma::verbs::*;
+use softrdma::wire::grh;
+
+const QKEY: u32 = 0x1111_1111;
+const T: Duration = Duration::from_secs(10);
+
+fn ud_qp(pd: &Pd, cq: &Cq, qkey: u32) -> Qp {
+    ud_qp2(pd, cq, cq, qkey)
+}
+
+fn ud_qp2(pd: &Pd, scq: &Cq, rcq: &Cq, qkey: u32) -> Qp {
+    let qp = pd.create_qp(&QpInit::ud(scq, rcq)).unwrap();
+    qp.modify(
+        &QpAttr {
+            state: Some(QpState::Init),
+            pkey_index: Some(0),
+            port: Some(1),
+            qkey: Some(qkey),
+            ..QpAttr::default()
+        },
+        None,
+    )
+    .unwrap();
+    qp.modify(
+        &QpAttr {
+            state: Some(QpState::Rtr),
+            ..QpAttr::default()
+        },
+        None,
+    )
+    .unwrap();
+    qp.modify(
+        &QpAttr {
+            state: Some(QpState::Rts),
+            sq_psn: Some(0),
+            ..QpAttr::default()
+        },
+        None,
+    )
+    .unwrap();
+    qp
+}
+
+#[test]
+fn one_ud_qp_and_sixty_four_peers() {
+    let center = Device::udp("127.0.0.1:0".parse().unwrap()).open().unwrap();
+    let pd = center.alloc_pd().unwrap();
+    let mr = pd.register(1 << 20, Access::LOCAL_WRITE).unwrap();
+    let cq = center.create_cq(1024).unwrap();
+    let qp = ud_qp(&pd, &cq, QKEY);
+    let center_addr = center.local_addr();
+    let center_qpn = qp.qpn();
+    // Eight devices, eight UD QPs each; each device's thread echoes what it gets.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut threads = vec![];
+    for d in 0..8 {
+        let tx = tx.clone();
+        threads.push(std::thread::spawn(move || {
+            let ctx = Device::udp("127.0.0.1:0".parse().unwrap()).open().unwrap();
+            let pd = ctx.alloc_pd().unwrap();
+            let mr = pd.register(64 * 1024, Access::LOCAL_WRITE).unwrap();
+            let cq = ctx.create_cq(256).unwrap();
+            let scq = ctx.create_cq(256).unwrap();
+            let qps: Vec<Qp> = (0..8).map(|_| ud_qp2(&pd, &scq, &cq, QKEY)).collect();
+            for (i, q) in qps.iter().enumerate() {
+                q.post_recv(RecvWr {
+                    wr_id: i as u64,
+                    sgl: vec![mr.sge(i * 1024, 40 + 256)],
+                })
+                .unwrap();
+            }
+            let back = pd.create_ah(AhAttr { addr: center_addr }).unwrap();
+            tx.send((
+                d,
+                ctx.local_addr(),
+                qps.iter().map(Qp::qpn).collect::<Vec<_>>(),
+            ))
+            .unwrap();
+            // Answer each datagram: its payload, then this QP's number.
+            for _ in 0..8 {
+                let wc = cq.wait(T).unwrap().expect("a ping");
+                assert_eq!(wc.status, WcStatus::Success);
+                assert!(wc.grh, "{wc:?}");
+                assert_eq!(wc.src_qp, center_qpn);
+                let i = wc.wr_id as usize;
+                let area = mr.read_vec(i * 1024, 40).unwrap();
+                let g = grh::Repr::parse(&grh::Header::new_checked(&area[..]).unwrap()).unwrap();
+                assert_eq!(g.sgid(), grh::ipv4_mapped(center_addr.ip().octets()));
+                let len = wc.byte_len as usize - 40;
+                let mut msg = mr.read_vec(i * 1024 + 40, len).unwrap();
+                msg.extend_from_slice(&qps[i].qpn().to_be_bytes());
+                mr.write(32 * 1024 + i * 1024, &msg).unwrap();
+                let wr = SendWr::new(
+                    100 + i as u64,
+                    SendOp::Send,
+                    vec![mr.sge(32 * 1024 + i * 1024, msg.len() as u32)],
+                )
+                .to(back.dest(center_qpn, QKEY));
+                qps[i].post_send(wr).unwrap();
+            }
+            // The sends' completions.
+            for _ in 0..8 {
+                assert_eq!(
+                    scq.wait(T).unwrap().expect("send done").status,
+                    WcStatus::Success
+                );
+            }
+        }));
+    }
+    let mut peers = vec![];
+    let mut ahs = vec![];
+    for _ in 0..8 {
+        let (_, addr, qpns) = rx.recv().unwrap();
+        let ah = Arc::new(pd.create_ah(AhAttr { addr }).unwrap());
+        for q in qpns {
+            peers.push((ah.clone(), q));
+        }
+        ahs.push(ah);
+    }
+    assert_eq!(peers.len(), 64);
+    for k in 0..64 {
+        qp.post_recv(RecvWr {
+            wr_id: 1000 + k,
+            sgl: vec![mr.sge(k as usize * 1024, 40 + 256)],
+        })
+        .unwrap();
+    }
+    for (k, (ah, q)) in peers.iter().enumerate() {
+        let msg = format!("ping {k:02} to qp {q:#x}");
+        mr.write(512 * 1024 + k * 256, msg.as_bytes()).unwrap();
+        let wr = SendWr::new(
+            k as u64,
+            SendOp::Send,
+            vec![mr.sge(512 * 1024 + k * 256, msg.len() as u32)],
+        )
+        .unsignaled()
+        .to(ah.dest(*q, QKEY));
+        qp.post_send(wr).unwrap();
+    }
+    let mut answered = std::collections::BTreeSet::new();
+    while answered.len() < 64 {
+        let wc = cq.wait(T).unwrap().expect("a pong");
+        assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
+        let slot = (wc.wr_id - 1000) as usize;
+        let body = mr
+            .read_vec(slot * 1024 + 40, wc.byte_len as usize - 40)
+            .unwrap();
+        let (text, qpn) = body.split_at(body.len() - 4);
+        let qpn = u32::from_be_bytes(qpn.try_into().unwrap());
+        let text = String::from_utf8(text.to_vec()).unwrap();
+        let k: usize = text[5..7].parse().unwrap();
+        assert_eq!(text, format!("ping {k:02} to qp {qpn:#x}"));
+        assert_eq!(
+            peers[k].1, qpn,
+            "the answer came from the QP the ping went to"
+        );
+        assert_eq!(wc.src_qp, qpn);
+        assert!(answered.insert(k), "answer {k} twice");
+    }
+    for t in threads {
+        t.join().unwrap();
+    }
+    assert_eq!(qp.ud_stats().unwrap().sent, 64);
+}
+
+#[test]
+fn qkey_mismatch_and_oversize_over_sockets() {
+    let ctx = Device::udp("127.0.0.1:0".parse().unwrap()).open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let mr = pd.register(1 << 16, Access::LOCAL_WRITE).unwrap();
+    let cq = ctx.create_cq(64).unwrap();
+    let a = ud_qp(&pd, &cq, QKEY);
+    let b = ud_qp(&pd, &cq, 0x2222);
+    let ah = pd
+        .create_ah(AhAttr {
+            addr: ctx.local_addr(),
+        })
+        .unwrap();
+    b.post_recv(RecvWr {
+        wr_id: 1,
+        sgl: vec![mr.sge(0, 40 + 8)],
+    })
+    .unwrap();
+    // Wrong Q_Key: dropped, counted, the receive stays.
+    a.post_send(SendWr::new(2, SendOp::Send, vec![mr.sge(4096, 4)]).to(ah.dest(b.qpn(), QKEY)))
+        .unwrap();
+    assert_eq!(cq.wait(T).unwrap().unwrap().wr_id, 2);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(b.ud_stats().unwrap().qkey_mismatch, 1);
+    // Too big for the buffer: LOC_LEN_ERR, and the QP goes on.
+    a.post_send(SendWr::new(3, SendOp::Send, vec![mr.sge(4096, 9)]).to(ah.dest(b.qpn(), 0x2222)))
+        .unwrap();
+    let mut got = vec![];
+    for _ in 0..2 {
+        let wc = cq.wait(T).unwrap().unwrap();
+        got.push((wc.wr_id, wc.status));
+    }
+    got.sort_by_key(|g| g.0);
+    assert_eq!(got, [(1, WcStatus::LocLenErr), (3, WcStatus::Success)]);
+    assert_eq!(b.state(), QpState::Rts);
+    // Longer than the MTU: refused on the call.
+    let big = pd.register(8192, Access::LOCAL_WRITE).unwrap();
+    let e = a
+        .post_send(
+            SendWr::new(4, SendOp::Send, vec![big.sge(0, 4097)]).to(ah.dest(b.qpn(), 0x2222)),
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("does not fit"), "{e}");
+}
