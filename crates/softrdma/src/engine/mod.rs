@@ -428,6 +428,8 @@ pub(crate) fn scatter(segs: &[Segment], mut off: usize, mut data: &[u8]) {
 }
 
 /// A queue pair's transport, whichever type it is: what a provider drives.
+// One per QP, kept in place behind a lock: the size difference costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum QpEngine {
     /// Reliable connected.

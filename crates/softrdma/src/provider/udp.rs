@@ -430,7 +430,7 @@ fn progress(shared: &Arc<Shared>) {
 fn recv(
     shared: &Shared,
     rx: &mut [u8],
-    cmsg: &mut Vec<u8>,
+    cmsg: &mut [u8],
 ) -> Option<(usize, SocketAddrV4, RecvMeta)> {
     use nix::sys::socket::{ControlMessageOwned, MsgFlags, SockaddrIn, recvmsg};
     use std::os::fd::AsRawFd;
