@@ -7,6 +7,7 @@
 pub mod qp;
 pub mod rc;
 pub mod sim;
+pub mod srq;
 pub mod ud;
 
 use std::fmt;
@@ -322,6 +323,16 @@ pub struct WorkCompletion {
     pub solicited: bool,
 }
 
+/// Asynchronous events a QP raises (`ibv_get_async_event`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QpEvent {
+    /// The QP went to ERR because of an error (IBV_EVENT_QP_FATAL and friends).
+    Fatal,
+    /// A QP on an SRQ went to ERR: no more receives will be taken for it
+    /// (IBV_EVENT_QP_LAST_WQE_REACHED).
+    LastWqeReached,
+}
+
 /// Which completion queue a completion goes to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CqKind {
@@ -527,6 +538,13 @@ impl QpEngine {
         match self {
             QpEngine::Rc(q) => q.poll_completion(),
             QpEngine::Ud(q) => q.poll_completion(),
+        }
+    }
+    /// The next asynchronous event.
+    pub fn poll_event(&mut self) -> Option<QpEvent> {
+        match self {
+            QpEngine::Rc(q) => q.poll_event(),
+            QpEngine::Ud(q) => q.poll_event(),
         }
     }
 }

@@ -6,13 +6,16 @@
 //! it so); the completion's byte length counts those 40 bytes.
 
 use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
 
 use softrdma_wire::opcode::Transport;
 use softrdma_wire::packet::{Packet, Repr};
 use softrdma_wire::{Opcode, Psn, bth, deth, grh};
 
+use super::QpEvent;
 use super::qp::{Mtu, QpAttr, QpType, TransitionError, check_transition};
 use super::rc::QpCaps;
+use super::srq::Srq;
 use super::{
     AhId, CqKind, PostError, QpState, RecvWr, SendOp, SendWr, Transmit, WcOpcode, WcStatus,
     WorkCompletion,
@@ -97,6 +100,8 @@ pub struct UdQp {
     rq: VecDeque<RecvWr>,
     completions: VecDeque<(CqKind, WorkCompletion)>,
     stats: UdStats,
+    srq: Option<Arc<Mutex<Srq>>>,
+    events: VecDeque<QpEvent>,
 }
 
 impl UdQp {
@@ -114,7 +119,21 @@ impl UdQp {
             rq: VecDeque::new(),
             completions: VecDeque::new(),
             stats: UdStats::default(),
+            srq: None,
+            events: VecDeque::new(),
         }
+    }
+
+    /// A UD QP in RESET that takes its receives from `srq`.
+    pub fn with_srq(qpn: u32, pd: PdId, caps: QpCaps, mtu: Mtu, srq: Arc<Mutex<Srq>>) -> UdQp {
+        let mut q = UdQp::new(qpn, pd, caps, mtu);
+        q.srq = Some(srq);
+        q
+    }
+
+    /// The next asynchronous event.
+    pub fn poll_event(&mut self) -> Option<QpEvent> {
+        self.events.pop_front()
     }
 
     /// QP number.
@@ -164,14 +183,12 @@ impl UdQp {
         }
         match to {
             QpState::Reset => {
-                *self = UdQp::new(
-                    self.qpn,
-                    self.pd,
-                    self.caps,
-                    Mtu::from_bytes(self.mtu).unwrap_or(Mtu::Mtu1024),
-                );
+                let mtu = Mtu::from_bytes(self.mtu).unwrap_or(Mtu::Mtu1024);
+                let mut fresh = UdQp::new(self.qpn, self.pd, self.caps, mtu);
+                fresh.srq = self.srq.take();
+                *self = fresh;
             }
-            QpState::Err => self.enter_error(),
+            QpState::Err => self.enter_error(false),
             _ => self.state = to,
         }
         Ok(())
@@ -191,7 +208,16 @@ impl UdQp {
         }
     }
 
-    fn enter_error(&mut self) {
+    fn enter_error(&mut self, fatal: bool) {
+        if self.state == QpState::Err {
+            return;
+        }
+        if fatal {
+            self.events.push_back(QpEvent::Fatal);
+        }
+        if self.srq.is_some() {
+            self.events.push_back(QpEvent::LastWqeReached);
+        }
         self.state = QpState::Err;
         self.flush_sq();
         while let Some(r) = self.rq.pop_front() {
@@ -257,6 +283,11 @@ impl UdQp {
 
     /// Posts a receive; its buffer must hold the 40-byte GRH area first.
     pub fn post_recv(&mut self, wr: RecvWr) -> Result<(), PostError> {
+        if self.srq.is_some() {
+            return Err(PostError::Unsupported(
+                "this QP takes its receives from a shared receive queue: post them there",
+            ));
+        }
         if self.state == QpState::Reset {
             return Err(PostError::BadState(self.state));
         }
@@ -373,7 +404,11 @@ impl UdQp {
             self.stats.qkey_mismatch += 1;
             return;
         }
-        let Some(wqe) = self.rq.pop_front() else {
+        let next = match &self.srq {
+            Some(s) => s.lock().expect("SRQ lock").take(),
+            None => self.rq.pop_front(),
+        };
+        let Some(wqe) = next else {
             self.stats.no_receive += 1;
             return;
         };
@@ -388,7 +423,7 @@ impl UdQp {
                 Err(_) => {
                     let wc = self.wc(wqe.wr_id, WcStatus::LocProtErr, WcOpcode::Recv);
                     self.completions.push_back((CqKind::Recv, wc));
-                    self.enter_error();
+                    self.enter_error(true);
                     return;
                 }
             }

@@ -22,10 +22,12 @@ use softrdma_wire::icrc::{self, Icrc, Ipv4Pseudo};
 use softrdma_wire::{ROCEV2_UDP_PORT, bth};
 
 use crate::engine::rc::MAX_HEADER_LEN;
+use crate::engine::srq::Srq;
 use crate::engine::ud::RecvMeta;
 use crate::engine::{AhId, CqKind, QpEngine, Time, Transmit};
 use crate::memory::{MrTable, Segment};
 use crate::verbs::cq::CqInner;
+use crate::verbs::events::{AsyncEvent, EventQueue};
 
 /// Packets taken from a QP under its lock before they are sent without it.
 const BATCH: usize = 16;
@@ -44,18 +46,26 @@ pub(crate) struct QpSlot {
     pub peer: Mutex<Option<SocketAddrV4>>,
     pub send_cq: Arc<CqInner>,
     pub recv_cq: Arc<CqInner>,
+    /// The SRQ the QP takes receives from, with its number.
+    pub srq: Option<(u32, Arc<Mutex<Srq>>)>,
     tx_busy: AtomicBool,
     tx_again: AtomicBool,
 }
 
 impl QpSlot {
-    pub fn new(qp: QpEngine, send_cq: Arc<CqInner>, recv_cq: Arc<CqInner>) -> QpSlot {
+    pub fn new(
+        qp: QpEngine,
+        send_cq: Arc<CqInner>,
+        recv_cq: Arc<CqInner>,
+        srq: Option<(u32, Arc<Mutex<Srq>>)>,
+    ) -> QpSlot {
         QpSlot {
             qpn: qp.qpn(),
             engine: Mutex::new(qp),
             peer: Mutex::new(None),
             send_cq,
             recv_cq,
+            srq,
             tx_busy: AtomicBool::new(false),
             tx_again: AtomicBool::new(false),
         }
@@ -84,6 +94,9 @@ pub(crate) struct Shared {
     pub qps: RwLock<HashMap<u32, Arc<QpSlot>>>,
     /// Address handles: where UD sends go.
     pub ahs: RwLock<HashMap<u32, SocketAddrV4>>,
+    /// Asynchronous events.
+    pub events: Arc<EventQueue>,
+    port_up: AtomicBool,
     pub stats: DeviceStats,
     socket: UdpSocket,
     local: SocketAddrV4,
@@ -163,6 +176,8 @@ impl UdpDevice {
             mrs: RwLock::new(MrTable::new()),
             qps: RwLock::new(HashMap::new()),
             ahs: RwLock::new(HashMap::new()),
+            events: Arc::new(EventQueue::new()?),
+            port_up: AtomicBool::new(true),
             stats: DeviceStats::default(),
             socket,
             local,
@@ -172,6 +187,7 @@ impl UdpDevice {
             stop: AtomicBool::new(false),
             busy_poll: AtomicBool::new(busy_poll),
         });
+        shared.events.push(AsyncEvent::PortActive);
         let s = shared.clone();
         let thread = std::thread::Builder::new()
             .name(format!("softrdma-{}", local))
@@ -214,14 +230,33 @@ impl Drop for UdpDevice {
     }
 }
 
-/// Moves the QP's completions to its CQs; returns the CQs to signal.
-fn drain_completions(qp: &mut QpEngine, slot: &QpSlot, signal: &mut [bool; 2]) {
+/// Moves the QP's completions to its CQs (noting the CQs to signal) and its
+/// asynchronous events, and its SRQ's, to the device's event queue.
+fn drain_completions(
+    qp: &mut QpEngine,
+    slot: &QpSlot,
+    events: &EventQueue,
+    signal: &mut [bool; 2],
+) {
     while let Some((kind, wc)) = qp.poll_completion() {
         let (cq, i) = match kind {
             CqKind::Send => (&slot.send_cq, 0),
             CqKind::Recv => (&slot.recv_cq, 1),
         };
         signal[i] |= cq.push(wc);
+    }
+    while let Some(e) = qp.poll_event() {
+        events.push(match e {
+            crate::engine::QpEvent::Fatal => AsyncEvent::QpFatal { qpn: slot.qpn },
+            crate::engine::QpEvent::LastWqeReached => {
+                AsyncEvent::QpLastWqeReached { qpn: slot.qpn }
+            }
+        });
+    }
+    if let Some((id, srq)) = &slot.srq
+        && srq.lock().expect("SRQ lock").take_limit_event()
+    {
+        events.push(AsyncEvent::SrqLimitReached { srq: *id });
     }
 }
 
@@ -263,7 +298,7 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
                             None => break,
                         }
                     }
-                    drain_completions(&mut qp, slot, &mut signal);
+                    drain_completions(&mut qp, slot, &shared.events, &mut signal);
                     timer = qp.poll_timeout();
                     (n, *slot.peer.lock().expect("peer lock"))
                 };
@@ -350,11 +385,22 @@ fn send_packet(shared: &Shared, peer: SocketAddrV4, s: &TxSlot) {
     ) {
         Ok(_) => {
             shared.stats.sent.fetch_add(1, Ordering::Relaxed);
+            if !shared.port_up.swap(true, Ordering::AcqRel) {
+                shared.events.push(AsyncEvent::PortActive);
+            }
         }
-        Err(_) => {
+        Err(e) => {
             // A full socket buffer or an unreachable peer: the packet is lost,
             // and the transport retransmits as for any loss.
             shared.stats.send_errors.fetch_add(1, Ordering::Relaxed);
+            // The device's own address gone, or its network: the port is down.
+            if matches!(
+                e,
+                rustix::io::Errno::ADDRNOTAVAIL | rustix::io::Errno::NETDOWN
+            ) && shared.port_up.swap(false, Ordering::AcqRel)
+            {
+                shared.events.push(AsyncEvent::PortDown);
+            }
         }
     }
 }
@@ -377,7 +423,7 @@ fn progress(shared: &Arc<Shared>) {
                     Some(t) if t <= now => {
                         qp.handle_timeout(now);
                         let mut signal = [false; 2];
-                        drain_completions(&mut qp, slot, &mut signal);
+                        drain_completions(&mut qp, slot, &shared.events, &mut signal);
                         drop(qp);
                         signal_cqs(slot, signal);
                         true
@@ -498,7 +544,7 @@ fn receive(shared: &Shared, packet: &[u8], from: SocketAddrV4, meta: &RecvMeta) 
         let mrs = shared.mrs.read().expect("MR table lock");
         let mut qp = slot.engine.lock().expect("QP lock");
         qp.handle_packet(shared.now(), packet, meta, &mrs);
-        drain_completions(&mut qp, &slot, &mut signal);
+        drain_completions(&mut qp, &slot, &shared.events, &mut signal);
     }
     signal_cqs(&slot, signal);
     transmit(shared, &slot);

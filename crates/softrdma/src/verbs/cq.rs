@@ -31,6 +31,10 @@ struct State {
 /// The shared part of a CQ, which the provider fills.
 #[derive(Debug)]
 pub(crate) struct CqInner {
+    /// The CQ's number, for events.
+    pub(crate) id: u32,
+    /// Where a CQ error is reported.
+    events: Option<std::sync::Arc<super::events::EventQueue>>,
     capacity: usize,
     state: Mutex<State>,
     overrun: AtomicBool,
@@ -39,8 +43,14 @@ pub(crate) struct CqInner {
 }
 
 impl CqInner {
-    pub(crate) fn new(capacity: usize) -> std::io::Result<CqInner> {
+    pub(crate) fn new(
+        capacity: usize,
+        id: u32,
+        events: Option<std::sync::Arc<super::events::EventQueue>>,
+    ) -> std::io::Result<CqInner> {
         Ok(CqInner {
+            id,
+            events,
             capacity,
             state: Mutex::new(State {
                 queue: VecDeque::with_capacity(capacity.min(4096)),
@@ -57,7 +67,11 @@ impl CqInner {
     pub(crate) fn push(&self, wc: WorkCompletion) -> bool {
         let mut s = self.state.lock().expect("CQ lock");
         if s.queue.len() >= self.capacity {
-            self.overrun.store(true, Ordering::Release);
+            if !self.overrun.swap(true, Ordering::AcqRel)
+                && let Some(e) = &self.events
+            {
+                e.push(super::events::AsyncEvent::CqError { cq: self.id });
+            }
             return false;
         }
         s.queue.push_back(wc);
@@ -88,10 +102,19 @@ pub struct Cq {
 }
 
 impl Cq {
-    pub(crate) fn new(capacity: usize) -> std::io::Result<Cq> {
+    pub(crate) fn new(
+        capacity: usize,
+        id: u32,
+        events: Option<Arc<super::events::EventQueue>>,
+    ) -> std::io::Result<Cq> {
         Ok(Cq {
-            inner: Arc::new(CqInner::new(capacity)?),
+            inner: Arc::new(CqInner::new(capacity, id, events)?),
         })
+    }
+
+    /// The CQ's number (as async events name it).
+    pub fn id(&self) -> u32 {
+        self.inner.id
     }
 
     /// How many completions the CQ holds.

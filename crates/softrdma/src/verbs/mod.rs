@@ -15,6 +15,7 @@
 //! ```
 
 pub(crate) mod cq;
+pub(crate) mod events;
 
 use std::fmt;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
@@ -29,6 +30,7 @@ pub use crate::engine::{
 };
 pub use crate::memory::{Access, AccessError};
 pub use cq::{Cq, CqError};
+pub use events::AsyncEvent;
 
 use crate::engine::QpEngine;
 use crate::engine::rc::RcQp;
@@ -141,6 +143,8 @@ impl Device {
                 dev,
                 next_pd: AtomicU32::new(1),
                 next_ah: AtomicU32::new(1),
+                next_cq: AtomicU32::new(1),
+                next_srq: AtomicU32::new(1),
                 next_qpn: Mutex::new(0x11),
                 active_mtu: Mtu::for_link(link_mtu),
             }),
@@ -153,6 +157,8 @@ struct ContextInner {
     dev: UdpDevice,
     next_pd: AtomicU32,
     next_ah: AtomicU32,
+    next_cq: AtomicU32,
+    next_srq: AtomicU32,
     next_qpn: Mutex<u32>,
     active_mtu: Mtu,
 }
@@ -237,7 +243,26 @@ impl Context {
                 "CQ capacity {capacity} is outside 1..=4194304"
             )));
         }
-        Cq::new(capacity).map_err(io_err("cannot create a completion queue"))
+        let id = self.inner.next_cq.fetch_add(1, Ordering::Relaxed);
+        Cq::new(capacity, id, Some(self.inner.dev.shared.events.clone()))
+            .map_err(io_err("cannot create a completion queue"))
+    }
+
+    /// The next asynchronous event, if one is waiting (`ibv_get_async_event`
+    /// without blocking; events need no acknowledging).
+    pub fn poll_async_event(&self) -> Option<AsyncEvent> {
+        self.inner.dev.shared.events.poll()
+    }
+
+    /// Waits up to `timeout` for an asynchronous event.
+    pub fn wait_async_event(&self, timeout: std::time::Duration) -> Option<AsyncEvent> {
+        self.inner.dev.shared.events.wait(timeout)
+    }
+
+    /// A descriptor that is readable while asynchronous events wait (epoll/tokio).
+    pub fn async_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.inner.dev.shared.events.as_fd()
     }
 }
 
@@ -311,6 +336,20 @@ impl Pd {
         })
     }
 
+    /// A shared receive queue of `max_wr` receives with up to `max_sge` SGEs.
+    pub fn create_srq(&self, max_wr: u32, max_sge: u32) -> Result<Srq> {
+        if max_wr == 0 || max_wr > 1 << 16 || max_sge as usize > MAX_SGE {
+            return Err(VerbsError::Invalid(format!(
+                "an SRQ needs 1..=65536 receives and at most {MAX_SGE} SGEs each"
+            )));
+        }
+        Ok(Srq {
+            _ctx: self.ctx.clone(),
+            id: self.ctx.inner.next_srq.fetch_add(1, Ordering::Relaxed),
+            inner: Arc::new(Mutex::new(crate::engine::srq::Srq::new(max_wr, max_sge))),
+        })
+    }
+
     /// An address handle for UD sends to `attr`.
     pub fn create_ah(&self, attr: AhAttr) -> Result<Ah> {
         if attr.addr.ip().is_unspecified() || attr.addr.port() == 0 {
@@ -377,20 +416,61 @@ impl Pd {
                 }
             }
         };
-        let engine = match init.qp_type {
-            QpType::Rc => QpEngine::Rc(RcQp::new(qpn, self.id, caps)),
-            QpType::Ud => QpEngine::Ud(UdQp::new(qpn, self.id, caps, self.ctx.inner.active_mtu)),
+        let mtu = self.ctx.inner.active_mtu;
+        let engine = match (init.qp_type, init.srq) {
+            (QpType::Rc, None) => QpEngine::Rc(RcQp::new(qpn, self.id, caps)),
+            (QpType::Rc, Some(s)) => {
+                QpEngine::Rc(RcQp::with_srq(qpn, self.id, caps, s.inner.clone()))
+            }
+            (QpType::Ud, None) => QpEngine::Ud(UdQp::new(qpn, self.id, caps, mtu)),
+            (QpType::Ud, Some(s)) => {
+                QpEngine::Ud(UdQp::with_srq(qpn, self.id, caps, mtu, s.inner.clone()))
+            }
         };
         let slot = Arc::new(QpSlot::new(
             engine,
             init.send_cq.inner.clone(),
             init.recv_cq.inner.clone(),
+            init.srq.map(|s| (s.id, s.inner.clone())),
         ));
         qps.insert(qpn, slot.clone());
         Ok(Qp {
             ctx: self.ctx.clone(),
             slot,
         })
+    }
+}
+
+/// A shared receive queue: receives that several QPs draw from.
+#[derive(Debug)]
+pub struct Srq {
+    /// Keeps the device open while the SRQ lives.
+    _ctx: Context,
+    id: u32,
+    inner: Arc<Mutex<crate::engine::srq::Srq>>,
+}
+
+impl Srq {
+    /// The SRQ's number (as async events name it).
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// Posts a receive any QP on the SRQ may take.
+    pub fn post_recv(&self, wr: RecvWr) -> Result<()> {
+        Ok(self.inner.lock().expect("SRQ lock").post_recv(wr)?)
+    }
+
+    /// Arms the limit (`ibv_modify_srq`): one [`AsyncEvent::SrqLimitReached`]
+    /// when fewer than `limit` receives remain; 0 disarms.
+    pub fn arm_limit(&self, limit: u32) -> Result<()> {
+        Ok(self.inner.lock().expect("SRQ lock").arm_limit(limit)?)
+    }
+
+    /// Receives waiting, the armed limit (0: none) and the size.
+    pub fn query(&self) -> (usize, u32, u32) {
+        let s = self.inner.lock().expect("SRQ lock");
+        (s.len(), s.limit(), s.max_wr())
     }
 }
 
@@ -563,6 +643,8 @@ pub struct QpInit<'a> {
     pub recv_cq: &'a Cq,
     /// Capacities.
     pub caps: QpCaps,
+    /// Take receives from this shared receive queue.
+    pub srq: Option<&'a Srq>,
 }
 
 impl<'a> QpInit<'a> {
@@ -573,6 +655,7 @@ impl<'a> QpInit<'a> {
             send_cq,
             recv_cq,
             caps: QpCaps::default(),
+            srq: None,
         }
     }
 
@@ -583,6 +666,7 @@ impl<'a> QpInit<'a> {
             send_cq,
             recv_cq,
             caps: QpCaps::default(),
+            srq: None,
         }
     }
 
@@ -590,6 +674,13 @@ impl<'a> QpInit<'a> {
     #[must_use]
     pub fn caps(mut self, caps: QpCaps) -> QpInit<'a> {
         self.caps = caps;
+        self
+    }
+
+    /// Taking its receives from `srq`.
+    #[must_use]
+    pub fn srq(mut self, srq: &'a Srq) -> QpInit<'a> {
+        self.srq = Some(srq);
         self
     }
 }

@@ -12,13 +12,17 @@ mod requester;
 mod responder;
 
 use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use softrdma_wire::opcode::{Operation, Transport};
 use softrdma_wire::packet::Packet;
 
 use super::qp::{QpAttr, QpType, TransitionError, check_transition};
-use super::{CqKind, PostError, QpState, RecvWr, SendWr, Time, Transmit, WcStatus, WorkCompletion};
+use super::srq::Srq;
+use super::{
+    CqKind, PostError, QpEvent, QpState, RecvWr, SendWr, Time, Transmit, WcStatus, WorkCompletion,
+};
 use crate::memory::{Access, MrTable, PdId, Segment};
 
 pub use super::qp::Mtu;
@@ -104,6 +108,9 @@ pub struct RcQp {
     resp: responder::Responder,
     completions: VecDeque<(CqKind, WorkCompletion)>,
     stats: RcStats,
+    /// Receives come from here instead of the QP's own queue.
+    srq: Option<Arc<Mutex<Srq>>>,
+    events: VecDeque<QpEvent>,
 }
 
 impl RcQp {
@@ -127,7 +134,21 @@ impl RcQp {
             resp: responder::Responder::default(),
             completions: VecDeque::new(),
             stats: RcStats::default(),
+            srq: None,
+            events: VecDeque::new(),
         }
+    }
+
+    /// A QP in RESET that takes its receives from `srq`.
+    pub fn with_srq(qpn: u32, pd: PdId, caps: QpCaps, srq: Arc<Mutex<Srq>>) -> RcQp {
+        let mut q = RcQp::new(qpn, pd, caps);
+        q.srq = Some(srq);
+        q
+    }
+
+    /// The next asynchronous event.
+    pub fn poll_event(&mut self) -> Option<QpEvent> {
+        self.events.pop_front()
     }
 
     /// QP number.
@@ -223,10 +244,11 @@ impl RcQp {
         }
         match to {
             QpState::Reset => {
-                let keep = (self.qpn, self.pd, self.caps);
-                *self = RcQp::new(keep.0, keep.1, keep.2);
+                let mut fresh = RcQp::new(self.qpn, self.pd, self.caps);
+                fresh.srq = self.srq.take();
+                *self = fresh;
             }
-            QpState::Err => self.enter_error(),
+            QpState::Err => self.go_to_error(false),
             _ => self.state = to,
         }
         Ok(())
@@ -358,15 +380,41 @@ impl RcQp {
         }
     }
 
-    /// Moves to ERR: everything outstanding is flushed, only a pending NAK
-    /// still goes out.
+    /// Moves to ERR because of an error: everything outstanding is flushed,
+    /// only a pending NAK still goes out.
     fn enter_error(&mut self) {
+        self.go_to_error(true);
+    }
+
+    fn go_to_error(&mut self, fatal: bool) {
         if self.state == QpState::Err {
             return;
         }
         self.state = QpState::Err;
         self.req_flush();
         self.resp_flush();
+        if fatal {
+            self.events.push_back(QpEvent::Fatal);
+        }
+        if self.srq.is_some() {
+            self.events.push_back(QpEvent::LastWqeReached);
+        }
+    }
+
+    /// The next receive WQE: from the SRQ if the QP has one.
+    fn next_recv(&mut self) -> Option<RecvWr> {
+        match &self.srq {
+            Some(s) => s.lock().expect("SRQ lock").take(),
+            None => self.resp.rq.pop_front(),
+        }
+    }
+
+    /// Whether a receive WQE is waiting.
+    fn has_recv(&self) -> bool {
+        match &self.srq {
+            Some(s) => !s.lock().expect("SRQ lock").is_empty(),
+            None => !self.resp.rq.is_empty(),
+        }
     }
 }
 

@@ -92,6 +92,11 @@ struct Refusal(NakCode);
 
 impl RcQp {
     pub(super) fn resp_post(&mut self, wr: RecvWr) -> Result<(), PostError> {
+        if self.srq.is_some() {
+            return Err(PostError::Unsupported(
+                "this QP takes its receives from a shared receive queue: post them there",
+            ));
+        }
         if self.state == QpState::Reset {
             return Err(PostError::BadState(self.state));
         }
@@ -275,7 +280,7 @@ impl RcQp {
 
     /// Takes the next receive WQE with its buffers resolved, or RNR-NAKs.
     fn take_recv(&mut self, mrs: &MrTable) -> Result<Option<(RecvWr, Vec<Segment>, u64)>, Refusal> {
-        let Some(wqe) = self.resp.rq.pop_front() else {
+        let Some(wqe) = self.next_recv() else {
             self.stats.rnr_naks_sent += 1;
             let epsn = self.resp.epsn;
             self.queue_nak(
@@ -383,7 +388,7 @@ impl RcQp {
         // WRITE with immediate consumes a receive WQE at its last packet; ask
         // for one before touching memory so that an RNR retry finds it unchanged.
         let needs_recv = info.has_immediate();
-        if needs_recv && self.resp.rq.is_empty() {
+        if needs_recv && !self.has_recv() {
             self.take_recv(mrs)?;
             return Ok(());
         }

@@ -1,0 +1,110 @@
+//! Asynchronous events of a device (`ibv_get_async_event`): a queue with a
+//! blocking wait and an eventfd that becomes readable when events are waiting.
+
+use std::collections::VecDeque;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use rustix::event::{EventfdFlags, eventfd};
+
+/// An asynchronous event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AsyncEvent {
+    /// A QP went to ERR because of an error (IBV_EVENT_QP_FATAL).
+    QpFatal {
+        /// The QP.
+        qpn: u32,
+    },
+    /// A QP on an SRQ went to ERR; it takes no more receives
+    /// (IBV_EVENT_QP_LAST_WQE_REACHED).
+    QpLastWqeReached {
+        /// The QP.
+        qpn: u32,
+    },
+    /// A CQ overran: completions were lost (IBV_EVENT_CQ_ERR).
+    CqError {
+        /// The CQ's number.
+        cq: u32,
+    },
+    /// An SRQ fell below its armed limit (IBV_EVENT_SRQ_LIMIT_REACHED); the
+    /// limit is disarmed until armed again.
+    SrqLimitReached {
+        /// The SRQ's number.
+        srq: u32,
+    },
+    /// The port is up (IBV_EVENT_PORT_ACTIVE).
+    PortActive,
+    /// The port went down: the device's address is gone or unreachable
+    /// (IBV_EVENT_PORT_ERR).
+    PortDown,
+}
+
+/// The event queue of a device.
+#[derive(Debug)]
+pub(crate) struct EventQueue {
+    queue: Mutex<VecDeque<AsyncEvent>>,
+    ready: Condvar,
+    fd: OwnedFd,
+}
+
+/// Events kept at most; older ones are dropped first (an application that never
+/// reads events must not grow memory without bound).
+const MAX_EVENTS: usize = 4096;
+
+impl EventQueue {
+    pub(crate) fn new() -> std::io::Result<EventQueue> {
+        Ok(EventQueue {
+            queue: Mutex::new(VecDeque::new()),
+            ready: Condvar::new(),
+            fd: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?,
+        })
+    }
+
+    pub(crate) fn push(&self, e: AsyncEvent) {
+        let mut q = self.queue.lock().expect("event lock");
+        if q.len() >= MAX_EVENTS {
+            q.pop_front();
+        }
+        q.push_back(e);
+        drop(q);
+        self.ready.notify_all();
+        let _ = rustix::io::write(&self.fd, &1u64.to_ne_bytes());
+    }
+
+    pub(crate) fn poll(&self) -> Option<AsyncEvent> {
+        let mut q = self.queue.lock().expect("event lock");
+        let e = q.pop_front();
+        if q.is_empty() {
+            let mut b = [0u8; 8];
+            let _ = rustix::io::read(&self.fd, &mut b);
+        }
+        e
+    }
+
+    pub(crate) fn wait(&self, timeout: Duration) -> Option<AsyncEvent> {
+        let deadline = Instant::now() + timeout;
+        let mut q = self.queue.lock().expect("event lock");
+        loop {
+            if !q.is_empty() {
+                drop(q);
+                return self.poll();
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            q = self
+                .ready
+                .wait_timeout(q, deadline - now)
+                .expect("event lock")
+                .0;
+        }
+    }
+}
+
+impl AsFd for EventQueue {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
