@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 
 mod decode;
 mod demo;
+mod ping;
 
 /// RDMA verbs in Rust over RoCEv2, iWARP and shared memory.
 #[derive(Debug, Parser)]
@@ -24,6 +25,13 @@ enum Command {
     /// Two devices on the given address (ephemeral UDP ports), one RC queue pair
     /// each: SEND, SEND with immediate, RDMA WRITE (with immediate), RDMA READ,
     /// compare-and-swap and fetch-and-add. Exits 0 only if everything verified.
+    /// Ping-pong SENDs with a peer, as ibv_rc_pingpong / ibv_ud_pingpong do
+    /// (same out-of-band exchange on TCP 18515, same traffic, same report).
+    ///
+    /// Without HOST, wait for a client. Both sides' devices use UDP port 4791
+    /// unless --udp-port says otherwise, so two processes on one host need two
+    /// addresses (e.g. --bind 127.0.0.1 and --bind 127.0.0.2).
+    Ping(ping::PingArgs),
     Demo {
         /// Local IPv4 address for both endpoints.
         #[arg(long, default_value = "127.0.0.1")]
@@ -57,6 +65,7 @@ fn main() -> ExitCode {
             roce_ports,
             quiet,
         } => decode::run(&file, &roce_ports, quiet),
+        Command::Ping(args) => ping::run(&args),
         Command::Demo { addr, busy_poll } => demo::run(&addr.to_string(), busy_poll),
     }
 }

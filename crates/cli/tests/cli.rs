@@ -230,3 +230,123 @@ fn the_demo_verifies_every_operation() {
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("specific IPv4 address"));
 }
+
+/// Runs a ping server and client on two loopback addresses; returns both outputs.
+fn ping_pair(args: &[&str], server_ip: &str, client_ip: &str, tcp: &str) -> (Output, Output) {
+    let bin = env!("CARGO_BIN_EXE_softrdma");
+    let server = Command::new(bin)
+        .arg("ping")
+        .args(args)
+        .args(["--bind", server_ip, "-p", tcp])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut client = None;
+    for _ in 0..50 {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let o = Command::new(bin)
+            .arg("ping")
+            .args(args)
+            .args(["--bind", client_ip, "-p", tcp, server_ip])
+            .output()
+            .unwrap();
+        if String::from_utf8_lossy(&o.stderr).contains("couldn't connect") {
+            continue;
+        }
+        client = Some(o);
+        break;
+    }
+    let client = client.expect("the server listened");
+    let server = server.wait_with_output().unwrap();
+    (server, client)
+}
+
+/// The "N iters in S seconds = U usec/iter" line's N and the bytes line's bytes.
+fn ping_result(o: &Output) -> (u64, u64) {
+    let out = stdout(o);
+    let bytes = out
+        .lines()
+        .find(|l| l.contains(" bytes in "))
+        .unwrap_or_else(|| panic!("{out}"));
+    let iters = out
+        .lines()
+        .find(|l| l.contains(" iters in "))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(
+        iters.ends_with("usec/iter") && bytes.ends_with("Mbit/sec"),
+        "{out}"
+    );
+    (
+        iters.split_whitespace().next().unwrap().parse().unwrap(),
+        bytes.split_whitespace().next().unwrap().parse().unwrap(),
+    )
+}
+
+#[test]
+fn ping_rc_and_ud_between_two_processes() {
+    for (args, size, ips, tcp) in [
+        (
+            vec!["-n", "300", "-s", "5000", "-c"],
+            5000u64,
+            ("127.0.1.1", "127.0.1.2"),
+            "19310",
+        ),
+        (
+            vec!["--ud", "-n", "300", "-s", "1000", "-c"],
+            1000,
+            ("127.0.1.3", "127.0.1.4"),
+            "19311",
+        ),
+        (
+            vec!["-n", "50", "-s", "64", "-e"],
+            64,
+            ("127.0.1.5", "127.0.1.6"),
+            "19312",
+        ),
+    ] {
+        let (s, c) = ping_pair(&args, ips.0, ips.1, tcp);
+        for (who, o) in [("server", &s), ("client", &c)] {
+            assert!(
+                o.status.success(),
+                "{who} {args:?}: {}{}",
+                stdout(o),
+                String::from_utf8_lossy(&o.stderr)
+            );
+            let n: u64 = args[args.iter().position(|a| *a == "-n").unwrap() + 1]
+                .parse()
+                .unwrap();
+            assert_eq!(ping_result(o), (n, size * n * 2), "{who} {args:?}");
+            assert!(!stdout(o).contains("invalid data"), "{who}: {}", stdout(o));
+            assert!(
+                stdout(o).contains("remote address: LID 0x0000, QPN 0x"),
+                "{}",
+                stdout(o)
+            );
+        }
+    }
+}
+
+#[test]
+fn ping_refuses_bad_options() {
+    let bin = env!("CARGO_BIN_EXE_softrdma");
+    let o = Command::new(bin)
+        .args(["ping", "-m", "1000", "127.0.0.1"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("MTU must be"));
+    let o = Command::new(bin)
+        .args(["ping", "-n", "x"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    let (s, c) = ping_pair(
+        &["--ud", "-s", "5000", "-n", "1"],
+        "127.0.1.7",
+        "127.0.1.8",
+        "19313",
+    );
+    assert!(!s.status.success() && !c.status.success());
+    assert!(String::from_utf8_lossy(&c.stderr).contains("larger than port MTU"));
+}
