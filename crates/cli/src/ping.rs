@@ -326,8 +326,13 @@ fn run_inner(a: &PingArgs) -> Result<(), String> {
             match cq.poll_one().map_err(|e| e.to_string())? {
                 Some(wc) => wc,
                 None => {
-                    if !cq.wait_event(Duration::from_secs(30)) {
-                        return Err("no completion event in 30 s".into());
+                    if !cq.wait_event(Duration::from_secs(5)) {
+                        let waiting = cq.poll_one().ok().flatten();
+                        return Err(format!(
+                            "no completion event in 30 s (waiting: {waiting:?}, qp {:?}, stats {:?}, scnt {scnt} rcnt {rcnt} pending {pending})",
+                            qp.state(),
+                            qp.stats()
+                        ));
                     }
                     cq.req_notify(false);
                     continue;

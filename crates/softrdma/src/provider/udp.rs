@@ -207,7 +207,7 @@ impl UdpDevice {
     /// progress thread wakes for the QP's timers.
     pub fn kick(&self, slot: &QpSlot) {
         if let Some(t) = transmit(&self.shared, slot)
-            && t.0 < self.shared.sleep_until.load(Ordering::Acquire)
+            && t.0 < self.shared.sleep_until.load(Ordering::SeqCst)
         {
             self.shared.wake();
         }
@@ -272,14 +272,17 @@ fn signal_cqs(slot: &QpSlot, signal: [bool; 2]) {
 /// Sends everything the QP has to send, unless another thread is at it (then
 /// that thread goes round again). Returns the QP's next timer.
 fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
-    if slot.tx_busy.swap(true, Ordering::AcqRel) {
-        slot.tx_again.store(true, Ordering::Release);
+    // A Dekker-style hand-off between threads: each side stores one flag and
+    // then reads the other's, so every access is SeqCst (with acquire/release
+    // the final load may be ordered before the store, and a post is lost).
+    if slot.tx_busy.swap(true, Ordering::SeqCst) {
+        slot.tx_again.store(true, Ordering::SeqCst);
         return None;
     }
     let mut timer = None;
     TX.with_borrow_mut(|tx| {
         loop {
-            slot.tx_again.store(false, Ordering::Release);
+            slot.tx_again.store(false, Ordering::SeqCst);
             loop {
                 let mut signal = [false; 2];
                 let (n, peer) = {
@@ -328,8 +331,8 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
                     break;
                 }
             }
-            slot.tx_busy.store(false, Ordering::Release);
-            if !slot.tx_again.load(Ordering::Acquire) || slot.tx_busy.swap(true, Ordering::AcqRel) {
+            slot.tx_busy.store(false, Ordering::SeqCst);
+            if !slot.tx_again.load(Ordering::SeqCst) || slot.tx_busy.swap(true, Ordering::SeqCst) {
                 break;
             }
         }
@@ -439,7 +442,16 @@ fn progress(shared: &Arc<Shared>) {
                 next = next.min(t.0);
             }
         }
-        shared.sleep_until.store(next, Ordering::Release);
+        // Publish the deadline, then look at the timers once more: a poster
+        // that armed one after the scan either sees this deadline (and wakes
+        // us if it is earlier) or its timer is seen here.
+        shared.sleep_until.store(next, Ordering::SeqCst);
+        for slot in &slots {
+            if let Some(t) = slot.engine.lock().expect("QP lock").poll_timeout() {
+                next = next.min(t.0);
+            }
+        }
+        shared.sleep_until.store(next, Ordering::SeqCst);
         // Sleep until a datagram, a wake-up or the next timer.
         let busy = shared.busy_poll.load(Ordering::Acquire);
         let timeout = if busy {
