@@ -193,3 +193,39 @@ fn a_destroyed_peer_gives_retry_exceeded() {
     assert_eq!(wc.status, WcStatus::RetryExcErr);
     assert_eq!(a.qp.state(), QpState::Err);
 }
+
+#[test]
+fn thousands_of_ping_pongs_lose_no_post() {
+    // The poster and the progress thread hand transmission to each other on
+    // every message here: a lost hand-off shows as a hang.
+    let (a, b) = pair();
+    for _ in 0..4 {
+        b.qp.post_recv(RecvWr {
+            wr_id: 0,
+            sgl: vec![b.mr.sge(0, 64)],
+        })
+        .unwrap();
+        a.qp.post_recv(RecvWr {
+            wr_id: 0,
+            sgl: vec![a.mr.sge(0, 64)],
+        })
+        .unwrap();
+    }
+    for i in 0..3000u64 {
+        let (from, to) = if i % 2 == 0 { (&a, &b) } else { (&b, &a) };
+        from.qp
+            .post_send(SendWr::new(i, SendOp::Send, vec![from.mr.sge(4096, 64)]))
+            .unwrap();
+        let wcs = [one(&from.cq), one(&to.cq)];
+        assert!(
+            wcs.iter().all(|w| w.status == WcStatus::Success),
+            "{i}: {wcs:?}"
+        );
+        to.qp
+            .post_recv(RecvWr {
+                wr_id: 0,
+                sgl: vec![to.mr.sge(0, 64)],
+            })
+            .unwrap();
+    }
+}
