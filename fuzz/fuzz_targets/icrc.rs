@@ -16,5 +16,12 @@ fuzz_target!(|data: &[u8]| {
     if icrc::fill(ip, udp, &mut copy).is_ok() {
         assert!(icrc::verify(ip, udp, &copy).is_ok());
         assert_eq!(checked.is_ok(), copy == ib);
+        // Whatever the ID, it follows from the ICRC.
+        if ip.len() >= 20 && ip[0] == 0x45 {
+            let real = u16::from_be_bytes([ip[4], ip[5]]);
+            let mut blind = ip.to_vec();
+            blind[4] = !blind[4];
+            assert_eq!(icrc::solve_ipv4_identification(&blind, udp, &copy), Ok(Some(real)));
+        }
     }
 });

@@ -213,3 +213,64 @@ fn qkey_mismatch_and_oversize_over_sockets() {
         .unwrap_err();
     assert!(e.to_string().contains("does not fit"), "{e}");
 }
+
+#[test]
+fn a_foreign_ip_id_is_solved_from_the_icrc() {
+    use softrdma::wire::icrc::{self, Ipv4Pseudo};
+    use softrdma::wire::{Opcode, Psn, deth, packet};
+    // A sender like rxe: its ICRC covers an IP ID the receiving socket never sees.
+    let ctx = Device::udp("127.0.0.1:0".parse().unwrap()).open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let mr = pd.register(4096, Access::LOCAL_WRITE).unwrap();
+    let cq = ctx.create_cq(8).unwrap();
+    let qp = ud_qp(&pd, &cq, QKEY);
+    qp.post_recv(RecvWr {
+        wr_id: 1,
+        sgl: vec![mr.sge(0, 40 + 64)],
+    })
+    .unwrap();
+    let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let from = match sock.local_addr().unwrap() {
+        std::net::SocketAddr::V4(a) => a,
+        _ => unreachable!(),
+    };
+    let to = ctx.local_addr();
+    let packet_with_id = |id: u16, corrupt: bool| {
+        let mut r = packet::Repr::new(Opcode::UD_SEND_ONLY, qp.qpn(), Psn::new(7), 5);
+        r.deth = Some(deth::Repr {
+            qkey: QKEY,
+            src_qp: 0x77,
+        });
+        let mut p = vec![0u8; r.buffer_len().unwrap()];
+        r.emit(&mut p, b"hello").unwrap();
+        let udp_len = (8 + p.len()) as u16;
+        let ip = Ipv4Pseudo {
+            src: from.ip().octets(),
+            dst: to.ip().octets(),
+            identification: id,
+            dont_fragment: true,
+        }
+        .header(udp_len);
+        let udp = icrc::udp_header(from.port(), to.port(), udp_len);
+        icrc::fill(&ip, &udp, &mut p).unwrap();
+        if corrupt {
+            p[21] ^= 1;
+        }
+        p
+    };
+    // Corrupt first: dropped and counted; then a good one with ID 0x1234.
+    sock.send_to(&packet_with_id(0x1234, true), to).unwrap();
+    sock.send_to(&packet_with_id(0x1234, false), to).unwrap();
+    let wc = cq.wait(T).unwrap().expect("the datagram");
+    assert_eq!(
+        (wc.status, wc.src_qp, wc.byte_len),
+        (WcStatus::Success, 0x77, 45)
+    );
+    assert_eq!(mr.read_vec(40, 5).unwrap(), b"hello");
+    let area = mr.read_vec(0, 40).unwrap();
+    match grh::Repr::parse(&grh::Header::new_checked(&area[..]).unwrap()).unwrap() {
+        grh::Repr::Ipv4 { identification, .. } => assert_eq!(identification, 0x1234),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(ctx.stats().bad_icrc, 1);
+}

@@ -547,10 +547,31 @@ fn receive(shared: &Shared, packet: &[u8], from: SocketAddrV4, meta: &RecvMeta) 
     }
     .header(udp_len);
     let udp = icrc::udp_header(from.port(), shared.local.port(), udp_len);
-    if icrc::verify(&ip, &udp, packet).is_err() {
+    // softrdma peers send IP ID 0; others (rxe) a counting ID that the socket
+    // does not show: then the ID is solved from the ICRC.
+    let ident = if icrc::verify(&ip, &udp, packet).is_ok() {
+        Some(0)
+    } else {
+        icrc::solve_ipv4_identification(&ip, &udp, packet)
+            .ok()
+            .flatten()
+    };
+    let Some(ident) = ident else {
         shared.stats.bad_icrc.fetch_add(1, Ordering::Relaxed);
         return;
-    }
+    };
+    let meta = match *meta {
+        RecvMeta::V4 {
+            src, dst, tos, ttl, ..
+        } => RecvMeta::V4 {
+            src,
+            dst,
+            tos,
+            ttl,
+            identification: ident,
+        },
+    };
+    let meta = &meta;
     let mut signal = [false; 2];
     {
         let mrs = shared.mrs.read().expect("MR table lock");
