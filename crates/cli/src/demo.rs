@@ -45,20 +45,6 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
         .collect()
 }
 
-fn wr(wr_id: u64, op: SendOp, sgl: Vec<Sge>) -> SendWr {
-    SendWr {
-        wr_id,
-        op,
-        sgl,
-        flags: SendFlags {
-            signaled: true,
-            ..SendFlags::default()
-        },
-        ud: None,
-        inline_data: vec![],
-    }
-}
-
 fn wait(cq: &Cq, what: &str) -> Result<WorkCompletion, String> {
     match cq.wait(T) {
         Ok(Some(wc)) if wc.status == WcStatus::Success => Ok(wc),
@@ -88,7 +74,7 @@ fn run_op(a: &End, b: &End, op: &str, size: usize, seed: u8) -> Result<(), Strin
             } else {
                 SendOp::SendWithImm(imm)
             };
-            a.qp.post_send(wr(2, o, vec![a.mr.sge(src, size as u32)]))
+            a.qp.post_send(SendWr::new(2, o, vec![a.mr.sge(src, size as u32)]))
                 .map_err(e)?;
             wait(&a.cq, "send")?;
             let r = wait(&b.cq, "receive")?;
@@ -117,7 +103,7 @@ fn run_op(a: &End, b: &End, op: &str, size: usize, seed: u8) -> Result<(), Strin
                     imm,
                 }
             };
-            a.qp.post_send(wr(4, o, vec![a.mr.sge(src, size as u32)]))
+            a.qp.post_send(SendWr::new(4, o, vec![a.mr.sge(src, size as u32)]))
                 .map_err(e)?;
             wait(&a.cq, "write")?;
             if op != "RDMA_WRITE" {
@@ -138,7 +124,7 @@ fn run_op(a: &End, b: &End, op: &str, size: usize, seed: u8) -> Result<(), Strin
                 remote_addr: b.info.va,
                 rkey: b.info.rkey,
             };
-            a.qp.post_send(wr(5, o, vec![a.mr.sge(src, size as u32)]))
+            a.qp.post_send(SendWr::new(5, o, vec![a.mr.sge(src, size as u32)]))
                 .map_err(e)?;
             let c = wait(&a.cq, "read")?;
             if c.byte_len as usize != size {
@@ -155,7 +141,7 @@ fn run_op(a: &End, b: &End, op: &str, size: usize, seed: u8) -> Result<(), Strin
                 compare: old,
                 swap: !old,
             };
-            a.qp.post_send(wr(6, o, vec![a.mr.sge(src, 8)]))
+            a.qp.post_send(SendWr::new(6, o, vec![a.mr.sge(src, 8)]))
                 .map_err(e)?;
             wait(&a.cq, "compare and swap")?;
             let got = a.mr.load_u64(src).map_err(e)?;
@@ -175,7 +161,7 @@ fn run_op(a: &End, b: &End, op: &str, size: usize, seed: u8) -> Result<(), Strin
                 rkey: b.info.rkey,
                 add: u64::from(seed),
             };
-            a.qp.post_send(wr(7, o, vec![a.mr.sge(src, 8)]))
+            a.qp.post_send(SendWr::new(7, o, vec![a.mr.sge(src, 8)]))
                 .map_err(e)?;
             wait(&a.cq, "fetch and add")?;
             let got = a.mr.load_u64(src).map_err(e)?;

@@ -74,17 +74,6 @@ fn a_sleeping_target_process_serves_write_read_and_atomics() {
         let local = ConnInfo::local(&qp, None).unwrap();
         let remote = cm::exchange(&mut tcp, &local).unwrap();
         cm::connect(&qp, &local, &remote, &RcOptions::default()).unwrap();
-        let signaled = |wr_id, op, sgl| SendWr {
-            wr_id,
-            op,
-            sgl,
-            flags: SendFlags {
-                signaled: true,
-                ..SendFlags::default()
-            },
-            ud: None,
-            inline_data: vec![],
-        };
         let done = |n: usize| {
             let wcs = cq.wait_for(n, Duration::from_secs(10)).unwrap();
             assert_eq!(wcs.len(), n, "completions");
@@ -92,7 +81,7 @@ fn a_sleeping_target_process_serves_write_read_and_atomics() {
         };
         let data: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
         mr.write(0, &data).unwrap();
-        qp.post_send(signaled(
+        qp.post_send(SendWr::new(
             1,
             SendOp::Write {
                 remote_addr: remote.va + 0x10000,
@@ -101,7 +90,7 @@ fn a_sleeping_target_process_serves_write_read_and_atomics() {
             vec![mr.sge(0, 200_000)],
         ))
         .unwrap();
-        qp.post_send(signaled(
+        qp.post_send(SendWr::new(
             2,
             SendOp::Read {
                 remote_addr: remote.va + 0x10000,
@@ -117,7 +106,7 @@ fn a_sleeping_target_process_serves_write_read_and_atomics() {
             "READ returns what the WRITE put there"
         );
         for k in 0..10 {
-            qp.post_send(signaled(
+            qp.post_send(SendWr::new(
                 10 + k,
                 SendOp::FetchAdd {
                     remote_addr: remote.va + 0x8000,
@@ -128,7 +117,7 @@ fn a_sleeping_target_process_serves_write_read_and_atomics() {
             ))
             .unwrap();
         }
-        qp.post_send(signaled(
+        qp.post_send(SendWr::new(
             30,
             SendOp::CompareSwap {
                 remote_addr: remote.va + 0x8000,
@@ -144,7 +133,7 @@ fn a_sleeping_target_process_serves_write_read_and_atomics() {
             assert_eq!(mr.load_u64(700_000 + 8 * k).unwrap(), 5000 + 3 * k as u64);
         }
         assert_eq!(mr.load_u64(800_000).unwrap(), 5030);
-        qp.post_send(signaled(
+        qp.post_send(SendWr::new(
             31,
             SendOp::Read {
                 remote_addr: remote.va + 0x8000,
@@ -164,7 +153,7 @@ fn a_sleeping_target_process_serves_write_read_and_atomics() {
         // kill -9: the next request gets a clean error, not a hang.
         child.0.kill().unwrap();
         child.0.wait().unwrap();
-        qp.post_send(signaled(
+        qp.post_send(SendWr::new(
             40,
             SendOp::Write {
                 remote_addr: remote.va,
@@ -173,7 +162,7 @@ fn a_sleeping_target_process_serves_write_read_and_atomics() {
             vec![mr.sge(0, 8)],
         ))
         .unwrap();
-        qp.post_send(signaled(41, SendOp::Send, vec![mr.sge(0, 8)]))
+        qp.post_send(SendWr::new(41, SendOp::Send, vec![mr.sge(0, 8)]))
             .unwrap();
         let wcs = cq.wait_for(2, Duration::from_secs(10)).unwrap();
         let statuses: Vec<_> = wcs.iter().map(|w| (w.wr_id, w.status)).collect();

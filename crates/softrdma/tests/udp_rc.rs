@@ -43,20 +43,6 @@ fn pair() -> (End, End) {
     (a, b)
 }
 
-fn signaled(wr_id: u64, op: SendOp, sgl: Vec<Sge>) -> SendWr {
-    SendWr {
-        wr_id,
-        op,
-        sgl,
-        flags: SendFlags {
-            signaled: true,
-            ..SendFlags::default()
-        },
-        ud: None,
-        inline_data: vec![],
-    }
-}
-
 fn one(cq: &Cq) -> WorkCompletion {
     cq.wait(T).unwrap().expect("a completion within 10 s")
 }
@@ -72,7 +58,7 @@ fn every_operation_over_loopback() {
         sgl: vec![b.mr.sge(0, 100_000)],
     })
     .unwrap();
-    a.qp.post_send(signaled(2, SendOp::Send, vec![a.mr.sge(0, 100_000)]))
+    a.qp.post_send(SendWr::new(2, SendOp::Send, vec![a.mr.sge(0, 100_000)]))
         .unwrap();
     let wc = one(&b.cq);
     assert_eq!(
@@ -82,7 +68,7 @@ fn every_operation_over_loopback() {
     assert_eq!(b.mr.read_vec(0, 100_000).unwrap(), data);
     assert_eq!(one(&a.cq).wr_id, 2);
     // WRITE then READ it back.
-    a.qp.post_send(signaled(
+    a.qp.post_send(SendWr::new(
         3,
         SendOp::Write {
             remote_addr: b.info.va + 200_000,
@@ -93,7 +79,7 @@ fn every_operation_over_loopback() {
     .unwrap();
     assert_eq!(one(&a.cq).status, WcStatus::Success);
     assert_eq!(b.mr.read_vec(200_000, 65_537).unwrap(), data[..65_537]);
-    a.qp.post_send(signaled(
+    a.qp.post_send(SendWr::new(
         4,
         SendOp::Read {
             remote_addr: b.info.va + 200_000,
@@ -110,7 +96,7 @@ fn every_operation_over_loopback() {
     assert_eq!(a.mr.read_vec(500_000, 65_537).unwrap(), data[..65_537]);
     // Atomics.
     b.mr.write(800_000, &41u64.to_ne_bytes()).unwrap();
-    a.qp.post_send(signaled(
+    a.qp.post_send(SendWr::new(
         5,
         SendOp::FetchAdd {
             remote_addr: b.info.va + 800_000,
@@ -122,7 +108,7 @@ fn every_operation_over_loopback() {
     .unwrap();
     assert_eq!(one(&a.cq).status, WcStatus::Success);
     assert_eq!(a.mr.load_u64(900_000).unwrap(), 41);
-    a.qp.post_send(signaled(
+    a.qp.post_send(SendWr::new(
         6,
         SendOp::CompareSwap {
             remote_addr: b.info.va + 800_000,
@@ -142,7 +128,7 @@ fn every_operation_over_loopback() {
         sgl: vec![],
     })
     .unwrap();
-    a.qp.post_send(signaled(
+    a.qp.post_send(SendWr::new(
         8,
         SendOp::WriteWithImm {
             remote_addr: b.info.va,
@@ -180,7 +166,7 @@ fn a_destroyed_peer_gives_retry_exceeded() {
     .unwrap();
     cm::connect(&a.qp, &a.info, &b.info, &o).unwrap();
     drop(b);
-    a.qp.post_send(signaled(
+    a.qp.post_send(SendWr::new(
         1,
         SendOp::Write {
             remote_addr: 0,

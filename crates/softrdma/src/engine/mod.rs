@@ -333,6 +333,23 @@ pub enum QpEvent {
     LastWqeReached,
 }
 
+impl WorkCompletion {
+    /// A completion of `wr_id` on QP `qp_num`; the other fields empty.
+    pub fn new(wr_id: u64, status: WcStatus, opcode: WcOpcode, qp_num: u32) -> WorkCompletion {
+        WorkCompletion {
+            wr_id,
+            status,
+            opcode,
+            byte_len: 0,
+            imm: None,
+            qp_num,
+            src_qp: 0,
+            grh: false,
+            solicited: false,
+        }
+    }
+}
+
 /// Which completion queue a completion goes to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CqKind {

@@ -195,17 +195,7 @@ impl UdQp {
     }
 
     fn wc(&self, wr_id: u64, status: WcStatus, opcode: WcOpcode) -> WorkCompletion {
-        WorkCompletion {
-            wr_id,
-            status,
-            opcode,
-            byte_len: 0,
-            imm: None,
-            qp_num: self.qpn,
-            src_qp: 0,
-            grh: false,
-            solicited: false,
-        }
+        WorkCompletion::new(wr_id, status, opcode, self.qpn)
     }
 
     fn enter_error(&mut self, fatal: bool) {

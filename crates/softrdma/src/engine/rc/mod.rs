@@ -368,15 +368,8 @@ impl RcQp {
 
     fn wc(&self, wr_id: u64, status: WcStatus, opcode: super::WcOpcode) -> WorkCompletion {
         WorkCompletion {
-            wr_id,
-            status,
-            opcode,
-            byte_len: 0,
-            imm: None,
-            qp_num: self.qpn,
             src_qp: self.dest_qp,
-            grh: false,
-            solicited: false,
+            ..WorkCompletion::new(wr_id, status, opcode, self.qpn)
         }
     }
 
