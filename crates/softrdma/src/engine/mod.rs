@@ -415,6 +415,35 @@ pub enum PostError {
     BadAtomicSge,
 }
 
+/// The checks of `ibv_post_recv` that RC and UD QPs share: not on an SRQ, not
+/// in RESET, SGEs and queue depth within the QP's capacities.
+pub(crate) fn check_post_recv(
+    wr: &RecvWr,
+    on_srq: bool,
+    state: QpState,
+    queued: usize,
+    caps: &rc::QpCaps,
+) -> Result<(), PostError> {
+    if on_srq {
+        return Err(PostError::Unsupported(
+            "this QP takes its receives from a shared receive queue: post them there",
+        ));
+    }
+    if state == QpState::Reset {
+        return Err(PostError::BadState(state));
+    }
+    if wr.sgl.len() > caps.max_recv_sge as usize {
+        return Err(PostError::TooManySges {
+            given: wr.sgl.len(),
+            max: caps.max_recv_sge,
+        });
+    }
+    if queued >= caps.max_recv_wr as usize {
+        return Err(PostError::QueueFull(caps.max_recv_wr));
+    }
+    Ok(())
+}
+
 /// Pushes the pieces of `segs` covering `off..off + len` onto `pieces`.
 pub(crate) fn push_pieces(
     segs: &[Segment],

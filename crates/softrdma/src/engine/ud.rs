@@ -15,12 +15,12 @@ use softrdma_wire::{Opcode, Psn, bth, deth, grh};
 use super::QpEvent;
 use super::qp::{Mtu, QpAttr, QpType, TransitionError, check_transition};
 use super::rc::QpCaps;
+use super::scatter;
 use super::srq::Srq;
 use super::{
     AhId, CqKind, PostError, QpState, RecvWr, SendOp, SendWr, Transmit, WcOpcode, WcStatus,
     WorkCompletion,
 };
-use super::{push_pieces, scatter};
 use crate::memory::{Access, MrTable, PdId, Segment};
 
 /// What the provider knows of a received datagram's IP header.
@@ -273,23 +273,13 @@ impl UdQp {
 
     /// Posts a receive; its buffer must hold the 40-byte GRH area first.
     pub fn post_recv(&mut self, wr: RecvWr) -> Result<(), PostError> {
-        if self.srq.is_some() {
-            return Err(PostError::Unsupported(
-                "this QP takes its receives from a shared receive queue: post them there",
-            ));
-        }
-        if self.state == QpState::Reset {
-            return Err(PostError::BadState(self.state));
-        }
-        if wr.sgl.len() > self.caps.max_recv_sge as usize {
-            return Err(PostError::TooManySges {
-                given: wr.sgl.len(),
-                max: self.caps.max_recv_sge,
-            });
-        }
-        if self.rq.len() >= self.caps.max_recv_wr as usize {
-            return Err(PostError::QueueFull(self.caps.max_recv_wr));
-        }
+        super::check_post_recv(
+            &wr,
+            self.srq.is_some(),
+            self.state,
+            self.rq.len(),
+            &self.caps,
+        )?;
         if self.state == QpState::Err {
             let wc = self.wc(wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv);
             self.completions.push_back((CqKind::Recv, wc));
@@ -312,12 +302,13 @@ impl UdQp {
         }
         let w = self.sq.pop_front()?;
         let dest = w.wr.ud.expect("checked at post");
-        let mut segs = Vec::new();
+        // A datagram's payload is all of its SGEs: they go to `pieces` as they resolve.
         if !w.wr.flags.inline {
             for sge in w.wr.sgl.iter().filter(|s| s.len != 0) {
                 match mrs.local(self.pd, sge.lkey, sge.addr, sge.len, Access::NONE) {
-                    Ok(s) => segs.push(s),
+                    Ok(s) => pieces.push(s),
                     Err(_) => {
+                        pieces.clear();
                         // A send error moves a UD QP to SQE; the rest is flushed.
                         let wc = self.wc(w.wr.wr_id, WcStatus::LocProtErr, WcOpcode::Send);
                         self.completions.push_back((CqKind::Send, wc));
@@ -350,8 +341,6 @@ impl UdQp {
         if w.wr.flags.inline {
             buf[len..len + w.len].copy_from_slice(&w.wr.inline_data);
             len += w.len;
-        } else {
-            push_pieces(&segs, 0, w.len, pieces);
         }
         self.stats.sent += 1;
         if w.wr.flags.signaled {

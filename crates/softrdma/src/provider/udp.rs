@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 
 use rustix::event::{EventfdFlags, PollFd, PollFlags, eventfd};
 use rustix::net::{SendFlags, sockopt};
+use softrdma_wire::bth;
 use softrdma_wire::icrc::{self, Icrc, Ipv4Pseudo};
-use softrdma_wire::{ROCEV2_UDP_PORT, bth};
 
 use crate::engine::rc::MAX_HEADER_LEN;
 use crate::engine::srq::Srq;
@@ -581,9 +581,4 @@ fn receive(shared: &Shared, packet: &[u8], from: SocketAddrV4, meta: &RecvMeta) 
     }
     signal_cqs(&slot, signal);
     transmit(shared, &slot);
-}
-
-/// The default RoCEv2 port, as a SocketAddrV4 helper.
-pub fn rocev2_addr(ip: std::net::Ipv4Addr) -> SocketAddrV4 {
-    SocketAddrV4::new(ip, ROCEV2_UDP_PORT)
 }

@@ -37,15 +37,18 @@ impl RcQp {
         };
     }
 
-    /// Resends from `psn`: the WQE holding it restarts there, later ones from
-    /// their first packet (go-back-N, as rxe does).
-    fn go_back(&mut self, psn: Psn) {
-        let Some(i) = self
-            .req
+    /// Index of the unfinished WQE holding `psn`.
+    fn wqe_at(&self, psn: Psn) -> Option<usize> {
+        self.req
             .sq
             .iter()
             .position(|w| w.status.is_none() && w.contains(psn))
-        else {
+    }
+
+    /// Resends from `psn`: the WQE holding it restarts there, later ones from
+    /// their first packet (go-back-N, as rxe does).
+    fn go_back(&mut self, psn: Psn) {
+        let Some(i) = self.wqe_at(psn) else {
             return;
         };
         self.req.next = i;
@@ -225,14 +228,10 @@ impl RcQp {
                 if !self.ack_or_resend(psn.sub(1)) {
                     return;
                 }
-                let Some(w) = self
-                    .req
-                    .sq
-                    .iter_mut()
-                    .find(|w| w.status.is_none() && w.contains(psn))
-                else {
+                let Some(i) = self.wqe_at(psn) else {
                     return;
                 };
+                let w = &mut self.req.sq[i];
                 if !w.wr.op.is_atomic() || w.first_psn != psn {
                     self.stats.dropped += 1;
                     return;
@@ -258,12 +257,7 @@ impl RcQp {
 
     /// A READ response packet; `false` if it was dropped or failed the QP.
     fn read_response(&mut self, psn: Psn, position: Position, p: &Packet<&[u8]>) -> bool {
-        let Some(i) = self
-            .req
-            .sq
-            .iter()
-            .position(|w| w.status.is_none() && w.contains(psn))
-        else {
+        let Some(i) = self.wqe_at(psn) else {
             self.stats.dropped += 1;
             return false;
         };
@@ -307,14 +301,9 @@ impl RcQp {
 
     /// Fails the WQE holding `psn` with `status`; the QP goes to ERR.
     fn fail_at(&mut self, psn: Psn, status: WcStatus) {
-        match self
-            .req
-            .sq
-            .iter_mut()
-            .find(|w| w.status.is_none() && w.contains(psn))
-        {
-            Some(w) => {
-                w.status = Some(status);
+        match self.wqe_at(psn) {
+            Some(i) => {
+                self.req.sq[i].status = Some(status);
                 self.enter_error();
             }
             None => self.fail_oldest(status),

@@ -92,23 +92,13 @@ struct Refusal(NakCode);
 
 impl RcQp {
     pub(super) fn resp_post(&mut self, wr: RecvWr) -> Result<(), PostError> {
-        if self.srq.is_some() {
-            return Err(PostError::Unsupported(
-                "this QP takes its receives from a shared receive queue: post them there",
-            ));
-        }
-        if self.state == QpState::Reset {
-            return Err(PostError::BadState(self.state));
-        }
-        if wr.sgl.len() > self.caps.max_recv_sge as usize {
-            return Err(PostError::TooManySges {
-                given: wr.sgl.len(),
-                max: self.caps.max_recv_sge,
-            });
-        }
-        if self.resp.rq.len() >= self.caps.max_recv_wr as usize {
-            return Err(PostError::QueueFull(self.caps.max_recv_wr));
-        }
+        crate::engine::check_post_recv(
+            &wr,
+            self.srq.is_some(),
+            self.state,
+            self.resp.rq.len(),
+            &self.caps,
+        )?;
         if self.state == QpState::Err {
             let wc = self.wc(wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv);
             self.completions.push_back((CqKind::Recv, wc));
