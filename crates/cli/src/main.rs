@@ -19,19 +19,20 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Ping-pong SENDs with a peer, as ibv_rc_pingpong / ibv_ud_pingpong do
+    /// (same out-of-band exchange on TCP 18515, same traffic, same report).
+    ///
+    /// Without HOST, wait for a client. Both sides' devices use UDP port 4791
+    /// unless --udp-port says otherwise, so two processes on one host need two
+    /// addresses (e.g. --bind 127.0.0.1 and --bind 127.0.0.2), or
+    /// --shared-port on both.
+    Ping(ping::PingArgs),
     /// Run every RC operation between two endpoints over RoCEv2 on loopback,
     /// from 1 byte to 1 MiB, and verify each result.
     ///
     /// Two devices on the given address (ephemeral UDP ports), one RC queue pair
     /// each: SEND, SEND with immediate, RDMA WRITE (with immediate), RDMA READ,
     /// compare-and-swap and fetch-and-add. Exits 0 only if everything verified.
-    /// Ping-pong SENDs with a peer, as ibv_rc_pingpong / ibv_ud_pingpong do
-    /// (same out-of-band exchange on TCP 18515, same traffic, same report).
-    ///
-    /// Without HOST, wait for a client. Both sides' devices use UDP port 4791
-    /// unless --udp-port says otherwise, so two processes on one host need two
-    /// addresses (e.g. --bind 127.0.0.1 and --bind 127.0.0.2).
-    Ping(ping::PingArgs),
     Demo {
         /// Local IPv4 address for both endpoints.
         #[arg(long, default_value = "127.0.0.1")]
@@ -39,6 +40,19 @@ enum Command {
         /// Busy-poll in the progress threads instead of sleeping (lower latency, burns CPU).
         #[arg(long)]
         busy_poll: bool,
+    },
+    /// Share one RoCEv2 address (IP and UDP port 4791) among the processes
+    /// of this host: own the port and hand each datagram to the process
+    /// whose QPs carry the destination QPN's top byte.
+    ///
+    /// Processes join with `Device::shared_port`, `--shared-port` or
+    /// SOFTRDMA_PORT_SHARING=hostd; the first to find no daemon starts one.
+    Hostd {
+        /// The address to share, e.g. 10.0.0.1:4791.
+        addr: std::net::SocketAddrV4,
+        /// Leave after this many seconds with no process connected.
+        #[arg(long, value_name = "SECS")]
+        exit_when_idle: Option<f64>,
     },
     /// Print the RoCEv2 and iWARP packets of a pcap or pcapng capture, one per line.
     ///
@@ -67,5 +81,48 @@ fn main() -> ExitCode {
         } => decode::run(&file, &roce_ports, quiet),
         Command::Ping(args) => ping::run(&args),
         Command::Demo { addr, busy_poll } => demo::run(&addr.to_string(), busy_poll),
+        Command::Hostd {
+            addr,
+            exit_when_idle,
+        } => hostd(addr, exit_when_idle),
+    }
+}
+
+fn hostd(addr: std::net::SocketAddrV4, exit_when_idle: Option<f64>) -> ExitCode {
+    let linger = match exit_when_idle.map(std::time::Duration::try_from_secs_f64) {
+        None => None,
+        Some(Ok(d)) => Some(d),
+        Some(Err(_)) => {
+            eprintln!("softrdma hostd: --exit-when-idle needs a number of seconds >= 0");
+            return ExitCode::from(2);
+        }
+    };
+    let mut daemon = match softrdma::provider::hostd::Hostd::bind(addr) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("softrdma hostd: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Some(l) = linger {
+        daemon = daemon.exit_when_idle(l);
+    }
+    let stats = daemon.stats();
+    let result = daemon.run();
+    let n = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    eprintln!(
+        "softrdma hostd {addr}: {} processes joined, {} datagrams forwarded, \
+         {} with no owner, {} dropped on a full connection",
+        n(&stats.joined),
+        n(&stats.forwarded),
+        n(&stats.no_owner),
+        n(&stats.overflow)
+    );
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("softrdma hostd: {e}");
+            ExitCode::FAILURE
+        }
     }
 }

@@ -51,6 +51,10 @@ pub struct PingArgs {
     /// UDP port of both devices (RoCEv2: 4791).
     #[arg(long, default_value_t = 4791)]
     pub udp_port: u16,
+    /// Share the device's address with other processes through
+    /// `softrdma hostd` (started if none runs) instead of binding it alone.
+    #[arg(long)]
+    pub shared_port: bool,
 }
 
 const RECV_WRID: u64 = 1;
@@ -164,9 +168,11 @@ fn run_inner(a: &PingArgs) -> Result<(), String> {
             .to_ipv4_mapped()
             .ok_or("an IPv6 out-of-band connection: give --bind")?,
     };
-    let ctx = Device::udp(SocketAddrV4::new(local_ip, a.udp_port).into())
-        .open()
-        .map_err(|e| e.to_string())?;
+    let mut dev = Device::udp(SocketAddrV4::new(local_ip, a.udp_port).into());
+    if a.shared_port {
+        dev = dev.shared_port(true);
+    }
+    let ctx = dev.open().map_err(|e| e.to_string())?;
     let port = ctx.query_port();
     let gid = *port.gids.get(a.gid_idx).ok_or(format!(
         "-g {}: no such GID index (the table has {})",

@@ -1,4 +1,5 @@
 //! Providers own the I/O: sockets, batching, timers and the progress thread
 //! that drives the engine. A provider never re-implements transport rules.
 
+pub mod hostd;
 pub mod udp;

@@ -97,9 +97,18 @@ pub(crate) struct Shared {
     /// Asynchronous events.
     pub events: Arc<EventQueue>,
     port_up: AtomicBool,
+    /// The hostd connection broke: the port stays down.
+    uplink_lost: AtomicBool,
     pub stats: DeviceStats,
     socket: UdpSocket,
+    /// The address peers reach the device at.
     local: SocketAddrV4,
+    /// The socket's own port: the source port of what it sends.
+    src_port: u16,
+    /// The connection to the hostd sharing `local`, if any.
+    uplink: Option<OwnedFd>,
+    /// The QPN slot (top byte of QPNs) given by the hostd; 0 when exclusive.
+    pub slot: u8,
     epoch: Instant,
     wake: OwnedFd,
     /// When the progress thread will wake by itself (engine time; MAX = never).
@@ -109,6 +118,11 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// Whether the port is up (the last send worked, the hostd is there).
+    pub fn port_up(&self) -> bool {
+        self.port_up.load(Ordering::Acquire)
+    }
+
     pub fn now(&self) -> Time {
         Time(self.epoch.elapsed().as_nanos() as u64)
     }
@@ -149,38 +163,38 @@ pub(crate) struct UdpDevice {
 }
 
 impl UdpDevice {
-    /// Binds `addr` and starts the progress thread.
-    pub fn open(addr: SocketAddrV4, busy_poll: bool) -> io::Result<UdpDevice> {
-        let sock = socket2::Socket::new(
-            socket2::Domain::IPV4,
-            socket2::Type::DGRAM,
-            Some(socket2::Protocol::UDP),
-        )?;
-        sock.set_recv_buffer_size(8 << 20)?;
-        sock.set_send_buffer_size(8 << 20)?;
-        sock.bind(&SocketAddr::V4(addr).into())?;
-        // DF set, and (unconnected) the kernel writes IP ID 0, which the ICRC covers.
-        sockopt::set_ip_mtu_discover(&sock, sockopt::Ipv4PathMtuDiscovery::DO)?;
-        // TTL and TOS of received datagrams, for the GRH of UD receives.
-        nix::sys::socket::setsockopt(&sock, nix::sys::socket::sockopt::Ipv4RecvTtl, &true)
-            .map_err(io::Error::from)?;
-        nix::sys::socket::setsockopt(&sock, nix::sys::socket::sockopt::IpRecvTos, &true)
-            .map_err(io::Error::from)?;
-        sock.set_nonblocking(true)?;
-        let socket: UdpSocket = sock.into();
-        let local = match socket.local_addr()? {
+    /// Opens the device at `addr`: binds it (exclusive), or joins the hostd
+    /// that shares it (then the socket sends from an ephemeral port and
+    /// receives through the daemon). Returns the device and its QPN slot.
+    pub fn open(addr: SocketAddrV4, busy_poll: bool, shared_port: bool) -> io::Result<UdpDevice> {
+        let (socket, uplink, slot) = if shared_port {
+            let (uplink, slot) = super::hostd::join(addr)?;
+            (
+                roce_socket(SocketAddrV4::new(*addr.ip(), 0))?,
+                Some(uplink),
+                slot,
+            )
+        } else {
+            (roce_socket(addr)?, None, 0)
+        };
+        let bound = match socket.local_addr()? {
             SocketAddr::V4(a) => a,
             SocketAddr::V6(_) => unreachable!("bound to IPv4"),
         };
+        let local = if shared_port { addr } else { bound };
         let shared = Arc::new(Shared {
             mrs: RwLock::new(MrTable::new()),
             qps: RwLock::new(HashMap::new()),
             ahs: RwLock::new(HashMap::new()),
             events: Arc::new(EventQueue::new()?),
             port_up: AtomicBool::new(true),
+            uplink_lost: AtomicBool::new(false),
             stats: DeviceStats::default(),
             socket,
             local,
+            src_port: bound.port(),
+            uplink,
+            slot,
             epoch: Instant::now(),
             wake: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?,
             sleep_until: AtomicU64::new(u64::MAX),
@@ -352,7 +366,7 @@ fn send_packet(shared: &Shared, peer: SocketAddrV4, s: &TxSlot) {
         dont_fragment: true,
     }
     .header(udp_len);
-    let udp = icrc::udp_header(shared.local.port(), peer.port(), udp_len);
+    let udp = icrc::udp_header(shared.src_port, peer.port(), udp_len);
     let mut crc = Icrc::new(&ip, &udp).expect("a valid pseudo-header");
     let head = &s.buf[..t.len];
     let mut bth_bytes = [0u8; bth::HEADER_LEN];
@@ -388,7 +402,9 @@ fn send_packet(shared: &Shared, peer: SocketAddrV4, s: &TxSlot) {
     ) {
         Ok(_) => {
             shared.stats.sent.fetch_add(1, Ordering::Relaxed);
-            if !shared.port_up.swap(true, Ordering::AcqRel) {
+            if !shared.uplink_lost.load(Ordering::Acquire)
+                && !shared.port_up.swap(true, Ordering::AcqRel)
+            {
                 shared.events.push(AsyncEvent::PortActive);
             }
         }
@@ -413,6 +429,7 @@ fn progress(shared: &Arc<Shared>) {
     let mut rx = vec![0u8; RX_BUF];
     let mut cmsg = nix::cmsg_space!(i32, u8);
     let mut slots: Vec<Arc<QpSlot>> = Vec::new();
+    let mut uplink_open = shared.uplink.is_some();
     while !shared.stop.load(Ordering::Acquire) {
         // Timers.
         let now = shared.now();
@@ -468,6 +485,10 @@ fn progress(shared: &Arc<Shared>) {
         let mut fds = [
             PollFd::new(&shared.socket, PollFlags::IN),
             PollFd::new(&shared.wake, PollFlags::IN),
+            match (&shared.uplink, uplink_open) {
+                (Some(u), true) => PollFd::new(u, PollFlags::IN),
+                _ => PollFd::new(&shared.wake, PollFlags::empty()),
+            },
         ];
         if rustix::event::poll(&mut fds, ts.as_ref()).is_err() {
             continue;
@@ -477,24 +498,70 @@ fn progress(shared: &Arc<Shared>) {
             let _ = rustix::io::read(&shared.wake, &mut b);
         }
         // Everything that is there.
-        while let Some((n, from, meta)) = recv(shared, &mut rx, &mut cmsg) {
-            receive(shared, &rx[..n], from, &meta);
+        while let Some((n, meta)) = recv_datagram(&shared.socket, &mut rx, &mut cmsg) {
+            receive(shared, &rx[..n], &meta);
+        }
+        if let (Some(uplink), true) = (&shared.uplink, uplink_open) {
+            loop {
+                match super::hostd::recv_forwarded(uplink, &mut rx) {
+                    Ok(Some((n, meta))) => receive(shared, &rx[..n], &meta),
+                    Ok(None) => break,
+                    Err(_) => {
+                        // The daemon is gone: nothing reaches the device now.
+                        uplink_open = false;
+                        shared.uplink_lost.store(true, Ordering::Release);
+                        if shared.port_up.swap(false, Ordering::AcqRel) {
+                            shared.events.push(AsyncEvent::PortDown);
+                        }
+                        break;
+                    }
+                }
+            }
         }
     }
 }
 
-/// Receives one datagram, with the TTL and TOS of its IP header (for the GRH
-/// a UD receive gets); `None` when there is none.
-fn recv(
-    shared: &Shared,
+/// Binds a UDP socket for RoCEv2 at `addr`.
+pub(crate) fn roce_socket(addr: SocketAddrV4) -> io::Result<UdpSocket> {
+    let sock = socket2::Socket::new(
+        socket2::Domain::IPV4,
+        socket2::Type::DGRAM,
+        Some(socket2::Protocol::UDP),
+    )?;
+    sock.set_recv_buffer_size(8 << 20)?;
+    sock.set_send_buffer_size(8 << 20)?;
+    sock.bind(&SocketAddr::V4(addr).into())?;
+    // DF set, and (unconnected) the kernel writes IP ID 0, which the ICRC covers.
+    sockopt::set_ip_mtu_discover(&sock, sockopt::Ipv4PathMtuDiscovery::DO)?;
+    // TTL and TOS of received datagrams, for the GRH of UD receives.
+    nix::sys::socket::setsockopt(&sock, nix::sys::socket::sockopt::Ipv4RecvTtl, &true)
+        .map_err(io::Error::from)?;
+    nix::sys::socket::setsockopt(&sock, nix::sys::socket::sockopt::IpRecvTos, &true)
+        .map_err(io::Error::from)?;
+    sock.set_nonblocking(true)?;
+    Ok(sock.into())
+}
+
+/// Where a datagram came from, and its IP header's TTL and TOS.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RxMeta {
+    pub from: SocketAddrV4,
+    pub ttl: u8,
+    pub tos: u8,
+}
+
+/// Receives one datagram from a socket made by [`roce_socket`]; `None` when
+/// there is none.
+pub(crate) fn recv_datagram(
+    socket: &UdpSocket,
     rx: &mut [u8],
     cmsg: &mut [u8],
-) -> Option<(usize, SocketAddrV4, RecvMeta)> {
+) -> Option<(usize, RxMeta)> {
     use nix::sys::socket::{ControlMessageOwned, MsgFlags, SockaddrIn, recvmsg};
     use std::os::fd::AsRawFd;
     let mut iov = [io::IoSliceMut::new(rx)];
     let msg = recvmsg::<SockaddrIn>(
-        shared.socket.as_raw_fd(),
+        socket.as_raw_fd(),
         &mut iov,
         Some(cmsg),
         MsgFlags::MSG_DONTWAIT,
@@ -511,18 +578,12 @@ fn recv(
             }
         }
     }
-    let meta = RecvMeta::V4 {
-        src: from.ip().octets(),
-        dst: shared.local.ip().octets(),
-        tos,
-        ttl,
-        identification: 0,
-    };
-    Some((msg.bytes, from, meta))
+    Some((msg.bytes, RxMeta { from, ttl, tos }))
 }
 
 /// One datagram: to its QP, if the ICRC holds.
-fn receive(shared: &Shared, packet: &[u8], from: SocketAddrV4, meta: &RecvMeta) {
+fn receive(shared: &Shared, packet: &[u8], rx: &RxMeta) {
+    let from = rx.from;
     shared.stats.received.fetch_add(1, Ordering::Relaxed);
     let Ok(h) = bth::Header::new_checked(packet) else {
         shared.stats.no_qp.fetch_add(1, Ordering::Relaxed);
@@ -560,16 +621,12 @@ fn receive(shared: &Shared, packet: &[u8], from: SocketAddrV4, meta: &RecvMeta) 
         shared.stats.bad_icrc.fetch_add(1, Ordering::Relaxed);
         return;
     };
-    let meta = match *meta {
-        RecvMeta::V4 {
-            src, dst, tos, ttl, ..
-        } => RecvMeta::V4 {
-            src,
-            dst,
-            tos,
-            ttl,
-            identification: ident,
-        },
+    let meta = RecvMeta::V4 {
+        src: from.ip().octets(),
+        dst: shared.local.ip().octets(),
+        tos: rx.tos,
+        ttl: rx.ttl,
+        identification: ident,
     };
     let meta = &meta;
     let mut signal = [false; 2];

@@ -87,6 +87,7 @@ pub struct Device {
     addr: SocketAddrV4,
     busy_poll: bool,
     link_mtu: Option<usize>,
+    shared_port: Option<bool>,
 }
 
 impl Device {
@@ -103,6 +104,7 @@ impl Device {
             addr,
             busy_poll: false,
             link_mtu: None,
+            shared_port: None,
         }
     }
 
@@ -111,6 +113,16 @@ impl Device {
     #[must_use]
     pub fn busy_poll(mut self, on: bool) -> Device {
         self.busy_poll = on;
+        self
+    }
+
+    /// Share the address with other processes through `softrdma hostd`
+    /// (started if none runs; see `docs/multiprocess.md`), instead of binding
+    /// it exclusively. Default: the `SOFTRDMA_PORT_SHARING` environment
+    /// variable (`hostd` or `exclusive`), else exclusive.
+    #[must_use]
+    pub fn shared_port(mut self, on: bool) -> Device {
+        self.shared_port = Some(on);
         self
     }
 
@@ -129,10 +141,30 @@ impl Device {
                 "a device needs a specific IPv4 address (its GID), not 0.0.0.0".into(),
             ));
         }
-        let dev = UdpDevice::open(self.addr, self.busy_poll).map_err(io_err(format!(
-            "cannot open a RoCEv2 device on {}",
-            self.addr
-        )))?;
+        let shared_port = match self.shared_port {
+            Some(on) => on,
+            None => match std::env::var("SOFTRDMA_PORT_SHARING").as_deref() {
+                Ok("hostd") => true,
+                Ok("exclusive") | Ok("") | Err(_) => false,
+                Ok(other) => {
+                    return Err(VerbsError::Invalid(format!(
+                        "SOFTRDMA_PORT_SHARING={other}: use hostd or exclusive"
+                    )));
+                }
+            },
+        };
+        if shared_port && self.addr.port() == 0 {
+            return Err(VerbsError::Invalid(
+                "a shared address needs a port (4791), not 0".into(),
+            ));
+        }
+        let dev =
+            UdpDevice::open(self.addr, self.busy_poll, shared_port).map_err(io_err(format!(
+                "cannot open a RoCEv2 device on {}{}",
+                self.addr,
+                if shared_port { " through hostd" } else { "" }
+            )))?;
+        let slot = dev.shared.slot;
         let link_mtu = self.link_mtu.unwrap_or(if self.addr.ip().is_loopback() {
             65536
         } else {
@@ -145,7 +177,8 @@ impl Device {
                 next_ah: AtomicU32::new(1),
                 next_cq: AtomicU32::new(1),
                 next_srq: AtomicU32::new(1),
-                next_qpn: Mutex::new(0x11),
+                qpn_range: qpn_range(slot),
+                next_qpn: Mutex::new(*qpn_range(slot).start()),
                 active_mtu: Mtu::for_link(link_mtu),
             }),
         })
@@ -159,8 +192,21 @@ struct ContextInner {
     next_ah: AtomicU32,
     next_cq: AtomicU32,
     next_srq: AtomicU32,
+    /// The QPNs this device hands out: a hostd slot's, or all but 0..0x11.
+    qpn_range: std::ops::RangeInclusive<u32>,
     next_qpn: Mutex<u32>,
     active_mtu: Mtu,
+}
+
+/// QPNs of a device: slot 0 (exclusive) has 0x11..=0xfeffff; a hostd slot
+/// the 65536 QPNs with it as top byte, from 0x11 up.
+fn qpn_range(slot: u8) -> std::ops::RangeInclusive<u32> {
+    if slot == 0 {
+        0x11..=0xfe_ffff
+    } else {
+        let base = u32::from(slot) << 16;
+        base | 0x11..=base | 0xffff
+    }
 }
 
 /// Port attributes (`ibv_query_port`).
@@ -203,7 +249,11 @@ impl Context {
     pub fn query_port(&self) -> PortAttr {
         let a = self.local_addr();
         PortAttr {
-            state: PortState::Active,
+            state: if self.inner.dev.shared.port_up() {
+                PortState::Active
+            } else {
+                PortState::Down
+            },
             max_mtu: Mtu::Mtu4096,
             active_mtu: self.inner.active_mtu,
             gids: vec![softrdma_wire::grh::ipv4_mapped(a.ip().octets())],
@@ -408,11 +458,23 @@ impl Pd {
         let mut qps = shared.qps.write().expect("QP table lock");
         let qpn = {
             let mut next = self.ctx.inner.next_qpn.lock().expect("QPN lock");
+            let range = &self.ctx.inner.qpn_range;
+            let first = *next;
             loop {
                 let q = *next;
-                *next = if q >= 0xff_ffff { 0x11 } else { q + 1 };
+                *next = if q >= *range.end() {
+                    *range.start()
+                } else {
+                    q + 1
+                };
                 if !qps.contains_key(&q) {
                     break q;
+                }
+                if *next == first {
+                    return Err(VerbsError::Invalid(format!(
+                        "all {} QP numbers of the device are in use",
+                        range.clone().count()
+                    )));
                 }
             }
         };

@@ -1,0 +1,456 @@
+//! Sharing one RoCEv2 address among processes (see `docs/multiprocess.md`).
+//!
+//! `hostd` owns `IP:4791` and forwards each datagram to the process whose
+//! slot is the top byte of the BTH destination QPN, over that process's Unix
+//! seqpacket connection. Processes send from their own UDP sockets (same IP,
+//! any source port: RoCEv2 peers answer to 4791 whatever the source port).
+//!
+//! The daemon is found through an abstract Unix socket named after the
+//! address (so it is per network namespace). A process that finds none starts
+//! one (`softrdma hostd ADDR --exit-when-idle`); of two started at once, the
+//! one that binds the name first wins and the other exits.
+
+use std::io::{self, IoSlice, IoSliceMut};
+use std::net::{SocketAddrV4, UdpSocket};
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use rustix::event::{EventfdFlags, PollFd, PollFlags, eventfd};
+use rustix::net::{
+    AddressFamily, RecvFlags, SendFlags, SocketAddrUnix, SocketFlags, SocketType, sockopt,
+};
+
+use super::udp::{RxMeta, recv_datagram, roce_socket};
+
+/// Bytes the daemon puts before each forwarded datagram: source IPv4
+/// address, source UDP port (big endian), TTL, TOS.
+pub(crate) const FORWARD_HEADER_LEN: usize = 8;
+/// The daemon's greeting: magic, version, then the slot.
+const GREETING: &[u8; 5] = b"SRHD1";
+/// Slots a daemon hands out: 0 is the slot of QPNs 0 and 1 and of exclusive
+/// devices, 0xff that of the multicast QPN 0xffffff.
+const SLOTS: std::ops::RangeInclusive<u8> = 1..=254;
+/// Largest datagram forwarded.
+const RX_BUF: usize = 65536;
+
+/// The abstract socket name of the daemon serving `addr`.
+fn socket_name(addr: SocketAddrV4) -> String {
+    format!("softrdma-hostd/{addr}")
+}
+
+fn unix_seqpacket(flags: SocketFlags) -> io::Result<OwnedFd> {
+    Ok(rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC | flags,
+        None,
+    )?)
+}
+
+/// Counters of a daemon.
+#[derive(Debug, Default)]
+pub struct HostdStats {
+    /// Datagrams forwarded to a process.
+    pub forwarded: AtomicU64,
+    /// Dropped: no process holds the slot, or not a RoCEv2 packet.
+    pub no_owner: AtomicU64,
+    /// Dropped: the process's connection was full.
+    pub overflow: AtomicU64,
+    /// Processes that joined.
+    pub joined: AtomicU64,
+}
+
+/// The daemon that shares one RoCEv2 address among processes.
+#[derive(Debug)]
+pub struct Hostd {
+    addr: SocketAddrV4,
+    udp: UdpSocket,
+    listener: OwnedFd,
+    clients: Vec<Option<OwnedFd>>,
+    /// Where the search for a free slot starts: slots are handed out round
+    /// robin, so that a dead process's QPNs are not soon reused.
+    next_slot: u8,
+    exit_when_idle: Option<Duration>,
+    stop: Arc<OwnedFd>,
+    stats: Arc<HostdStats>,
+}
+
+/// Stops a running daemon (from another thread).
+#[derive(Debug, Clone)]
+pub struct HostdStopper {
+    stop: Arc<OwnedFd>,
+}
+
+impl HostdStopper {
+    /// Asks the daemon to leave its loop.
+    pub fn stop(&self) {
+        let _ = rustix::io::write(&*self.stop, &1u64.to_ne_bytes());
+    }
+}
+
+impl Hostd {
+    /// Claims `addr` for sharing: binds the daemon's name, then the UDP
+    /// socket. `AddrInUse` from the name means a daemon already serves it.
+    pub fn bind(addr: SocketAddrV4) -> io::Result<Hostd> {
+        // Non-blocking: the loop accepts until there is no one left.
+        let listener = unix_seqpacket(SocketFlags::NONBLOCK)?;
+        rustix::net::bind(
+            &listener,
+            &SocketAddrUnix::new_abstract_name(socket_name(addr).as_bytes())?,
+        )
+        .map_err(|e| {
+            let e = io::Error::from(e);
+            if e.kind() == io::ErrorKind::AddrInUse {
+                io::Error::new(e.kind(), format!("a hostd already serves {addr}"))
+            } else {
+                e
+            }
+        })?;
+        rustix::net::listen(&listener, 64)?;
+        let udp = roce_socket(addr).map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("hostd cannot bind UDP {addr} (is a process using it exclusively?): {e}"),
+            )
+        })?;
+        Ok(Hostd {
+            addr,
+            udp,
+            listener,
+            clients: (0..256).map(|_| None).collect(),
+            next_slot: *SLOTS.start(),
+            exit_when_idle: None,
+            stop: Arc::new(eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?),
+            stats: Arc::new(HostdStats::default()),
+        })
+    }
+
+    /// Leave when no process has been connected for `linger` (from the
+    /// start, or since the last one left).
+    #[must_use]
+    pub fn exit_when_idle(mut self, linger: Duration) -> Hostd {
+        self.exit_when_idle = Some(linger);
+        self
+    }
+
+    /// The address served.
+    pub fn addr(&self) -> SocketAddrV4 {
+        self.addr
+    }
+
+    /// The daemon's counters.
+    pub fn stats(&self) -> Arc<HostdStats> {
+        self.stats.clone()
+    }
+
+    /// A handle that stops [`Hostd::run`] from another thread.
+    pub fn stopper(&self) -> HostdStopper {
+        HostdStopper {
+            stop: self.stop.clone(),
+        }
+    }
+
+    /// Serves until stopped, or idle for the linger time.
+    pub fn run(&mut self) -> io::Result<()> {
+        let mut rx = vec![0u8; RX_BUF];
+        let mut cmsg = nix::cmsg_space!(i32, u8);
+        let mut idle_since = Some(Instant::now());
+        let mut slots: Vec<u8> = Vec::new();
+        loop {
+            slots.clear();
+            slots.extend(
+                self.clients
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, c)| c.is_some())
+                    .map(|(s, _)| s as u8),
+            );
+            let timeout = match (self.exit_when_idle, idle_since) {
+                (Some(linger), Some(since)) => {
+                    let left = linger.saturating_sub(since.elapsed());
+                    if left.is_zero() {
+                        return Ok(());
+                    }
+                    Some(left)
+                }
+                _ => None,
+            };
+            let ts = timeout.map(|d| rustix::time::Timespec {
+                tv_sec: d.as_secs() as i64,
+                tv_nsec: i64::from(d.subsec_nanos()),
+            });
+            let mut fds = Vec::with_capacity(3 + slots.len());
+            fds.push(PollFd::new(&self.udp, PollFlags::IN));
+            fds.push(PollFd::new(&self.listener, PollFlags::IN));
+            fds.push(PollFd::new(&*self.stop, PollFlags::IN));
+            for &s in &slots {
+                let fd = self.clients[usize::from(s)].as_ref().expect("listed");
+                // Only hang-ups matter: processes never write to the daemon.
+                fds.push(PollFd::new(fd, PollFlags::IN));
+            }
+            match rustix::event::poll(&mut fds, ts.as_ref()) {
+                Ok(_) | Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(e.into()),
+            }
+            let ready: Vec<bool> = fds.iter().map(|f| !f.revents().is_empty()).collect();
+            drop(fds);
+            if ready[2] {
+                return Ok(());
+            }
+            for (i, &s) in slots.iter().enumerate() {
+                if ready[3 + i] {
+                    self.clients[usize::from(s)] = None;
+                }
+            }
+            if ready[1] {
+                self.accept();
+            }
+            if ready[0] {
+                while let Some((n, meta)) = recv_datagram(&self.udp, &mut rx, &mut cmsg) {
+                    self.forward(&rx[..n], &meta);
+                }
+            }
+            let connected = self.clients.iter().any(Option::is_some);
+            idle_since = match (connected, idle_since) {
+                (true, _) => None,
+                (false, None) => Some(Instant::now()),
+                (false, since) => since,
+            };
+        }
+    }
+
+    fn accept(&mut self) {
+        while let Ok(fd) =
+            rustix::net::accept_with(&self.listener, SocketFlags::CLOEXEC | SocketFlags::NONBLOCK)
+        {
+            let free = (0..SLOTS.clone().count()).find_map(|i| {
+                let span = u32::from(*SLOTS.end() - *SLOTS.start()) + 1;
+                let s = (u32::from(self.next_slot - *SLOTS.start()) + i as u32) % span
+                    + u32::from(*SLOTS.start());
+                let s = s as u8;
+                self.clients[usize::from(s)].is_none().then_some(s)
+            });
+            let Some(slot) = free else {
+                // Full: closing the connection tells the process.
+                continue;
+            };
+            let mut hello = [0u8; 6];
+            hello[..5].copy_from_slice(GREETING);
+            hello[5] = slot;
+            if rustix::net::send(&fd, &hello, SendFlags::NOSIGNAL).is_err() {
+                continue;
+            }
+            // Room for bursts: a full connection drops datagrams (the RC
+            // transport retransmits), it never blocks the daemon.
+            let _ = sockopt::set_socket_send_buffer_size(&fd, 8 << 20);
+            self.clients[usize::from(slot)] = Some(fd);
+            self.next_slot = if slot == *SLOTS.end() {
+                *SLOTS.start()
+            } else {
+                slot + 1
+            };
+            self.stats.joined.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn forward(&self, packet: &[u8], meta: &RxMeta) {
+        // The slot is the destination QPN's top byte: BTH byte 5.
+        let owner = (packet.len() >= 12)
+            .then(|| self.clients[usize::from(packet[5])].as_ref())
+            .flatten();
+        let Some(fd) = owner else {
+            self.stats.no_owner.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        let hdr = forward_header(meta);
+        let iov = [IoSlice::new(&hdr), IoSlice::new(packet)];
+        match rustix::net::sendmsg(
+            fd,
+            &iov,
+            &mut Default::default(),
+            SendFlags::DONTWAIT | SendFlags::NOSIGNAL,
+        ) {
+            Ok(_) => self.stats.forwarded.fetch_add(1, Ordering::Relaxed),
+            Err(_) => self.stats.overflow.fetch_add(1, Ordering::Relaxed),
+        };
+    }
+}
+
+fn forward_header(meta: &RxMeta) -> [u8; FORWARD_HEADER_LEN] {
+    let mut h = [0u8; FORWARD_HEADER_LEN];
+    h[..4].copy_from_slice(&meta.from.ip().octets());
+    h[4..6].copy_from_slice(&meta.from.port().to_be_bytes());
+    h[6] = meta.ttl;
+    h[7] = meta.tos;
+    h
+}
+
+/// Receives one forwarded datagram into `rx`: `Ok(None)` when there is none
+/// now, an error when the daemon is gone.
+pub(crate) fn recv_forwarded(
+    uplink: impl AsFd,
+    rx: &mut [u8],
+) -> io::Result<Option<(usize, RxMeta)>> {
+    let mut hdr = [0u8; FORWARD_HEADER_LEN];
+    let mut iov = [IoSliceMut::new(&mut hdr), IoSliceMut::new(rx)];
+    match rustix::net::recvmsg(
+        uplink,
+        &mut iov,
+        &mut Default::default(),
+        RecvFlags::DONTWAIT,
+    ) {
+        Ok(m) if m.bytes == 0 => Err(io::Error::new(
+            io::ErrorKind::ConnectionAborted,
+            "hostd closed the connection",
+        )),
+        Ok(m) if m.bytes < FORWARD_HEADER_LEN => Ok(None),
+        Ok(m) => {
+            let from = SocketAddrV4::new(
+                [hdr[0], hdr[1], hdr[2], hdr[3]].into(),
+                u16::from_be_bytes([hdr[4], hdr[5]]),
+            );
+            Ok(Some((
+                m.bytes - FORWARD_HEADER_LEN,
+                RxMeta {
+                    from,
+                    ttl: hdr[6],
+                    tos: hdr[7],
+                },
+            )))
+        }
+        Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => Ok(None),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Joins the daemon serving `addr`, starting one if there is none; returns
+/// the connection and the process's slot.
+pub(crate) fn join(addr: SocketAddrV4) -> io::Result<(OwnedFd, u8)> {
+    match connect(addr) {
+        Ok(j) => return Ok(j),
+        Err(e) if e.kind() != io::ErrorKind::ConnectionRefused => return Err(e),
+        Err(_) => {}
+    }
+    let program = hostd_program().ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::NotFound,
+            format!(
+                "no hostd serves {addr}, and none can be started: put the softrdma \
+                 binary on PATH, set SOFTRDMA_HOSTD to it, or run `softrdma hostd {addr}`"
+            ),
+        )
+    })?;
+    let mut child = Command::new(&program)
+        .args(["hostd", &addr.to_string(), "--exit-when-idle", "2"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("cannot start hostd ({}): {e}", program.display()),
+            )
+        })?;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match connect(addr) {
+            Ok(j) => {
+                // Reap it whenever it leaves.
+                std::thread::spawn(move || child.wait());
+                return Ok(j);
+            }
+            Err(e) if e.kind() != io::ErrorKind::ConnectionRefused => return Err(e),
+            Err(_) => {}
+        }
+        if let Some(status) = child.try_wait()? {
+            let mut msg = String::new();
+            if let Some(mut err) = child.stderr.take() {
+                let _ = io::Read::read_to_string(&mut err, &mut msg);
+            }
+            // Another process's daemon may have won the race for the name.
+            if let Ok(j) = connect(addr) {
+                return Ok(j);
+            }
+            return Err(io::Error::other(format!(
+                "hostd for {addr} exited ({status}): {}",
+                msg.trim()
+            )));
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("hostd for {addr} did not start"),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The program run as `PROGRAM hostd`: `$SOFTRDMA_HOSTD`, this program if it
+/// is softrdma, or `softrdma` on `PATH`.
+fn hostd_program() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("SOFTRDMA_HOSTD") {
+        return Some(p.into());
+    }
+    if let Ok(me) = std::env::current_exe()
+        && me.file_name().is_some_and(|n| n == "softrdma")
+    {
+        return Some(me);
+    }
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|d| d.join("softrdma"))
+        .find(|p| p.is_file())
+}
+
+fn connect(addr: SocketAddrV4) -> io::Result<(OwnedFd, u8)> {
+    let fd = unix_seqpacket(SocketFlags::empty())?;
+    rustix::net::connect(
+        &fd,
+        &SocketAddrUnix::new_abstract_name(socket_name(addr).as_bytes())?,
+    )?;
+    rustix::net::sockopt::set_socket_timeout(
+        &fd,
+        rustix::net::sockopt::Timeout::Recv,
+        Some(Duration::from_secs(2)),
+    )?;
+    let mut hello = [0u8; 6];
+    let n = rustix::net::recv(&fd, &mut hello, RecvFlags::empty())
+        .map_err(|e| io::Error::other(format!("no greeting from the hostd for {addr}: {e}")))?
+        .0;
+    if n == 0 {
+        return Err(io::Error::other(format!(
+            "the hostd for {addr} has no free slot (254 processes)"
+        )));
+    }
+    if n != hello.len() || &hello[..5] != GREETING {
+        return Err(io::Error::other(format!(
+            "the process serving {addr} is not a compatible hostd"
+        )));
+    }
+    rustix::net::sockopt::set_socket_timeout(&fd, rustix::net::sockopt::Timeout::Recv, None)?;
+    rustix::net::sockopt::set_socket_recv_buffer_size(&fd, 8 << 20)?;
+    rustix::fs::fcntl_setfl(&fd, rustix::fs::OFlags::NONBLOCK)?;
+    Ok((fd, hello[5]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn forward_header_round_trips() {
+        let meta = RxMeta {
+            from: "10.1.2.3:49152".parse().unwrap(),
+            ttl: 63,
+            tos: 0x88,
+        };
+        let h = forward_header(&meta);
+        assert_eq!(h, [10, 1, 2, 3, 0xc0, 0x00, 63, 0x88]);
+    }
+}

@@ -1,0 +1,202 @@
+//! Port sharing through hostd, with the daemon in a thread of the test: a
+//! standard peer sending to IP:4791 reaches QPs of two devices that share
+//! that address; a daemon that goes away takes the shared ports down; an
+//! address held exclusively cannot be shared.
+
+use std::net::UdpSocket;
+use std::time::Duration;
+
+use softrdma::cm::{self, ConnInfo, RcOptions};
+use softrdma::provider::hostd::Hostd;
+use softrdma::verbs::*;
+
+const T: Duration = Duration::from_secs(10);
+
+struct Daemon {
+    stopper: softrdma::provider::hostd::HostdStopper,
+    thread: Option<std::thread::JoinHandle<()>>,
+    stats: std::sync::Arc<softrdma::provider::hostd::HostdStats>,
+}
+
+impl Daemon {
+    fn start(addr: &str) -> Daemon {
+        let mut d = Hostd::bind(addr.parse().unwrap()).unwrap();
+        let stopper = d.stopper();
+        let stats = d.stats();
+        let thread = std::thread::spawn(move || d.run().unwrap());
+        Daemon {
+            stopper,
+            thread: Some(thread),
+            stats,
+        }
+    }
+
+    fn stop(&mut self) {
+        self.stopper.stop();
+        if let Some(t) = self.thread.take() {
+            t.join().unwrap();
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn rc_pair(a: &Context, b: &Context) -> (Qp, Cq, Mr, Qp, Cq, Mr) {
+    let mk = |ctx: &Context| {
+        let pd = ctx.alloc_pd().unwrap();
+        let mr = pd.register(1 << 16, Access::ALL).unwrap();
+        let cq = ctx.create_cq(64).unwrap();
+        let qp = pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
+        (qp, cq, mr)
+    };
+    let (qa, ca, ma) = mk(a);
+    let (qb, cb, mb) = mk(b);
+    let ia = ConnInfo::local(&qa, Some(&ma)).unwrap();
+    let ib = ConnInfo::local(&qb, Some(&mb)).unwrap();
+    cm::connect(&qa, &ia, &ib, &RcOptions::default()).unwrap();
+    cm::connect(&qb, &ib, &ia, &RcOptions::default()).unwrap();
+    (qa, ca, ma, qb, cb, mb)
+}
+
+#[test]
+fn a_peer_at_4791_reaches_qps_of_two_devices_sharing_an_address() {
+    let mut daemon = Daemon::start("127.0.0.48:4791");
+    let shared: Vec<Context> = (0..2)
+        .map(|_| {
+            Device::udp("127.0.0.48:4791".parse().unwrap())
+                .shared_port(true)
+                .open()
+                .unwrap()
+        })
+        .collect();
+    // The standard peer: owns its own IP:4791 and sends to 127.0.0.48:4791.
+    let peer = Device::udp("127.0.0.49:4791".parse().unwrap())
+        .open()
+        .unwrap();
+    for (i, ctx) in shared.iter().enumerate() {
+        assert_eq!(ctx.local_addr().to_string(), "127.0.0.48:4791");
+        let (qp, cq, mr, pqp, pcq, pmr) = rc_pair(ctx, &peer);
+        assert_ne!(qp.qpn() >> 16, 0, "a hostd slot in the QPN");
+        // The peer WRITEs into the shared device's region and READs it back.
+        let data = vec![0x40 + i as u8; 3000];
+        pmr.write(0, &data).unwrap();
+        pqp.post_send(SendWr::new(
+            1,
+            SendOp::Write {
+                remote_addr: mr.addr() + 100,
+                rkey: mr.rkey(),
+            },
+            vec![pmr.sge(0, 3000)],
+        ))
+        .unwrap();
+        pqp.post_send(SendWr::new(
+            2,
+            SendOp::Read {
+                remote_addr: mr.addr() + 100,
+                rkey: mr.rkey(),
+            },
+            vec![pmr.sge(8192, 3000)],
+        ))
+        .unwrap();
+        let wcs = pcq.wait_for(2, T).unwrap();
+        assert!(wcs.iter().all(|w| w.status == WcStatus::Success), "{wcs:?}");
+        assert_eq!(mr.read_vec(100, 3000).unwrap(), data);
+        assert_eq!(pmr.read_vec(8192, 3000).unwrap(), data);
+        // And the shared device SENDs to the peer.
+        pqp.post_recv(RecvWr {
+            wr_id: 7,
+            sgl: vec![pmr.sge(16384, 64)],
+        })
+        .unwrap();
+        mr.write(0, b"from a shared port").unwrap();
+        qp.post_send(SendWr::new(3, SendOp::Send, vec![mr.sge(0, 18)]))
+            .unwrap();
+        assert_eq!(cq.wait(T).unwrap().unwrap().status, WcStatus::Success);
+        let wc = pcq.wait(T).unwrap().unwrap();
+        assert_eq!((wc.status, wc.byte_len), (WcStatus::Success, 18));
+        assert_eq!(pmr.read_vec(16384, 18).unwrap(), b"from a shared port");
+    }
+    assert!(
+        daemon
+            .stats
+            .forwarded
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 0
+    );
+    // A datagram for a slot no process holds is dropped and counted.
+    let s = UdpSocket::bind("127.0.0.49:0").unwrap();
+    let mut junk = [0u8; 40];
+    junk[5] = 0x77;
+    s.send_to(&junk, "127.0.0.48:4791").unwrap();
+    let t = std::time::Instant::now();
+    while daemon
+        .stats
+        .no_owner
+        .load(std::sync::atomic::Ordering::Relaxed)
+        == 0
+    {
+        assert!(t.elapsed() < T, "junk not counted");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // The daemon goes away: the shared ports go down, with an event.
+    daemon.stop();
+    for ctx in &shared {
+        let mut down = false;
+        while let Some(e) = ctx.wait_async_event(T) {
+            if e == AsyncEvent::PortDown {
+                down = true;
+                break;
+            }
+        }
+        assert!(down, "PortDown event");
+        assert_eq!(ctx.query_port().state, PortState::Down);
+    }
+    assert_eq!(peer.query_port().state, PortState::Active);
+}
+
+#[test]
+fn an_address_held_exclusively_cannot_be_shared() {
+    let _owner = Device::udp("127.0.0.50:4791".parse().unwrap())
+        .open()
+        .unwrap();
+    let err = Hostd::bind("127.0.0.50:4791".parse().unwrap()).unwrap_err();
+    assert!(err.to_string().contains("exclusively"), "{err}");
+    // And a second daemon for one address is refused by name.
+    let _d = Daemon::start("127.0.0.51:4791");
+    let err = Hostd::bind("127.0.0.51:4791".parse().unwrap()).unwrap_err();
+    assert!(err.to_string().contains("already serves"), "{err}");
+}
+
+#[test]
+fn a_departed_process_frees_its_slot_and_its_qpns_are_not_reused_at_once() {
+    let daemon = Daemon::start("127.0.0.55:4791");
+    let open = || {
+        Device::udp("127.0.0.55:4791".parse().unwrap())
+            .shared_port(true)
+            .open()
+            .unwrap()
+    };
+    let slot = |ctx: &Context| {
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(4).unwrap();
+        pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap().qpn() >> 16
+    };
+    let first = open();
+    let s1 = slot(&first);
+    // Closing the device closes its connection, as a killed process's does.
+    drop(first);
+    let second = open();
+    let s2 = slot(&second);
+    assert_ne!(s1, s2, "round robin: the next process gets another slot");
+    assert_eq!(
+        daemon
+            .stats
+            .joined
+            .load(std::sync::atomic::Ordering::Relaxed),
+        2
+    );
+}
