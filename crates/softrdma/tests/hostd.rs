@@ -187,8 +187,20 @@ fn a_departed_process_frees_its_slot_and_its_qpns_are_not_reused_at_once() {
     };
     let first = open();
     let s1 = slot(&first);
+    let connected = || {
+        daemon
+            .stats
+            .connected
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    assert_eq!(connected(), 1);
     // Closing the device closes its connection, as a killed process's does.
     drop(first);
+    let t = std::time::Instant::now();
+    while connected() != 0 {
+        assert!(t.elapsed() < T, "the slot is not freed");
+        std::thread::sleep(Duration::from_millis(2));
+    }
     let second = open();
     let s2 = slot(&second);
     assert_ne!(s1, s2, "round robin: the next process gets another slot");

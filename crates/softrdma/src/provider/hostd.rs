@@ -62,6 +62,8 @@ pub struct HostdStats {
     pub overflow: AtomicU64,
     /// Processes that joined.
     pub joined: AtomicU64,
+    /// Processes connected now.
+    pub connected: AtomicU64,
 }
 
 /// The daemon that shares one RoCEv2 address among processes.
@@ -204,6 +206,7 @@ impl Hostd {
             for (i, &s) in slots.iter().enumerate() {
                 if ready[3 + i] {
                     self.clients[usize::from(s)] = None;
+                    self.stats.connected.fetch_sub(1, Ordering::Relaxed);
                 }
             }
             if ready[1] {
@@ -238,22 +241,26 @@ impl Hostd {
                 // Full: closing the connection tells the process.
                 continue;
             };
-            let mut hello = [0u8; 6];
-            hello[..5].copy_from_slice(GREETING);
-            hello[5] = slot;
-            if rustix::net::send(&fd, &hello, SendFlags::NOSIGNAL).is_err() {
-                continue;
-            }
             // Room for bursts: a full connection drops datagrams (the RC
             // transport retransmits), it never blocks the daemon.
             let _ = sockopt::set_socket_send_buffer_size(&fd, 8 << 20);
-            self.clients[usize::from(slot)] = Some(fd);
             self.next_slot = if slot == *SLOTS.end() {
                 *SLOTS.start()
             } else {
                 slot + 1
             };
+            // Counted before the greeting, so that a process that has its
+            // slot sees itself in the counters.
             self.stats.joined.fetch_add(1, Ordering::Relaxed);
+            self.stats.connected.fetch_add(1, Ordering::Relaxed);
+            let mut hello = [0u8; 6];
+            hello[..5].copy_from_slice(GREETING);
+            hello[5] = slot;
+            if rustix::net::send(&fd, &hello, SendFlags::NOSIGNAL).is_err() {
+                self.stats.connected.fetch_sub(1, Ordering::Relaxed);
+                continue;
+            }
+            self.clients[usize::from(slot)] = Some(fd);
         }
     }
 
