@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 
 mod decode;
 mod demo;
+mod device;
 mod ping;
 
 /// RDMA verbs in Rust over RoCEv2, iWARP and shared memory.
@@ -41,6 +42,9 @@ enum Command {
         #[arg(long)]
         busy_poll: bool,
     },
+    /// List the RoCEv2 devices (one per IPv4 address of each interface that
+    /// is up, named roce_<netdev>) with their GID tables.
+    Devices,
     /// Share one RoCEv2 address (IP and UDP port 4791) among the processes
     /// of this host: own the port and hand each datagram to the process
     /// whose QPs carry the destination QPN's top byte.
@@ -80,6 +84,7 @@ fn main() -> ExitCode {
             quiet,
         } => decode::run(&file, &roce_ports, quiet),
         Command::Ping(args) => ping::run(&args),
+        Command::Devices => device::list(),
         Command::Demo { addr, busy_poll } => demo::run(&addr.to_string(), busy_poll),
         Command::Hostd {
             addr,

@@ -29,8 +29,12 @@ pub struct PingArgs {
     /// Receives posted at a time.
     #[arg(short = 'r', long, default_value_t = 500)]
     pub rx_depth: u32,
-    /// Local GID index (the device's GID table has its IPv4-mapped address at 0).
-    #[arg(short = 'g', long, default_value_t = 0)]
+    /// Device (see `softrdma devices`; default: a client's route to the
+    /// server, a server's first non-loopback device, or --bind).
+    #[arg(short = 'd', long = "ib-dev", value_name = "DEVICE")]
+    pub dev: Option<String>,
+    /// Local GID index: 1 is the IPv4 GID, as on rxe (0 is IPv6 link-local).
+    #[arg(short = 'g', long, default_value_t = 1)]
     pub gid_idx: usize,
     /// Service level (carried for compatibility; RoCEv2 has no SL on the wire).
     #[arg(short = 'l', long, default_value_t = 0)]
@@ -150,10 +154,19 @@ fn run_inner(a: &PingArgs) -> Result<(), String> {
     if a.rx_depth == 0 || a.iters == 0 {
         return Err("-r and -n must be at least 1".into());
     }
-    // The out-of-band connection first: it tells which local address to use.
-    let mut tcp = match &a.host {
-        Some(h) => TcpStream::connect((h.as_str(), a.port))
-            .map_err(|e| format!("couldn't connect to {h}:{}: {e}", a.port))?,
+    let peer_ip = match &a.host {
+        Some(h) => Some(resolve_v4(h, a.port)?),
+        None => None,
+    };
+    let chosen = crate::device::choose(a.dev.as_deref(), a.gid_idx, a.bind, peer_ip)?;
+    let mut tcp = match peer_ip {
+        Some(ip) => TcpStream::connect((ip, a.port)).map_err(|e| {
+            format!(
+                "couldn't connect to {}:{}: {e}",
+                a.host.as_deref().unwrap_or_default(),
+                a.port
+            )
+        })?,
         None => {
             let at = a.bind.map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), IpAddr::V4);
             let l = TcpListener::bind((at, a.port))
@@ -161,14 +174,7 @@ fn run_inner(a: &PingArgs) -> Result<(), String> {
             l.accept().map_err(|e| format!("accept: {e}"))?.0
         }
     };
-    let local_ip = match (a.bind, tcp.local_addr().map_err(|e| e.to_string())?.ip()) {
-        (Some(b), _) => b,
-        (None, IpAddr::V4(v)) => v,
-        (None, IpAddr::V6(v)) => v
-            .to_ipv4_mapped()
-            .ok_or("an IPv6 out-of-band connection: give --bind")?,
-    };
-    let mut dev = Device::udp(SocketAddrV4::new(local_ip, a.udp_port).into());
+    let mut dev = chosen.device(a.udp_port);
     if a.shared_port {
         dev = dev.shared_port(true);
     }
@@ -395,4 +401,17 @@ fn run_inner(a: &PingArgs) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// The IPv4 address of `host` (a name or an address).
+pub fn resolve_v4(host: &str, port: u16) -> Result<Ipv4Addr, String> {
+    use std::net::ToSocketAddrs;
+    (host, port)
+        .to_socket_addrs()
+        .map_err(|e| format!("{host}: {e}"))?
+        .find_map(|a| match a.ip() {
+            IpAddr::V4(v) => Some(v),
+            IpAddr::V6(_) => None,
+        })
+        .ok_or(format!("{host}: no IPv4 address"))
 }

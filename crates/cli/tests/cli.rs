@@ -350,3 +350,55 @@ fn ping_refuses_bad_options() {
     assert!(!s.status.success() && !c.status.success());
     assert!(String::from_utf8_lossy(&c.stderr).contains("larger than port MTU"));
 }
+
+#[test]
+fn devices_lists_loopback_with_its_ipv4_gid_at_index_1() {
+    let o = Command::new(env!("CARGO_BIN_EXE_softrdma"))
+        .arg("devices")
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    let out = stdout(&o);
+    let lo = out
+        .lines()
+        .find(|l| l.starts_with("roce_lo "))
+        .expect("a roce_lo device");
+    let cols: Vec<&str> = lo.split_whitespace().collect();
+    assert_eq!(
+        cols[..5],
+        [
+            "roce_lo",
+            "1",
+            "1",
+            "0000:0000:0000:0000:0000:ffff:7f00:0001",
+            "127.0.0.1"
+        ]
+    );
+}
+
+#[test]
+fn ping_refuses_a_bad_device_or_gid_index() {
+    let bin = env!("CARGO_BIN_EXE_softrdma");
+    let o = Command::new(bin)
+        .args(["ping", "-d", "nosuchdev0", "127.0.0.1"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("no device nosuchdev0") && err.contains("roce_lo"),
+        "{err}"
+    );
+    let o = Command::new(bin)
+        .args(["ping", "-d", "roce_lo", "-g", "0", "127.0.0.1"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("IPv6 link-local"));
+    let o = Command::new(bin)
+        .args(["ping", "-d", "roce_lo", "-g", "5", "127.0.0.1"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no GID index 5"));
+}

@@ -316,7 +316,11 @@ fn port_attributes() {
     let p = c.query_port();
     assert_eq!(p.state, PortState::Active);
     assert_eq!(p.active_mtu, Mtu::Mtu4096, "loopback allows 4096");
-    assert_eq!(p.gids[0][10..], [0xff, 0xff, 127, 0, 0, 1]);
+    assert_eq!(p.gids[IPV4_GID_INDEX][10..], [0xff, 0xff, 127, 0, 0, 1]);
+    assert_eq!(
+        p.gids[0], [0; 16],
+        "loopback has no MAC, so no link-local GID"
+    );
     assert_eq!(p.udp_port, c.local_addr().port());
     assert!(Device::udp("0.0.0.0:0".parse().unwrap()).open().is_err());
 }

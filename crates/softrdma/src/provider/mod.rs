@@ -2,4 +2,5 @@
 //! that drives the engine. A provider never re-implements transport rules.
 
 pub mod hostd;
+pub mod netdev;
 pub mod udp;

@@ -165,11 +165,21 @@ impl Device {
                 if shared_port { " through hostd" } else { "" }
             )))?;
         let slot = dev.shared.slot;
-        let link_mtu = self.link_mtu.unwrap_or(if self.addr.ip().is_loopback() {
-            65536
-        } else {
-            1500
-        });
+        let netdev = crate::provider::netdev::owner_of(*self.addr.ip());
+        let link_mtu = self
+            .link_mtu
+            .or(netdev.as_ref().and_then(|d| d.mtu))
+            .unwrap_or(if self.addr.ip().is_loopback() {
+                65536
+            } else {
+                1500
+            });
+        let gids = vec![
+            netdev
+                .and_then(|d| d.mac)
+                .map_or([0; 16], crate::provider::netdev::link_local_gid),
+            softrdma_wire::grh::ipv4_mapped(self.addr.ip().octets()),
+        ];
         Ok(Context {
             inner: Arc::new(ContextInner {
                 dev,
@@ -179,6 +189,7 @@ impl Device {
                 next_srq: AtomicU32::new(1),
                 qpn_range: qpn_range(slot),
                 next_qpn: Mutex::new(*qpn_range(slot).start()),
+                gids,
                 active_mtu: Mtu::for_link(link_mtu),
             }),
         })
@@ -195,6 +206,7 @@ struct ContextInner {
     /// The QPNs this device hands out: a hostd slot's, or all but 0..0x11.
     qpn_range: std::ops::RangeInclusive<u32>,
     next_qpn: Mutex<u32>,
+    gids: Vec<[u8; 16]>,
     active_mtu: Mtu,
 }
 
@@ -209,6 +221,66 @@ fn qpn_range(slot: u8) -> std::ops::RangeInclusive<u32> {
     }
 }
 
+/// The GID index of a device's IPv4 address (as rxe's: `-g 1`, `-x 1`).
+pub const IPV4_GID_INDEX: usize = 1;
+
+/// A RoCEv2 device of this host: one per IPv4 address of an interface that
+/// is up, named `roce_<netdev>` (`roce_<netdev>:<n>` for its further
+/// addresses), as rxe makes `rxe0` on a netdev.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// Device name (`roce_eth0`).
+    pub name: String,
+    /// The interface.
+    pub netdev: String,
+    /// Its IPv4 address.
+    pub addr: Ipv4Addr,
+    /// The interface's MTU.
+    pub link_mtu: Option<usize>,
+    /// The GID table (see [`PortAttr::gids`]).
+    pub gids: Vec<[u8; 16]>,
+    /// A loopback interface's.
+    pub loopback: bool,
+}
+
+impl DeviceInfo {
+    /// The device, to open, on UDP port 4791.
+    pub fn device(&self) -> Device {
+        let d = Device::udp(SocketAddrV4::new(self.addr, 4791).into());
+        match self.link_mtu {
+            Some(m) => d.link_mtu(m),
+            None => d,
+        }
+    }
+}
+
+/// The RoCEv2 devices of this host, in interface order.
+pub fn devices() -> Result<Vec<DeviceInfo>> {
+    let netdevs = crate::provider::netdev::interfaces()
+        .map_err(io_err("cannot list the network interfaces"))?;
+    let mut out = Vec::new();
+    for d in netdevs {
+        let ll = d
+            .mac
+            .map_or([0; 16], crate::provider::netdev::link_local_gid);
+        for (n, &ip) in d.ipv4.iter().enumerate() {
+            out.push(DeviceInfo {
+                name: if n == 0 {
+                    format!("roce_{}", d.name)
+                } else {
+                    format!("roce_{}:{n}", d.name)
+                },
+                netdev: d.name.clone(),
+                addr: ip,
+                link_mtu: d.mtu,
+                gids: vec![ll, softrdma_wire::grh::ipv4_mapped(ip.octets())],
+                loopback: d.loopback,
+            });
+        }
+    }
+    Ok(out)
+}
+
 /// Port attributes (`ibv_query_port`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PortAttr {
@@ -218,7 +290,9 @@ pub struct PortAttr {
     pub max_mtu: Mtu,
     /// The MTU the link allows.
     pub active_mtu: Mtu,
-    /// GID table: the IPv4-mapped address of the device at index 0.
+    /// GID table, laid out as rxe's: index 0 the IPv6 link-local GID made
+    /// from the interface's MAC (zero without one; softrdma does not send
+    /// IPv6 yet), index [`IPV4_GID_INDEX`] the device's IPv4-mapped address.
     pub gids: Vec<[u8; 16]>,
     /// The UDP port the device listens on.
     pub udp_port: u16,
@@ -256,7 +330,7 @@ impl Context {
             },
             max_mtu: Mtu::Mtu4096,
             active_mtu: self.inner.active_mtu,
-            gids: vec![softrdma_wire::grh::ipv4_mapped(a.ip().octets())],
+            gids: self.inner.gids.clone(),
             udp_port: a.port(),
         }
     }

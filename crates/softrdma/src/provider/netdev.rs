@@ -1,0 +1,105 @@
+//! The host's network interfaces, for naming RoCEv2 devices after them (one
+//! per IPv4 address, as rxe makes one per netdev) and for their link MTU.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::net::Ipv4Addr;
+
+/// One network interface.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Netdev {
+    /// Interface name (`eth0`).
+    pub name: String,
+    /// Link MTU, if the kernel tells it.
+    pub mtu: Option<usize>,
+    /// Hardware address, if it has one (not loopback).
+    pub mac: Option<[u8; 6]>,
+    /// IPv4 addresses, in the kernel's order.
+    pub ipv4: Vec<Ipv4Addr>,
+    /// Whether it is the loopback interface.
+    pub loopback: bool,
+}
+
+/// The interfaces that are up, in the kernel's order.
+pub fn interfaces() -> io::Result<Vec<Netdev>> {
+    use nix::net::if_::InterfaceFlags;
+    let mut order: Vec<String> = Vec::new();
+    let mut devs: BTreeMap<String, Netdev> = BTreeMap::new();
+    for ifa in nix::ifaddrs::getifaddrs().map_err(io::Error::from)? {
+        if !ifa.flags.contains(InterfaceFlags::IFF_UP) {
+            continue;
+        }
+        let dev = devs.entry(ifa.interface_name.clone()).or_insert_with(|| {
+            order.push(ifa.interface_name.clone());
+            Netdev {
+                name: ifa.interface_name.clone(),
+                mtu: std::fs::read_to_string(format!("/sys/class/net/{}/mtu", ifa.interface_name))
+                    .ok()
+                    .and_then(|s| s.trim().parse().ok()),
+                mac: None,
+                ipv4: Vec::new(),
+                loopback: ifa.flags.contains(InterfaceFlags::IFF_LOOPBACK),
+            }
+        });
+        let Some(addr) = ifa.address else { continue };
+        if let Some(v4) = addr.as_sockaddr_in() {
+            dev.ipv4.push(v4.ip());
+        } else if let Some(mac) = addr.as_link_addr().and_then(|l| l.addr())
+            && mac != [0; 6]
+        {
+            dev.mac = Some(mac);
+        }
+    }
+    Ok(order.into_iter().filter_map(|n| devs.remove(&n)).collect())
+}
+
+/// The interface that has `ip`, if any.
+pub fn owner_of(ip: Ipv4Addr) -> Option<Netdev> {
+    interfaces()
+        .ok()?
+        .into_iter()
+        .find(|d| d.ipv4.contains(&ip))
+}
+
+/// The IPv6 link-local GID made from a MAC (EUI-64, as rxe's GID 0).
+pub fn link_local_gid(mac: [u8; 6]) -> [u8; 16] {
+    let mut g = [0u8; 16];
+    g[0] = 0xfe;
+    g[1] = 0x80;
+    g[8] = mac[0] ^ 0x02;
+    g[9] = mac[1];
+    g[10] = mac[2];
+    g[11] = 0xff;
+    g[12] = 0xfe;
+    g[13] = mac[3];
+    g[14] = mac[4];
+    g[15] = mac[5];
+    g
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn link_local_gid_is_rxes() {
+        // rxe's GID 0 for MAC 52:54:0a:63:00:02 (the harness guests):
+        // fe80::5054:aff:fe63:2.
+        let g = link_local_gid([0x52, 0x54, 0x0a, 0x63, 0x00, 0x02]);
+        assert_eq!(
+            std::net::Ipv6Addr::from(g).to_string(),
+            "fe80::5054:aff:fe63:2"
+        );
+    }
+
+    #[test]
+    fn loopback_is_listed_with_its_address() {
+        let lo = interfaces()
+            .unwrap()
+            .into_iter()
+            .find(|d| d.loopback)
+            .expect("a loopback interface");
+        assert!(lo.ipv4.contains(&Ipv4Addr::LOCALHOST));
+        assert_eq!(lo.mac, None);
+    }
+}
