@@ -1,0 +1,343 @@
+#!/usr/bin/env python3
+"""softrdma against Linux rxe and rdma-core's own tools, in QEMU guests.
+
+Boots one guest per variant (rxe on a 1500-byte link, rxe on a 4200-byte link)
+in the harness's private network namespace and runs every case in both roles:
+the rdma-core tool in the guest and `softrdma` on the host (10.99.0.1), then
+the other way round. Each case checks both sides' exit status and parses their
+result lines (bytes, iterations, a non-zero rate).
+
+    tests/interop/run.py [--only SUBSTRING] [--list] [--keep]
+
+Needs root, QEMU, /dev/net/tun and the harness (../shared/peers/linux-rdma, or
+$SOFTRDMA_PEERS). Without them it skips, unless CI=true: then it fails.
+"""
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+NS = "rdmapeer"
+HOST_IP = "10.99.0.1"
+GUEST_IP = "10.99.0.2"
+CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+RUNNER = r"""#!/bin/sh
+# Runs each job dropped in /mnt/share/jobs as NAME.sh: output NAME.out, status NAME.rc.
+cd /mnt/share/jobs
+echo RUNNER-UP
+while true; do
+  for j in *.sh; do
+    [ -e "$j" ] || continue
+    n=${j%.sh}
+    mv "$j" "$n.run"
+    ( sh "$n.run" > "$n.out" 2>&1; echo $? > "$n.rc.tmp"; mv "$n.rc.tmp" "$n.rc" ) &
+  done
+  sleep 0.2
+done
+"""
+
+
+def log(msg):
+    print(f"[interop] {msg}", flush=True)
+
+
+def harness_dir():
+    for c in [os.environ.get("SOFTRDMA_PEERS"), REPO.parent / "shared/peers/linux-rdma",
+              Path("/work/shared/peers/linux-rdma")]:
+        if c and (Path(c) / "vm.sh").exists():
+            return Path(c)
+    return None
+
+
+def prerequisites():
+    """The harness, ready; or why not."""
+    h = harness_dir()
+    if h is None:
+        return None, "the linux-rdma harness (set SOFTRDMA_PEERS)"
+    if os.geteuid() != 0:
+        return None, "root (network namespace, tap devices)"
+    if not Path("/dev/net/tun").exists():
+        return None, "/dev/net/tun"
+    if shutil.which("qemu-system-x86_64") is None:
+        if subprocess.run([str(h / "setup-host.sh")]).returncode != 0:
+            return None, "QEMU (setup-host.sh failed)"
+    cache = Path(os.environ.get("LINUX_RDMA_CACHE",
+                                Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+                                / "linux-rdma-peers"))
+    if not (cache / "initramfs.cpio.gz").exists():
+        log("building the guest image (downloads Debian packages)")
+        if subprocess.run([str(h / "build.sh")]).returncode != 0:
+            return None, "the guest image (build.sh failed: Debian downloads?)"
+    return h, None
+
+
+class Guest:
+    """One booted guest that runs jobs dropped in its share."""
+
+    def __init__(self, harness, name, env):
+        self.harness = harness
+        self.name = name
+        self.share = Path(tempfile.mkdtemp(prefix=f"interop-{name}-"))
+        self.jobs = self.share / "jobs"
+        self.jobs.mkdir()
+        (self.share / "runner.sh").write_text(RUNNER)
+        self.env = dict(os.environ, SHARE=str(self.share), LINKS="rxe", **env)
+
+    def vm(self, *args, check=True):
+        return subprocess.run([str(self.harness / "vm.sh"), *args], env=self.env,
+                              check=check, capture_output=True, text=True)
+
+    def boot(self):
+        self.vm("net-up")
+        r = self.vm("server", self.name, GUEST_IP, "sh /mnt/share/runner.sh", check=False)
+        if r.returncode != 0:
+            raise RuntimeError(f"guest {self.name} did not boot:\n{r.stderr}")
+
+    def stop(self):
+        self.vm("stop", self.name, check=False)
+
+    def start(self, job, command):
+        for suffix in (".out", ".rc", ".run", ".listening"):
+            (self.jobs / f"{job}{suffix}").unlink(missing_ok=True)
+        tmp = self.jobs / f"{job}.tmp"
+        tmp.write_text(command + "\n")
+        tmp.rename(self.jobs / f"{job}.sh")
+
+    def wait(self, job, timeout):
+        rc = self.jobs / f"{job}.rc"
+        end = time.time() + timeout
+        while time.time() < end:
+            if rc.exists():
+                return int(rc.read_text().strip() or 99), (self.jobs / f"{job}.out").read_text()
+            time.sleep(0.2)
+        out = self.jobs / f"{job}.out"
+        return None, out.read_text() if out.exists() else ""
+
+    def listening(self, job, timeout):
+        end = time.time() + timeout
+        while time.time() < end:
+            if (self.jobs / f"{job}.listening").exists():
+                return True
+            rc = self.jobs / f"{job}.rc"
+            if rc.exists():
+                return False
+            time.sleep(0.2)
+        return False
+
+
+def host_listening(port):
+    out = subprocess.run(["ip", "netns", "exec", NS, "ss", "-ltnH"], capture_output=True,
+                         text=True).stdout
+    return any(line.split()[3].endswith(f":{port}") for line in out.splitlines() if line.split())
+
+
+# ---------------------------------------------------------------- result parsers
+
+def pingpong_result(out, size, iters):
+    """ibv_*_pingpong's two result lines; the error if they are wrong."""
+    b = re.search(r"^(\d+) bytes in ([\d.]+) seconds = ([\d.]+) Mbit/sec$", out, re.M)
+    i = re.search(r"^(\d+) iters in ([\d.]+) seconds = ([\d.]+) usec/iter$", out, re.M)
+    if not b or not i:
+        return "no result lines"
+    if int(b.group(1)) != size * iters * 2:
+        return f"{b.group(1)} bytes, expected {size * iters * 2}"
+    if int(i.group(1)) != iters:
+        return f"{i.group(1)} iters, expected {iters}"
+    if float(b.group(3)) <= 0 or float(i.group(3)) <= 0:
+        return "a zero rate"
+    if "invalid data" in out:
+        return "invalid data reported"
+    return None
+
+
+def perf_rows(out):
+    """The numeric rows of a perftest result table."""
+    rows = []
+    for line in out.splitlines():
+        f = line.split()
+        if f and all(re.fullmatch(r"[\d.]+", x) for x in f) and len(f) >= 4:
+            rows.append([float(x) for x in f])
+    return rows
+
+
+def bw_result(out, sizes, iters):
+    rows = perf_rows(out)
+    if "#bytes" not in out or "BW average" not in out:
+        return "no bandwidth table"
+    if [int(r[0]) for r in rows] != sizes:
+        return f"rows for sizes {[int(r[0]) for r in rows]}, expected {sizes}"
+    for r in rows:
+        if int(r[1]) != iters:
+            return f"{int(r[1])} iterations, expected {iters}"
+        if r[3] <= 0 or r[4] <= 0:
+            return f"a zero bandwidth or message rate: {r}"
+    return None
+
+
+def lat_result(out, sizes, iters):
+    rows = perf_rows(out)
+    if "t_typical" not in out:
+        return "no latency table"
+    if [int(r[0]) for r in rows] != sizes:
+        return f"rows for sizes {[int(r[0]) for r in rows]}, expected {sizes}"
+    for r in rows:
+        if int(r[1]) != iters:
+            return f"{int(r[1])} iterations, expected {iters}"
+        if min(r[2:7]) <= 0:
+            return f"a zero latency: {r}"
+    return None
+
+
+# ---------------------------------------------------------------- cases
+
+class Case:
+    """One tool pair; `tool` runs in the guest, `ours` on the host."""
+
+    def __init__(self, name, tool, ours, check, timeout=120):
+        self.name, self.tool, self.ours, self.check, self.timeout = name, tool, ours, check, timeout
+
+
+def cases(mtu4200=False):
+    out = []
+    port = [20000]
+
+    def p():
+        port[0] += 1
+        return port[0]
+
+    def ping(kind, size, iters, extra=""):
+        tool = "ibv_ud_pingpong" if kind == "ud" else "ibv_rc_pingpong"
+        ud = " --ud" if kind == "ud" else ""
+        for c in ((f"{tool} -d rxe0 -g 1 -n {iters} -s {size} {extra}",
+                   f"ping{ud} -g 1 -n {iters} -s {size} {extra}"),):
+            out.append(Case(f"{kind}_pingpong s={size} n={iters} {extra}".strip(), *c,
+                            check=lambda o, s=size, n=iters: pingpong_result(o, s, n)))
+
+    def perf(test, sizes, iters, extra=""):
+        tool = f"ib_{test.replace('-', '_')}"
+        flags = f"-n {iters} {extra}" + (f" -s {sizes[0]}" if len(sizes) == 1 else " -a")
+        check = lat_result if test.endswith("lat") else bw_result
+        out.append(Case(f"{tool} {flags.strip()}",
+                        f"{tool} -d rxe0 -x 1 -F {flags}", f"perf {test} -x 1 -F {flags}",
+                        check=lambda o, s=sizes, n=iters, c=check: c(o, s, n)))
+
+    if mtu4200:
+        ping("rc", 8192, 20, "-m 4096 -c")
+        ping("ud", 4096, 20)
+        perf("write-bw", [65536], 20)
+        perf("read-bw", [10000], 20)
+        return out, p
+    ping("rc", 4096, 50, "-c")
+    ping("rc", 5000, 20, "-e")
+    ping("ud", 1024, 50, "-c")
+    return out, p
+
+
+def run_case(guest, case, port, tool_is_server, keep_going=True):
+    """Runs one case in one role; returns None or what failed."""
+    job = re.sub(r"[^A-Za-z0-9]+", "_", case.name) + ("_tsrv" if tool_is_server else "_tcli")
+    ours = [str(REPO / "target/release/softrdma")] + case.ours.split() + ["-p", str(port)]
+    tool = f"{case.tool} -p {port}"
+    if tool_is_server:
+        # Mark when the tool listens, so that the host client does not race it.
+        guest.start(job, f"( {tool} ) & pid=$!; "
+                         f"while ! ss -ltnH | grep -q ':{port} '; do sleep 0.1; done; "
+                         f": > {job}.listening; wait $pid")
+        if not guest.listening(job, 60):
+            rc, out = guest.wait(job, 5)
+            return f"the tool did not listen (rc {rc}):\n{out}"
+        host = subprocess.run(["ip", "netns", "exec", NS, "timeout", str(case.timeout)]
+                              + ours + [GUEST_IP], capture_output=True, text=True)
+        rc, tout = guest.wait(job, case.timeout)
+    else:
+        h = subprocess.Popen(["ip", "netns", "exec", NS, "timeout", str(case.timeout)] + ours
+                             + ["--bind", HOST_IP], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        end = time.time() + 30
+        while not host_listening(port) and time.time() < end and h.poll() is None:
+            time.sleep(0.1)
+        guest.start(job, f"{tool} {HOST_IP}")
+        rc, tout = guest.wait(job, case.timeout)
+        hout, herr = h.communicate(timeout=case.timeout)
+        host = subprocess.CompletedProcess(h.args, h.returncode, hout, herr)
+    problems = []
+    if rc != 0:
+        problems.append(f"tool exit status {rc}")
+    if host.returncode != 0:
+        problems.append(f"softrdma exit status {host.returncode}")
+    for who, text in (("tool", tout), ("softrdma", host.stdout)):
+        err = case.check(text)
+        if err:
+            problems.append(f"{who}: {err}")
+    if problems:
+        return "; ".join(problems) + f"\n--- tool:\n{tout}\n--- softrdma:\n{host.stdout}{host.stderr}"
+    return None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="run the cases whose name contains this")
+    ap.add_argument("--list", action="store_true", help="list the cases")
+    ap.add_argument("--keep", action="store_true", help="leave the guests up")
+    args = ap.parse_args()
+    variants = [("rxe1500", {}, cases()[0]), ("rxe4200", {"MTU": "4200"}, cases(True)[0])]
+    if args.list:
+        for v, _, cs in variants:
+            for c in cs:
+                print(f"{v}: {c.name}")
+        return 0
+    harness, missing = prerequisites()
+    if missing:
+        if CI:
+            log(f"FAIL: missing {missing}")
+            return 1
+        log(f"SKIP: missing {missing}")
+        return 0
+    log("building softrdma (release)")
+    subprocess.run(["cargo", "build", "--release", "-q", "-p", "softrdma-cli"], cwd=REPO,
+                   check=True)
+    failures, passed = [], 0
+    port = 20000
+    for vname, env, cs in variants:
+        cs = [c for c in cs if not args.only or args.only in c.name]
+        if not cs:
+            continue
+        guest = Guest(harness, vname, env)
+        t = time.time()
+        guest.boot()
+        log(f"{vname}: guest up in {time.time() - t:.0f} s")
+        try:
+            for c in cs:
+                for tool_is_server in (True, False):
+                    port += 1
+                    role = ("rxe server, softrdma client" if tool_is_server
+                            else "softrdma server, rxe client")
+                    t = time.time()
+                    err = run_case(guest, c, port, tool_is_server)
+                    status = "ok" if err is None else "FAIL"
+                    log(f"{vname}: {c.name} [{role}] {status} ({time.time() - t:.1f} s)")
+                    if err:
+                        failures.append(f"{vname}: {c.name} [{role}]: {err}")
+                    else:
+                        passed += 1
+        finally:
+            if not args.keep:
+                guest.stop()
+    if not args.keep:
+        subprocess.run([str(harness / "vm.sh"), "net-down"], capture_output=True)
+    for f in failures:
+        print(f"\nFAILED {f}")
+    log(f"{passed} passed, {len(failures)} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
