@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand};
 mod decode;
 mod demo;
 mod device;
+mod perf;
 mod ping;
 
 /// RDMA verbs in Rust over RoCEv2, iWARP and shared memory.
@@ -42,6 +43,13 @@ enum Command {
         #[arg(long)]
         busy_poll: bool,
     },
+    /// perftest's bandwidth and latency tests (ib_write_bw, ib_read_lat ...),
+    /// compatible with perftest 4.5 in both roles: same flags, same TCP
+    /// exchange on port 18515, same output.
+    ///
+    /// Without HOST, wait for a client. Blocking completion waits (no busy
+    /// polling). --verify (both sides softrdma) checks the payload.
+    Perf(perf::PerfArgs),
     /// List the RoCEv2 devices (one per IPv4 address of each interface that
     /// is up, named roce_<netdev>) with their GID tables.
     Devices,
@@ -85,6 +93,7 @@ fn main() -> ExitCode {
         } => decode::run(&file, &roce_ports, quiet),
         Command::Ping(args) => ping::run(&args),
         Command::Devices => device::list(),
+        Command::Perf(args) => perf::run(&args),
         Command::Demo { addr, busy_poll } => demo::run(&addr.to_string(), busy_poll),
         Command::Hostd {
             addr,

@@ -1,0 +1,1164 @@
+//! `softrdma perf`: perftest's bandwidth and latency tests (`ib_write_bw`
+//! and friends) with perftest's flags, its out-of-band exchange on TCP 18515
+//! and its output, so that either side can be softrdma and the other
+//! perftest 4.5. What perftest does is described in
+//! `../shared/TOOLS-PROTOCOLS.md` section 2.
+
+mod oob;
+mod report;
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddrV4, TcpListener, TcpStream};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use softrdma::cm::{self, ConnInfo, RcOptions};
+use softrdma::verbs::*;
+
+use oob::{Key, Oob, Report};
+use report::*;
+
+/// The tests, by perftest's names too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Test {
+    #[value(name = "write-bw", alias = "ib_write_bw")]
+    WriteBw,
+    #[value(name = "write-lat", alias = "ib_write_lat")]
+    WriteLat,
+    #[value(name = "read-bw", alias = "ib_read_bw")]
+    ReadBw,
+    #[value(name = "read-lat", alias = "ib_read_lat")]
+    ReadLat,
+    #[value(name = "send-bw", alias = "ib_send_bw")]
+    SendBw,
+    #[value(name = "send-lat", alias = "ib_send_lat")]
+    SendLat,
+    #[value(name = "atomic-bw", alias = "ib_atomic_bw")]
+    AtomicBw,
+    #[value(name = "atomic-lat", alias = "ib_atomic_lat")]
+    AtomicLat,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verb {
+    Write,
+    Read,
+    Send,
+    Atomic,
+}
+
+impl Test {
+    fn verb(self) -> Verb {
+        match self {
+            Test::WriteBw | Test::WriteLat => Verb::Write,
+            Test::ReadBw | Test::ReadLat => Verb::Read,
+            Test::SendBw | Test::SendLat => Verb::Send,
+            Test::AtomicBw | Test::AtomicLat => Verb::Atomic,
+        }
+    }
+
+    fn is_lat(self) -> bool {
+        matches!(
+            self,
+            Test::WriteLat | Test::ReadLat | Test::SendLat | Test::AtomicLat
+        )
+    }
+}
+
+/// Options, spelled as perftest spells them.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PerfArgs {
+    /// The test: write-bw, write-lat, read-bw, read-lat, send-bw, send-lat,
+    /// atomic-bw, atomic-lat (or perftest's names, ib_write_bw ...).
+    pub test: Test,
+    /// The server to connect to; without it, be the server.
+    pub host: Option<String>,
+    /// TCP port of the out-of-band exchange.
+    #[arg(short = 'p', long, default_value_t = 18515)]
+    pub port: u16,
+    /// Device (see `softrdma devices`; default: the route to the server, or
+    /// the first non-loopback device, or --bind).
+    #[arg(short = 'd', long = "ib-dev", value_name = "DEVICE")]
+    pub dev: Option<String>,
+    /// GID index: 1 is the IPv4 GID, as on rxe.
+    #[arg(short = 'x', long = "gid-index", default_value_t = 1)]
+    pub gid: usize,
+    /// Local IPv4 address of the device (and of a server's listener).
+    #[arg(long)]
+    pub bind: Option<Ipv4Addr>,
+    /// Message size (K and M suffixes allowed; default 65536 for BW tests,
+    /// 2 for latency tests, 8 for atomics).
+    #[arg(short = 's', long, value_parser = parse_size)]
+    pub size: Option<u64>,
+    /// Run every size from 2 bytes to 8 MiB.
+    #[arg(short = 'a', long = "all")]
+    pub all: bool,
+    /// Iterations (default 5000 for write-bw, 1000 for the others).
+    #[arg(short = 'n', long = "iters")]
+    pub iters: Option<u64>,
+    /// Run for this many seconds instead of a number of iterations
+    /// (write-bw, read-bw, atomic-bw).
+    #[arg(short = 'D', long = "duration")]
+    pub duration: Option<u64>,
+    /// Number of QPs (BW tests).
+    #[arg(short = 'q', long = "qp", default_value_t = 1)]
+    pub qps: u32,
+    /// Send queue depth: work requests outstanding per QP.
+    #[arg(short = 't', long = "tx-depth")]
+    pub tx_depth: Option<u32>,
+    /// Receive queue depth (SEND tests).
+    #[arg(short = 'r', long = "rx-depth")]
+    pub rx_depth: Option<u32>,
+    /// Signal one send completion in this many.
+    #[arg(short = 'Q', long = "cq-mod")]
+    pub cq_mod: Option<u32>,
+    /// Path MTU (256 .. 4096; default: the port's active MTU).
+    #[arg(short = 'm', long = "mtu")]
+    pub mtu: Option<usize>,
+    /// Largest message sent inline.
+    #[arg(short = 'I', long = "inline_size")]
+    pub inline: Option<u32>,
+    /// Outstanding READs/atomics (READ and atomic tests; default 128).
+    #[arg(short = 'o', long = "outs")]
+    pub out_reads: Option<u8>,
+    /// Atomic type: FETCH_AND_ADD (default) or CMP_AND_SWAP.
+    #[arg(short = 'A', long = "atomic_type")]
+    pub atomic: Option<String>,
+    /// Connection type (RC).
+    #[arg(short = 'c', long = "connection", default_value = "RC")]
+    pub conn: String,
+    /// Report bandwidth in Gb/s instead of MB/s.
+    #[arg(long = "report_gbits", visible_alias = "report-gbits")]
+    pub gbits: bool,
+    /// Accepted for perftest compatibility (no CPU frequency check here).
+    #[arg(short = 'F', long = "CPU-freq")]
+    pub cpu_freq: bool,
+    /// Bidirectional traffic (not supported yet).
+    #[arg(short = 'b', long = "bidirectional")]
+    pub bidir: bool,
+    /// Sleep on completion events (softrdma always waits blocking; accepted).
+    #[arg(short = 'e', long = "events")]
+    pub events: bool,
+    /// Check the payload end to end (both sides softrdma with --verify).
+    #[arg(long)]
+    pub verify: bool,
+    /// Share the device's address through `softrdma hostd`.
+    #[arg(long)]
+    pub shared_port: bool,
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    let (num, mul) = match s.as_bytes().last() {
+        Some(b'K' | b'k') => (&s[..s.len() - 1], 1024),
+        Some(b'M' | b'm') => (&s[..s.len() - 1], 1024 * 1024),
+        _ => (s, 1),
+    };
+    let v: u64 = num.parse().map_err(|_| format!("{s}: not a size"))?;
+    let v = v * mul;
+    if !(1..=u64::from(u32::MAX / 2)).contains(&v) {
+        return Err(" Message Size should be between 1 and 2147483647".into());
+    }
+    Ok(v)
+}
+
+const MAX_SIZE: u64 = 1 << 23;
+const CACHE_LINE: u32 = 64;
+const PAGE: u32 = 4096;
+
+/// The run's parameters after perftest's defaults and checks.
+#[derive(Debug, Clone)]
+struct Config {
+    test: Test,
+    client: bool,
+    sizes: Vec<u64>,
+    iters: u64,
+    duration: Option<Duration>,
+    qps: usize,
+    tx_depth: u32,
+    rx_depth: u32,
+    cq_mod: u32,
+    inline: u32,
+    out_reads: u8,
+    cas: bool,
+    gbits: bool,
+    verify: bool,
+}
+
+fn config(a: &PerfArgs) -> Result<Config, String> {
+    let t = a.test;
+    let verb = t.verb();
+    if a.conn != "RC" {
+        return Err(format!(
+            "-c {}: softrdma perf runs RC only so far (perftest also has UC, UD, XRC, DC)",
+            a.conn
+        ));
+    }
+    if a.bidir {
+        if t.is_lat() {
+            return Err(" Bidirectional is only available in BW test".into());
+        }
+        return Err("-b: bidirectional runs are not supported yet".into());
+    }
+    if a.qps == 0 || (t.is_lat() && a.qps > 1) {
+        return Err(" Multiple QPs only available on bw tests".into());
+    }
+    if a.atomic.is_some() && verb != Verb::Atomic {
+        return Err("-A is for the atomic tests".into());
+    }
+    let cas = match a.atomic.as_deref() {
+        None | Some("FETCH_AND_ADD") => false,
+        Some("CMP_AND_SWAP") => true,
+        Some(_) => {
+            return Err(
+                " Invalid Atomic type! please choose from {CMP_AND_SWAP,FETCH_AND_ADD}".into(),
+            );
+        }
+    };
+    if verb == Verb::Atomic && (a.all || a.size.is_some_and(|s| s != 8)) {
+        return Err("Message size cannot be changed for Atomic tests ".into());
+    }
+    if a.inline.is_some() && matches!(verb, Verb::Read | Verb::Atomic) {
+        return Err(" Inline feature not available on READ/Atomic verbs".into());
+    }
+    if a.out_reads.is_some() && matches!(verb, Verb::Write | Verb::Send) {
+        return Err(" Outstanding reads is only for READ and atomic tests".into());
+    }
+    if a.duration.is_some() && a.all {
+        return Err("Duration mode currently doesn't support running on all sizes.".into());
+    }
+    if a.duration.is_some() && !matches!(t, Test::WriteBw | Test::ReadBw | Test::AtomicBw) {
+        return Err("-D: duration mode is supported by write-bw, read-bw and atomic-bw".into());
+    }
+    let iters = a
+        .iters
+        .unwrap_or(if t == Test::WriteBw { 5000 } else { 1000 });
+    if !(5..=100_000_000).contains(&iters) {
+        return Err(" Iteration num should be between 5 and 100000000".into());
+    }
+    let size = a.size.unwrap_or(match (verb, t.is_lat()) {
+        (Verb::Atomic, _) => 8,
+        (_, true) => 2,
+        (_, false) => 65536,
+    });
+    let sizes = if a.all {
+        (1..)
+            .map(|i| 1u64 << i)
+            .take_while(|&s| s <= MAX_SIZE)
+            .collect()
+    } else {
+        vec![size]
+    };
+    let big_iters = if a.duration.is_some() {
+        u64::MAX
+    } else {
+        iters
+    };
+    let tx_depth = a
+        .tx_depth
+        .unwrap_or(if t.is_lat() { 1 } else { 128 })
+        .clamp(1, u32::try_from(big_iters.min(65536)).unwrap_or(65536));
+    let mut cq_mod = a.cq_mod.unwrap_or(
+        if a.cq_mod.is_none() && size > 8192 && !a.all && !a.events {
+            1
+        } else {
+            100
+        },
+    );
+    if t.is_lat() {
+        cq_mod = 1;
+    }
+    let cq_mod = cq_mod.clamp(1, tx_depth);
+    let rx_depth = if verb == Verb::Send {
+        let mut r = a
+            .rx_depth
+            .unwrap_or(512)
+            .min(u32::try_from(iters).unwrap_or(u32::MAX));
+        if r % 2 == 1 && !a.all {
+            r += 1;
+        }
+        r.max(1)
+    } else {
+        1
+    };
+    Ok(Config {
+        test: t,
+        client: a.host.is_some(),
+        sizes,
+        iters,
+        duration: a.duration.map(Duration::from_secs),
+        qps: a.qps as usize,
+        tx_depth,
+        rx_depth,
+        cq_mod,
+        inline: a.inline.unwrap_or(0),
+        out_reads: match verb {
+            Verb::Read | Verb::Atomic => a.out_reads.unwrap_or(128).clamp(1, 128),
+            _ => 1,
+        },
+        cas,
+        gbits: a.gbits,
+        verify: a.verify,
+    })
+}
+
+fn fail(msg: impl std::fmt::Display) -> ExitCode {
+    eprintln!("softrdma perf: {msg}");
+    ExitCode::FAILURE
+}
+
+/// Runs a test; exit status as perftest's.
+pub fn run(a: &PerfArgs) -> ExitCode {
+    match run_inner(a) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(e),
+    }
+}
+
+/// What the traffic loops work on.
+struct Setup {
+    cfg: Config,
+    qps: Vec<Qp>,
+    scq: Cq,
+    rcq: Cq,
+    mr: Mr,
+    /// Bytes of one QP's area in each half of the buffer.
+    half: usize,
+    cycle: usize,
+    cache_line: usize,
+    rem: Vec<Key>,
+}
+
+impl Setup {
+    /// Address step between messages (perftest's INC), if messages step.
+    fn step(&self, size: u64, k: u64) -> usize {
+        let size = size as usize;
+        if size > self.cycle / 2 {
+            return 0;
+        }
+        let inc = size.div_ceil(self.cache_line).max(1) * self.cache_line;
+        (k as usize % (self.cycle / inc)) * inc
+    }
+
+    /// Offset in the MR of QP `i`'s source area (first half) or target area.
+    fn local(&self, i: usize) -> usize {
+        i * self.half
+    }
+
+    fn target(&self, i: usize) -> usize {
+        (self.cfg.qps + i) * self.half
+    }
+}
+
+/// The byte the payload check expects at `offset` of an area.
+fn pattern(offset: usize) -> u8 {
+    (offset.wrapping_mul(31) ^ (offset >> 8)) as u8
+}
+
+fn run_inner(a: &PerfArgs) -> Result<(), String> {
+    let cfg = config(a)?;
+    let verb = cfg.test.verb();
+    let peer_ip = match &a.host {
+        Some(h) => Some(crate::ping::resolve_v4(h, a.port)?),
+        None => None,
+    };
+    let chosen = crate::device::choose(a.dev.as_deref(), a.gid, a.bind, peer_ip)?;
+    let mut dev = chosen.device(4791);
+    if a.shared_port {
+        dev = dev.shared_port(true);
+    }
+    let ctx = dev.open().map_err(|e| e.to_string())?;
+    let port = ctx.query_port();
+    let gid = port.gids[a.gid];
+    let mtu = match a.mtu {
+        Some(m) => Mtu::from_bytes(m).ok_or(format!(
+            "-m {m}: the MTU must be 256, 512, 1024, 2048 or 4096"
+        ))?,
+        None => port.active_mtu,
+    };
+    let stream = match peer_ip {
+        Some(ip) => TcpStream::connect((ip, a.port))
+            .map_err(|e| format!("Couldn't connect to {ip}:{}: {e}", a.port))?,
+        None => {
+            let at = a.bind.map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), IpAddr::V4);
+            let l = TcpListener::bind((at, a.port))
+                .map_err(|e| format!("couldn't listen on port {}: {e}", a.port))?;
+            println!(
+                "\n************************************\n* Waiting for client to connect... *\n************************************"
+            );
+            l.accept().map_err(|e| format!("accept: {e}"))?.0
+        }
+    };
+    let mut oob = Oob::new(stream, cfg.client);
+    let (cycle, cache_line, mtu_enum) = oob.preamble(PAGE, CACHE_LINE, mtu_enum(mtu))?;
+    let mtu = enum_mtu(mtu_enum);
+    let (cycle, cache_line) = (cycle as usize, cache_line as usize);
+    print_header(&cfg, a, chosen.name.as_deref().unwrap_or("softrdma"), mtu);
+
+    // perftest's buffer: per QP a source area, then per QP a target area.
+    let max_size = *cfg.sizes.iter().max().expect("a size") as usize;
+    let half = max_size.max(cycle).div_ceil(cache_line) * cache_line;
+    let access = match verb {
+        Verb::Write => Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+        Verb::Read => Access::LOCAL_WRITE | Access::REMOTE_READ,
+        Verb::Atomic => Access::LOCAL_WRITE | Access::REMOTE_ATOMIC,
+        Verb::Send => Access::LOCAL_WRITE,
+    };
+    let pd = ctx.alloc_pd().map_err(|e| e.to_string())?;
+    let mr = pd
+        .register(2 * cfg.qps * half, access)
+        .map_err(|e| e.to_string())?;
+    fill(&mr, &cfg, half)?;
+    let scq = ctx
+        .create_cq((cfg.tx_depth as usize * cfg.qps).max(2))
+        .map_err(|e| e.to_string())?;
+    let rcq = ctx
+        .create_cq((cfg.rx_depth as usize * cfg.qps).max(2))
+        .map_err(|e| e.to_string())?;
+    let mut qps = Vec::new();
+    let mut mine = Vec::new();
+    for i in 0..cfg.qps {
+        let qp = pd
+            .create_qp(&QpInit::rc(&scq, &rcq).caps(QpCaps {
+                max_send_wr: cfg.tx_depth,
+                max_recv_wr: cfg.rx_depth,
+                max_send_sge: 1,
+                max_recv_sge: 1,
+                max_inline_data: cfg.inline,
+            }))
+            .map_err(|e| e.to_string())?;
+        mine.push(Key {
+            lid: 0,
+            out_reads: u16::from(cfg.out_reads),
+            qpn: qp.qpn(),
+            psn: getrandom::u32().map_err(|e| e.to_string())? & 0xff_ffff,
+            rkey: if verb == Verb::Send { 0 } else { mr.rkey() },
+            vaddr: mr.addr() + ((cfg.qps + i) * half) as u64,
+            gid,
+            srqn: 0,
+        });
+        qps.push(qp);
+    }
+    for k in &mine {
+        print_addr("local", k, verb);
+    }
+    let connect = |rem: &[Key]| -> Result<(), String> {
+        for (i, qp) in qps.iter().enumerate() {
+            let r = &rem[i];
+            if r.gid[..12] != [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff] {
+                return Err(
+                    "the peer's GID is not an IPv4 one: give it the IPv4 GID index (-x 1)".into(),
+                );
+            }
+            let ip = Ipv4Addr::new(r.gid[12], r.gid[13], r.gid[14], r.gid[15]);
+            let local = ConnInfo {
+                addr: ctx.local_addr(),
+                qpn: mine[i].qpn,
+                psn: mine[i].psn,
+                mtu,
+                rkey: 0,
+                va: 0,
+                len: 0,
+            };
+            let remote = ConnInfo {
+                addr: SocketAddrV4::new(ip, 4791),
+                qpn: r.qpn,
+                psn: r.psn,
+                mtu,
+                rkey: r.rkey,
+                va: r.vaddr,
+                len: 0,
+            };
+            let opts = RcOptions {
+                access,
+                timeout: 14,
+                retry_cnt: 7,
+                rnr_retry: 7,
+                min_rnr_timer: 12,
+                max_rd_atomic: r.out_reads.clamp(1, 128) as u8,
+                max_dest_rd_atomic: cfg.out_reads,
+            };
+            cm::connect(qp, &local, &remote, &opts).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    };
+    let keys_round =
+        |oob: &mut Oob| -> Result<Vec<Key>, String> { mine.iter().map(|k| oob.key(k)).collect() };
+    // The handshakes before traffic, in each test's order.
+    let rem = match cfg.test {
+        Test::WriteBw | Test::ReadBw | Test::AtomicBw => {
+            let r = keys_round(&mut oob)?;
+            connect(&r)?;
+            let r = keys_round(&mut oob)?;
+            oob.key(&mine[0])?;
+            r
+        }
+        Test::SendBw => {
+            let r = keys_round(&mut oob)?;
+            connect(&r)?;
+            oob.key(&mine[0])?;
+            keys_round(&mut oob)?
+        }
+        Test::WriteLat | Test::ReadLat | Test::AtomicLat => {
+            oob.key(&mine[0])?;
+            let r = keys_round(&mut oob)?;
+            connect(&r)?;
+            let r = keys_round(&mut oob)?;
+            oob.key(&mine[0])?;
+            r
+        }
+        Test::SendLat => {
+            let r = keys_round(&mut oob)?;
+            connect(&r)?;
+            oob.key(&mine[0])?;
+            keys_round(&mut oob)?
+        }
+    };
+    for k in &rem {
+        print_addr("remote", k, verb);
+    }
+    let s = Setup {
+        cfg: cfg.clone(),
+        qps,
+        scq,
+        rcq,
+        mr,
+        half,
+        cycle,
+        cache_line,
+        rem,
+    };
+    let my0 = mine[0];
+    match (cfg.test, cfg.client) {
+        (Test::WriteBw | Test::ReadBw | Test::AtomicBw, true) => {
+            println!("{RESULT_LINE}\n{}", bw_header(cfg.gbits));
+            let mut last = Report::default();
+            for &size in &cfg.sizes {
+                last = bw_client(&s, size)?;
+                print_bw(&last, cfg.gbits);
+            }
+            println!("{RESULT_LINE}");
+            if cfg.verify && verb == Verb::Read {
+                check_read(&s)?;
+            }
+            oob.key(&my0)?;
+            oob.report(&last)?;
+            oob.close(&my0)
+        }
+        (Test::WriteBw | Test::ReadBw | Test::AtomicBw, false) => {
+            println!("{RESULT_LINE}\n{}", bw_header(cfg.gbits));
+            // The end barrier: the client comes when it is done.
+            oob.key(&my0)?;
+            let theirs = oob.report(&Report::default())?;
+            print_bw(&theirs, cfg.gbits);
+            oob.close(&my0)?;
+            println!("{RESULT_LINE}");
+            // A READ's data is checked where it lands: at the client.
+            if cfg.verify && verb != Verb::Read {
+                check_target(&s, verb)?;
+            }
+            Ok(())
+        }
+        (Test::SendBw, client) => {
+            println!("{RESULT_LINE}\n{}", bw_header(cfg.gbits));
+            for &size in &cfg.sizes {
+                if !client {
+                    post_recvs(&s, size, cfg.rx_depth as u64)?;
+                }
+                oob.key(&my0)?;
+                let r = if client {
+                    bw_client(&s, size)?
+                } else {
+                    send_bw_server(&s, size)?
+                };
+                print_bw(&r, cfg.gbits);
+                if cfg.sizes.len() > 1 {
+                    oob.key(&my0)?;
+                }
+            }
+            println!("{RESULT_LINE}");
+            if cfg.verify && !client {
+                check_target(&s, verb)?;
+            }
+            oob.close(&my0)
+        }
+        (Test::ReadLat | Test::AtomicLat, false) => {
+            // The server only serves: its closing handshake waits for the client.
+            oob.close(&my0)?;
+            println!("{RESULT_LINE}");
+            Ok(())
+        }
+        (Test::ReadLat | Test::AtomicLat, true) => {
+            println!("{RESULT_LINE}\n{LAT_HEADER}");
+            for &size in &cfg.sizes {
+                let posted = lat_one_sided(&s, size)?;
+                print_lat(size, cfg.iters, &posted, false)?;
+            }
+            println!("{RESULT_LINE}");
+            oob.close(&my0)
+        }
+        (Test::WriteLat, _) => {
+            println!("{RESULT_LINE}\n{LAT_HEADER}");
+            for &size in &cfg.sizes {
+                let posted = write_lat(&s, size)?;
+                print_lat(size, cfg.iters, &posted, true)?;
+            }
+            println!("{RESULT_LINE}");
+            // write_lat ends without a closing exchange.
+            Ok(())
+        }
+        (Test::SendLat, _) => {
+            println!("{RESULT_LINE}\n{LAT_HEADER}");
+            for &size in &cfg.sizes {
+                let posts = (cfg.rx_depth as u64).min(cfg.iters);
+                post_recvs_at(&s, size, posts, true)?;
+                oob.key(&my0)?;
+                let posted = send_lat(&s, size)?;
+                print_lat(size, cfg.iters, &posted, true)?;
+            }
+            println!("{RESULT_LINE}");
+            oob.close(&my0)
+        }
+    }
+}
+
+fn mtu_enum(m: Mtu) -> u8 {
+    match m.bytes() {
+        256 => 1,
+        512 => 2,
+        1024 => 3,
+        2048 => 4,
+        _ => 5,
+    }
+}
+
+fn enum_mtu(e: u8) -> Mtu {
+    Mtu::from_bytes(128 << e).unwrap_or(Mtu::Mtu1024)
+}
+
+/// Sources get the pattern; with --verify, targets start as zeros (so that a
+/// transfer that did not happen shows).
+fn fill(mr: &Mr, cfg: &Config, half: usize) -> Result<(), String> {
+    let verb = cfg.test.verb();
+    if cfg.test == Test::WriteLat {
+        return Ok(()); // zeroed, as perftest's
+    }
+    let pat: Vec<u8> = (0..half).map(pattern).collect();
+    let zeros = vec![0u8; half];
+    for i in 0..2 * cfg.qps {
+        let target_half = i >= cfg.qps;
+        // Which half receives data on this side.
+        let receives = match verb {
+            Verb::Read => cfg.client && !target_half,
+            Verb::Write | Verb::Send | Verb::Atomic => target_half && !cfg.client,
+        };
+        let bytes = if cfg.verify && (receives || verb == Verb::Atomic) {
+            &zeros
+        } else {
+            &pat
+        };
+        mr.write(i * half, bytes).map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+fn print_header(cfg: &Config, a: &PerfArgs, dev: &str, mtu: Mtu) {
+    let verb = cfg.test.verb();
+    let name = match verb {
+        Verb::Write => "RDMA_Write",
+        Verb::Read => "RDMA_Read",
+        Verb::Send => "Send",
+        Verb::Atomic => "Atomic",
+    };
+    let atomic = match (verb, cfg.cas) {
+        (Verb::Atomic, true) => "CMP_AND_SWAP ",
+        (Verb::Atomic, false) => "FETCH_AND_ADD ",
+        _ => "",
+    };
+    let kind = if cfg.test.is_lat() { "Latency" } else { "BW" };
+    println!("{RESULT_LINE}");
+    println!("                    {name} {atomic}{kind} Test");
+    println!(" Dual-port       : OFF\t\tDevice         : {dev}");
+    println!(" Number of qps   : {}\t\tTransport type : IB", cfg.qps);
+    println!(" Connection type : RC\t\tUsing SRQ      : OFF");
+    println!(" PCIe relax order: OFF");
+    println!(" ibv_wr* API     : OFF");
+    if cfg.client {
+        println!(" TX depth        : {}", cfg.tx_depth);
+    }
+    if verb == Verb::Send && !cfg.client {
+        println!(" RX depth        : {}", cfg.rx_depth);
+    }
+    if !cfg.test.is_lat() {
+        println!(" CQ Moderation   : {}", cfg.cq_mod);
+    }
+    println!(" Mtu             : {}[B]", mtu.bytes());
+    println!(" Link type       : Ethernet");
+    println!(" GID index       : {}", a.gid);
+    if matches!(verb, Verb::Read | Verb::Atomic) {
+        println!(" Outstand reads  : {}", cfg.out_reads);
+    } else {
+        println!(" Max inline data : {}[B]", cfg.inline);
+    }
+    println!(" rdma_cm QPs\t : OFF");
+    println!(" Data ex. method : Ethernet");
+    println!("{RESULT_LINE}");
+}
+
+fn print_addr(side: &str, k: &Key, verb: Verb) {
+    let mut line = format!(
+        " {side} address: LID {} QPN {} PSN {}",
+        c_alt_hex(u64::from(k.lid), 4),
+        c_alt_hex(u64::from(k.qpn), 6),
+        c_alt_hex(u64::from(k.psn), 6)
+    );
+    if verb == Verb::Read {
+        line.push_str(&format!(" OUT {}", c_alt_hex(u64::from(k.out_reads), 4)));
+    }
+    if matches!(verb, Verb::Read | Verb::Write) {
+        line.push_str(&format!(
+            " RKey {} VAddr {}",
+            c_alt_hex(u64::from(k.rkey), 8),
+            c_alt_hex(k.vaddr, 16)
+        ));
+    }
+    println!("{line}\n{}", gid_line(&k.gid));
+}
+
+fn print_bw(r: &Report, gbits: bool) {
+    println!(
+        "{}",
+        bw_row(r.size, r.iters, r.bw_peak, r.bw_avg, r.msg_rate, gbits)
+    );
+}
+
+fn print_lat(size: u64, iters: u64, posted: &[Instant], halve: bool) -> Result<(), String> {
+    let stats =
+        lat_stats(post_deltas(posted, halve)).ok_or("too few iterations for latency figures")?;
+    println!("{}", lat_row(size, iters, &stats));
+    Ok(())
+}
+
+fn completion_error(wc: &WorkCompletion, side: &str) -> String {
+    format!(
+        " Completion with error at {side}\n Failed status {}: wr_id {} syndrom 0x0 ({:?})",
+        wc.status as u32, wc.wr_id, wc.status
+    )
+}
+
+/// Waits for at least one completion on `cq` and takes what is there.
+fn reap(cq: &Cq, out: &mut Vec<WorkCompletion>) -> Result<(), String> {
+    out.clear();
+    let wc = cq
+        .wait(Duration::from_secs(60))
+        .map_err(|e| e.to_string())?
+        .ok_or("no completion in 60 s: the peer is gone?")?;
+    out.push(wc);
+    let mut more = [WorkCompletion::new(0, WcStatus::Success, WcOpcode::Send, 0); 64];
+    let n = cq.poll(&mut more).map_err(|e| e.to_string())?;
+    out.extend_from_slice(&more[..n]);
+    Ok(())
+}
+
+fn send_op(s: &Setup, i: usize, size: u64, k: u64, signaled: bool) -> SendWr {
+    let step = s.step(size, k);
+    let sge = s.mr.sge(s.local(i) + step, size as u32);
+    let remote_addr = s.rem[i].vaddr + step as u64;
+    let rkey = s.rem[i].rkey;
+    let op = match s.cfg.test.verb() {
+        Verb::Write => SendOp::Write { remote_addr, rkey },
+        Verb::Read => SendOp::Read { remote_addr, rkey },
+        Verb::Send => SendOp::Send,
+        Verb::Atomic if s.cfg.cas => SendOp::CompareSwap {
+            remote_addr,
+            rkey,
+            compare: 0,
+            swap: 0,
+        },
+        Verb::Atomic => SendOp::FetchAdd {
+            remote_addr,
+            rkey,
+            add: 1,
+        },
+    };
+    let wr_id = ((i as u64) << 40) | k;
+    let mut wr = SendWr::new(wr_id, op, vec![sge]);
+    if size <= u64::from(s.cfg.inline) && matches!(s.cfg.test.verb(), Verb::Write | Verb::Send) {
+        let mut data = vec![0u8; size as usize];
+        if s.mr.read(s.local(i) + step, &mut data).is_ok() {
+            wr = wr.inline(&data);
+        }
+    }
+    if signaled { wr } else { wr.unsignaled() }
+}
+
+/// The client's side of a BW test: `iters` messages per QP (or until the
+/// duration ends), tx_depth outstanding, one completion in cq_mod signaled.
+fn bw_client(s: &Setup, size: u64) -> Result<Report, String> {
+    let cfg = &s.cfg;
+    let n = if cfg.duration.is_some() {
+        u64::MAX
+    } else {
+        cfg.iters
+    };
+    let q = cfg.qps;
+    let cq_mod = u64::from(cfg.cq_mod);
+    let mut scnt = vec![0u64; q];
+    let mut ccnt = vec![0u64; q];
+    // Post time of the first WR of each signaled window, per QP.
+    let mut window_start: Vec<Vec<Instant>> = vec![Vec::new(); q];
+    // Completed windows: post time of their first WR, completion, WRs.
+    let mut windows: Vec<(Instant, Instant, u64)> = Vec::new();
+    let start = Instant::now();
+    let (sample_from, sample_to) = match cfg.duration {
+        Some(d) => (start + d / 4, start + d - d / 4),
+        None => (start, start),
+    };
+    let mut sampled = 0u64;
+    let mut sample_first: Option<Instant> = None;
+    let mut last = start;
+    let mut wcs = Vec::new();
+    let stop_posting = |now: Instant| cfg.duration.is_some_and(|d| now >= start + d);
+    loop {
+        let now = Instant::now();
+        let posting = !stop_posting(now);
+        for i in 0..q {
+            while posting && scnt[i] < n && scnt[i] - ccnt[i] < u64::from(cfg.tx_depth) {
+                let k = scnt[i];
+                let signaled = k % cq_mod == cq_mod - 1 || k == n - 1;
+                if k % cq_mod == 0 && cfg.duration.is_none() {
+                    window_start[i].push(Instant::now());
+                }
+                s.qps[i]
+                    .post_send(send_op(s, i, size, k, signaled))
+                    .map_err(|e| e.to_string())?;
+                scnt[i] += 1;
+            }
+        }
+        let outstanding: u64 = (0..q).map(|i| scnt[i] - ccnt[i]).sum();
+        if outstanding == 0 && (!posting || (0..q).all(|i| ccnt[i] >= n)) {
+            break;
+        }
+        reap(&s.scq, &mut wcs)?;
+        let now = Instant::now();
+        for wc in &wcs {
+            if wc.status != WcStatus::Success {
+                return Err(completion_error(wc, "client"));
+            }
+            let i = (wc.wr_id >> 40) as usize;
+            let k = wc.wr_id & ((1 << 40) - 1);
+            let done = k + 1 - ccnt[i];
+            ccnt[i] = k + 1;
+            last = now;
+            if cfg.duration.is_some() {
+                if now >= sample_from && now < sample_to {
+                    sample_first.get_or_insert(now);
+                    sampled += done;
+                }
+            } else if let Some(t0) = window_start[i].get((k / cq_mod) as usize) {
+                windows.push((*t0, now, done));
+            }
+        }
+    }
+    let (msgs, secs) = match cfg.duration {
+        Some(_) => (
+            sampled,
+            (sample_to - sample_first.unwrap_or(sample_from))
+                .as_secs_f64()
+                .max(1e-9),
+        ),
+        None => (n * q as u64, (last - start).as_secs_f64().max(1e-9)),
+    };
+    let bytes_per_sec = (msgs * size) as f64 / secs;
+    // perftest forces "no peak" above 20000 iterations and in duration mode.
+    let peak = if cfg.duration.is_some() || cfg.iters > 20_000 {
+        0.0
+    } else {
+        peak_rate(&windows, size)
+    };
+    Ok(Report {
+        size,
+        iters: if cfg.duration.is_some() {
+            msgs
+        } else {
+            cfg.iters
+        },
+        bw_peak: if cfg.duration.is_some() {
+            0.0
+        } else {
+            bw_unit(peak, cfg.gbits)
+        },
+        bw_avg: bw_unit(bytes_per_sec, cfg.gbits),
+        msg_rate: msgs as f64 / secs / 1e6,
+    })
+}
+
+/// perftest's peak: the best rate over any run of consecutive completed
+/// windows (from the first post of the run to its last completion). Runs
+/// start at up to 512 evenly spread windows, to keep this quadratic search
+/// short.
+fn peak_rate(windows: &[(Instant, Instant, u64)], size: u64) -> f64 {
+    let stride = windows.len().div_ceil(512).max(1);
+    let mut best = 0f64;
+    for i in (0..windows.len()).step_by(stride) {
+        let mut first_post = windows[i].0;
+        let mut count = 0;
+        for w in &windows[i..] {
+            first_post = first_post.min(w.0);
+            count += w.2;
+            let secs = (w.1 - first_post).as_secs_f64();
+            if secs > 0.0 {
+                best = best.max((count * size) as f64 / secs);
+            }
+        }
+    }
+    best
+}
+
+/// Posts `count` receives of `size` on each QP, stepping through the target
+/// area (or all at its start).
+fn post_recvs_at(s: &Setup, size: u64, count: u64, same_place: bool) -> Result<(), String> {
+    for (i, qp) in s.qps.iter().enumerate() {
+        for k in 0..count {
+            let step = if same_place { 0 } else { s.step(size, k) };
+            qp.post_recv(RecvWr {
+                wr_id: ((i as u64) << 40) | k,
+                sgl: vec![s.mr.sge(s.target(i) + step, size as u32)],
+            })
+            .map_err(|e| e.to_string())?;
+        }
+    }
+    Ok(())
+}
+
+fn post_recvs(s: &Setup, size: u64, count: u64) -> Result<(), String> {
+    post_recvs_at(s, size, count.min(s.cfg.iters), false)
+}
+
+/// The send_bw server: counts the messages, from the first to the last.
+fn send_bw_server(s: &Setup, size: u64) -> Result<Report, String> {
+    let cfg = &s.cfg;
+    let q = cfg.qps;
+    let n = cfg.iters;
+    let mut posted = vec![u64::from(cfg.rx_depth).min(n); q];
+    let mut got = 0u64;
+    let mut first = None;
+    let mut last = Instant::now();
+    let mut wcs = Vec::new();
+    while got < n * q as u64 {
+        reap(&s.rcq, &mut wcs)?;
+        let now = Instant::now();
+        first.get_or_insert(now);
+        last = now;
+        for wc in &wcs {
+            if wc.status != WcStatus::Success {
+                return Err(completion_error(wc, "server"));
+            }
+            got += 1;
+            let i = (wc.wr_id >> 40) as usize;
+            if posted[i] < n {
+                let k = posted[i];
+                s.qps[i]
+                    .post_recv(RecvWr {
+                        wr_id: ((i as u64) << 40) | k,
+                        sgl: vec![s.mr.sge(s.target(i) + s.step(size, k), size as u32)],
+                    })
+                    .map_err(|e| e.to_string())?;
+                posted[i] += 1;
+            }
+        }
+    }
+    let secs = (last - first.unwrap_or(last)).as_secs_f64().max(1e-9);
+    let msgs = n * q as u64;
+    Ok(Report {
+        size,
+        iters: n,
+        bw_peak: 0.0,
+        bw_avg: bw_unit((msgs * size) as f64 / secs, cfg.gbits),
+        msg_rate: msgs as f64 / secs / 1e6,
+    })
+}
+
+/// READ or atomic latency: one at a time; returns the post times.
+fn lat_one_sided(s: &Setup, size: u64) -> Result<Vec<Instant>, String> {
+    let mut posted = Vec::with_capacity(s.cfg.iters as usize);
+    for k in 0..s.cfg.iters {
+        posted.push(Instant::now());
+        // Always the same address (no stepping in latency tests).
+        let mut wr = send_op(s, 0, size, 0, true);
+        wr.wr_id = k;
+        s.qps[0].post_send(wr).map_err(|e| e.to_string())?;
+        let wc = s
+            .scq
+            .wait(Duration::from_secs(60))
+            .map_err(|e| e.to_string())?
+            .ok_or("no completion in 60 s: the peer is gone?")?;
+        if wc.status != WcStatus::Success {
+            return Err(completion_error(&wc, "client"));
+        }
+    }
+    Ok(posted)
+}
+
+/// WRITE ping-pong: each side writes `size` bytes whose last byte counts the
+/// iterations, and watches the last byte of its own target area.
+fn write_lat(s: &Setup, size: u64) -> Result<Vec<Instant>, String> {
+    let n = s.cfg.iters;
+    let last = size as usize - 1;
+    let watch = s.target(0) + last;
+    let mut posted = Vec::with_capacity(n as usize);
+    let (mut scnt, mut rcnt) = (0u64, 0u64);
+    while scnt < n || rcnt < n {
+        if rcnt < n && !(scnt < 1 && !s.cfg.client) {
+            rcnt += 1;
+            let want = rcnt as u8;
+            let deadline = Instant::now() + Duration::from_secs(60);
+            let mut b = [0u8; 1];
+            loop {
+                s.mr.read(watch, &mut b).map_err(|e| e.to_string())?;
+                if b[0] == want {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    return Err(format!("no WRITE {rcnt} from the peer in 60 s"));
+                }
+                std::thread::yield_now();
+            }
+        }
+        if scnt < n {
+            scnt += 1;
+            s.mr.write(s.local(0) + last, &[scnt as u8])
+                .map_err(|e| e.to_string())?;
+            posted.push(Instant::now());
+            let mut wr = send_op(s, 0, size, 0, true);
+            wr.wr_id = scnt;
+            s.qps[0].post_send(wr).map_err(|e| e.to_string())?;
+            let wc = s
+                .scq
+                .wait(Duration::from_secs(60))
+                .map_err(|e| e.to_string())?
+                .ok_or("no completion in 60 s: the peer is gone?")?;
+            if wc.status != WcStatus::Success {
+                return Err(completion_error(&wc, side(s)));
+            }
+        }
+    }
+    Ok(posted)
+}
+
+fn side(s: &Setup) -> &'static str {
+    if s.cfg.client { "client" } else { "server" }
+}
+
+/// SEND ping-pong: the client sends first; each side answers a receive.
+fn send_lat(s: &Setup, size: u64) -> Result<Vec<Instant>, String> {
+    let n = s.cfg.iters;
+    let rx_depth = u64::from(s.cfg.rx_depth).min(n);
+    let mut posted = Vec::with_capacity(n as usize);
+    let (mut scnt, mut rcnt) = (0u64, 0u64);
+    while scnt < n || rcnt < n {
+        if rcnt < n && !(scnt < 1 && s.cfg.client) {
+            let wc = s
+                .rcq
+                .wait(Duration::from_secs(60))
+                .map_err(|e| e.to_string())?
+                .ok_or("no message from the peer in 60 s")?;
+            if wc.status != WcStatus::Success {
+                return Err(completion_error(&wc, side(s)));
+            }
+            rcnt += 1;
+            if rcnt + rx_depth <= n {
+                s.qps[0]
+                    .post_recv(RecvWr {
+                        wr_id: rcnt,
+                        sgl: vec![s.mr.sge(s.target(0), size as u32)],
+                    })
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        if scnt < n {
+            posted.push(Instant::now());
+            let mut wr = send_op(s, 0, size, 0, true);
+            wr.wr_id = scnt;
+            s.qps[0].post_send(wr).map_err(|e| e.to_string())?;
+            scnt += 1;
+            let wc = s
+                .scq
+                .wait(Duration::from_secs(60))
+                .map_err(|e| e.to_string())?
+                .ok_or("no send completion in 60 s: the peer is gone?")?;
+            if wc.status != WcStatus::Success {
+                return Err(completion_error(&wc, side(s)));
+            }
+        }
+    }
+    Ok(posted)
+}
+
+/// The slots a test's messages landed in (offsets within an area).
+fn slots(s: &Setup, size: u64) -> Vec<usize> {
+    let count = s.cfg.iters.min((s.cycle / 64) as u64 + 1);
+    let mut v: Vec<usize> = (0..count).map(|k| s.step(size, k)).collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+/// --verify on the target side: WRITE and SEND payloads are the source
+/// pattern, FETCH_ADDs added up to the iterations.
+fn check_target(s: &Setup, verb: Verb) -> Result<(), String> {
+    let size = *s.cfg.sizes.last().expect("a size");
+    for i in 0..s.cfg.qps {
+        let base = s.target(i);
+        if verb == Verb::Atomic {
+            let sum: u64 = slots(s, size)
+                .iter()
+                .map(|&o| s.mr.load_u64(base + o).unwrap_or(0))
+                .sum();
+            let want = if s.cfg.cas { 0 } else { s.cfg.iters };
+            if sum != want {
+                return Err(format!(
+                    "--verify: QP {i}'s counters add up to {sum}, expected {want} \
+                     (does the peer run with --verify?)"
+                ));
+            }
+            continue;
+        }
+        for o in slots(s, size) {
+            let got =
+                s.mr.read_vec(base + o, size as usize)
+                    .map_err(|e| e.to_string())?;
+            if let Some(j) = (0..got.len()).find(|&j| got[j] != pattern(o + j)) {
+                return Err(format!(
+                    "--verify: QP {i}, byte {} of the message at offset {o} is {:#04x}, \
+                     expected {:#04x} (does the peer run with --verify?)",
+                    j,
+                    got[j],
+                    pattern(o + j)
+                ));
+            }
+        }
+    }
+    println!(" Payload check (--verify): OK");
+    Ok(())
+}
+
+/// --verify on a READ client: what came back is the target's pattern.
+fn check_read(s: &Setup) -> Result<(), String> {
+    let size = *s.cfg.sizes.last().expect("a size");
+    for i in 0..s.cfg.qps {
+        for o in slots(s, size) {
+            let got =
+                s.mr.read_vec(s.local(i) + o, size as usize)
+                    .map_err(|e| e.to_string())?;
+            if let Some(j) = (0..got.len()).find(|&j| got[j] != pattern(o + j)) {
+                return Err(format!(
+                    "--verify: QP {i}, byte {j} read at offset {o} is {:#04x}, expected \
+                     {:#04x} (does the peer run with --verify?)",
+                    got[j],
+                    pattern(o + j)
+                ));
+            }
+        }
+    }
+    println!(" Payload check (--verify): OK");
+    Ok(())
+}

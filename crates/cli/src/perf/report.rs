@@ -1,0 +1,144 @@
+//! perftest's output: header, addresses, and the result tables, with its
+//! formulas (`perftest_parameters.c`: print_report_bw, print_report_lat).
+
+use std::time::Duration;
+
+pub const RESULT_LINE: &str =
+    "---------------------------------------------------------------------------------------";
+
+/// C's `%#0Nx`: zero-padded to N, with "0x" only when the value is not zero.
+pub fn c_alt_hex(v: u64, width: usize) -> String {
+    if v == 0 {
+        format!("{:0width$}", 0)
+    } else {
+        format!("{v:#0width$x}")
+    }
+}
+
+/// perftest's GID line: the 16 bytes in decimal.
+pub fn gid_line(gid: &[u8; 16]) -> String {
+    let parts: Vec<String> = gid.iter().map(|b| format!("{b:02}")).collect();
+    format!(" GID: {}", parts.join(":"))
+}
+
+pub fn bw_header(gbits: bool) -> String {
+    let unit = if gbits { "Gb/sec" } else { "MB/sec" };
+    format!(" #bytes     #iterations    BW peak[{unit}]    BW average[{unit}]   MsgRate[Mpps]")
+}
+
+/// One bandwidth row (values already in the header's unit).
+pub fn bw_row(size: u64, iters: u64, peak: f64, avg: f64, rate: f64, gbits: bool) -> String {
+    if gbits && avg < 0.1 {
+        format!(
+            " {size:<7}    {iters}           {peak:<7.6}            {avg:<7.6}            {rate:<7.6}"
+        )
+    } else {
+        format!(
+            " {size:<7}    {iters:<10}       {peak:<7.2}            {avg:<7.2}\t\t   {rate:<7.6}"
+        )
+    }
+}
+
+/// Bytes per second in the unit of the table (MiB/s, or Gb/s).
+pub fn bw_unit(bytes_per_sec: f64, gbits: bool) -> f64 {
+    if gbits {
+        bytes_per_sec / 125_000_000.0
+    } else {
+        bytes_per_sec / 1_048_576.0
+    }
+}
+
+pub const LAT_HEADER: &str = " #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec] ";
+
+/// Latency statistics from the times between consecutive posts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LatStats {
+    pub min: f64,
+    pub max: f64,
+    pub typical: f64,
+    pub avg: f64,
+    pub stdev: f64,
+    pub p99: f64,
+    pub p999: f64,
+}
+
+/// perftest's latency figures: `deltas` (µs, one way) sorted, the largest
+/// two dropped for the median, mean and deviation; t_max is the largest
+/// kept; the percentiles index the whole sorted list.
+pub fn lat_stats(mut deltas: Vec<f64>) -> Option<LatStats> {
+    deltas.sort_by(f64::total_cmp);
+    let cnt = deltas.len().checked_sub(2).filter(|&c| c > 0)?;
+    let kept = &deltas[..cnt];
+    let typical = if cnt % 2 == 0 {
+        (kept[cnt / 2] + kept[cnt / 2 - 1]) / 2.0
+    } else {
+        kept[cnt / 2]
+    };
+    let avg = kept.iter().sum::<f64>() / cnt as f64;
+    let var = kept.iter().map(|d| (avg - d).powi(2)).sum::<f64>() / cnt as f64;
+    let at = |q: f64| deltas[((cnt as f64 * q).ceil() as usize).min(deltas.len() - 1)];
+    Some(LatStats {
+        min: deltas[0],
+        max: deltas[cnt],
+        typical,
+        avg,
+        stdev: var.sqrt(),
+        p99: at(0.99),
+        p999: at(0.999),
+    })
+}
+
+pub fn lat_row(size: u64, iters: u64, s: &LatStats) -> String {
+    format!(
+        " {size:<7} {iters}          {:<7.2}        {:<7.2}      {:<7.2}  \t       {:<7.2}     \t{:<7.2}\t\t{:<7.2} \t\t{:<7.2}",
+        s.min, s.max, s.typical, s.avg, s.stdev, s.p99, s.p999
+    )
+}
+
+/// The one-way (or whole, for READ and atomics) times between posts, in µs.
+pub fn post_deltas(posted: &[std::time::Instant], halve: bool) -> Vec<f64> {
+    posted
+        .windows(2)
+        .map(|w| {
+            let d: Duration = w[1] - w[0];
+            d.as_secs_f64() * 1e6 / if halve { 2.0 } else { 1.0 }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn c_alt_hex_is_cs() {
+        assert_eq!(c_alt_hex(0, 4), "0000");
+        assert_eq!(c_alt_hex(0x11, 6), "0x0011");
+        assert_eq!(c_alt_hex(0x37d1a, 6), "0x37d1a");
+        assert_eq!(c_alt_hex(0x2ab, 8), "0x0002ab");
+    }
+
+    #[test]
+    fn rows_are_perftests() {
+        assert_eq!(
+            bw_row(65536, 5, 10.85, 10.85, 0.000174, false),
+            " 65536      5                10.85              10.85  \t\t   0.000174"
+        );
+        assert_eq!(
+            gid_line(&[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 255, 255, 10, 99, 0, 2]),
+            " GID: 00:00:00:00:00:00:00:00:00:00:255:255:10:99:00:02"
+        );
+    }
+
+    #[test]
+    fn lat_stats_follow_perftest() {
+        // Ten deltas: the two largest are dropped for median/mean/stdev.
+        let s = lat_stats(vec![5.0, 1.0, 2.0, 3.0, 4.0, 6.0, 7.0, 8.0, 100.0, 200.0]).unwrap();
+        assert_eq!(s.min, 1.0);
+        assert_eq!(s.max, 100.0);
+        assert_eq!(s.typical, 4.5);
+        assert_eq!(s.avg, 4.5);
+        assert_eq!(s.p99, 200.0);
+        assert!(lat_stats(vec![1.0, 2.0]).is_none());
+    }
+}
