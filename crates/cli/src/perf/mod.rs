@@ -824,7 +824,7 @@ fn bw_client(s: &Setup, size: u64) -> Result<Report, String> {
             while posting && scnt[i] < n && scnt[i] - ccnt[i] < u64::from(cfg.tx_depth) {
                 let k = scnt[i];
                 let signaled = k % cq_mod == cq_mod - 1 || k == n - 1;
-                if k % cq_mod == 0 && cfg.duration.is_none() {
+                if k.is_multiple_of(cq_mod) && cfg.duration.is_none() {
                     window_start[i].push(Instant::now());
                 }
                 s.qps[i]
@@ -1007,7 +1007,9 @@ fn write_lat(s: &Setup, size: u64) -> Result<Vec<Instant>, String> {
     let mut posted = Vec::with_capacity(n as usize);
     let (mut scnt, mut rcnt) = (0u64, 0u64);
     while scnt < n || rcnt < n {
-        if rcnt < n && !(scnt < 1 && !s.cfg.client) {
+        // The server writes first; the client waits for it.
+        let server_first = !s.cfg.client && scnt == 0;
+        if rcnt < n && !server_first {
             rcnt += 1;
             let want = rcnt as u8;
             let deadline = Instant::now() + Duration::from_secs(60);
@@ -1055,7 +1057,9 @@ fn send_lat(s: &Setup, size: u64) -> Result<Vec<Instant>, String> {
     let mut posted = Vec::with_capacity(n as usize);
     let (mut scnt, mut rcnt) = (0u64, 0u64);
     while scnt < n || rcnt < n {
-        if rcnt < n && !(scnt < 1 && s.cfg.client) {
+        // The client sends first; the server waits for it.
+        let client_first = s.cfg.client && scnt == 0;
+        if rcnt < n && !client_first {
             let wc = s
                 .rcq
                 .wait(Duration::from_secs(60))

@@ -26,7 +26,7 @@ pub struct Key {
 }
 
 impl Key {
-    pub fn to_bytes(&self) -> [u8; KEY_LEN] {
+    pub fn encode(&self) -> [u8; KEY_LEN] {
         let mut s = format!(
             "{:04x}:{:04x}:{:06x}:{:06x}:{:08x}:{:016x}:",
             self.lid, self.out_reads, self.qpn, self.psn, self.rkey, self.vaddr
@@ -157,7 +157,7 @@ impl Oob {
     /// A key handshake: sends `mine`, returns the peer's.
     pub fn key(&mut self, mine: &Key) -> Result<Key, String> {
         let mut theirs = [0u8; KEY_LEN];
-        self.xchg(&mine.to_bytes(), &mut theirs)
+        self.xchg(&mine.encode(), &mut theirs)
             .map_err(ctx("key message"))?;
         Key::parse(&theirs)
     }
@@ -221,7 +221,7 @@ mod tests {
                 srqn: 0,
             }
         );
-        assert_eq!(k.to_bytes(), bytes);
+        assert_eq!(k.encode(), bytes);
     }
 
     #[test]
