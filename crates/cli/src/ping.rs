@@ -59,6 +59,9 @@ pub struct PingArgs {
     /// `softrdma hostd` (started if none runs) instead of binding it alone.
     #[arg(long)]
     pub shared_port: bool,
+    /// Write what this side sends and receives to a pcap file.
+    #[arg(long, value_name = "FILE")]
+    pub pcap: Option<std::path::PathBuf>,
 }
 
 const RECV_WRID: u64 = 1;
@@ -177,6 +180,9 @@ fn run_inner(a: &PingArgs) -> Result<(), String> {
     let mut dev = chosen.device(a.udp_port);
     if a.shared_port {
         dev = dev.shared_port(true);
+    }
+    if let Some(p) = &a.pcap {
+        dev = dev.pcap(p);
     }
     let ctx = dev.open().map_err(|e| e.to_string())?;
     let port = ctx.query_port();

@@ -233,10 +233,22 @@ fn the_demo_verifies_every_operation() {
 
 /// Runs a ping server and client on two loopback addresses; returns both outputs.
 fn ping_pair(args: &[&str], server_ip: &str, client_ip: &str, tcp: &str) -> (Output, Output) {
+    tool_pair(&["ping"], args, args, server_ip, client_ip, tcp)
+}
+
+/// A server and a client of `softrdma SUB...`, each with its own flags.
+fn tool_pair(
+    sub: &[&str],
+    server_args: &[&str],
+    client_args: &[&str],
+    server_ip: &str,
+    client_ip: &str,
+    tcp: &str,
+) -> (Output, Output) {
     let bin = env!("CARGO_BIN_EXE_softrdma");
     let server = Command::new(bin)
-        .arg("ping")
-        .args(args)
+        .args(sub)
+        .args(server_args)
         .args(["--bind", server_ip, "-p", tcp])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -246,12 +258,15 @@ fn ping_pair(args: &[&str], server_ip: &str, client_ip: &str, tcp: &str) -> (Out
     for _ in 0..50 {
         std::thread::sleep(std::time::Duration::from_millis(100));
         let o = Command::new(bin)
-            .arg("ping")
-            .args(args)
+            .args(sub)
+            .args(client_args)
             .args(["--bind", client_ip, "-p", tcp, server_ip])
             .output()
             .unwrap();
-        if String::from_utf8_lossy(&o.stderr).contains("couldn't connect") {
+        if String::from_utf8_lossy(&o.stderr)
+            .to_lowercase()
+            .contains("couldn't connect")
+        {
             continue;
         }
         client = Some(o);
@@ -401,4 +416,132 @@ fn ping_refuses_a_bad_device_or_gid_index() {
         .unwrap();
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("no GID index 5"));
+}
+
+#[test]
+fn ping_writes_a_pcap_that_decodes_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let pcap = dir.path().join("client.pcap");
+    let (s, c) = tool_pair(
+        &["ping"],
+        &["-n", "20", "-s", "5000"],
+        &["-n", "20", "-s", "5000", "--pcap", pcap.to_str().unwrap()],
+        "127.0.1.21",
+        "127.0.1.22",
+        "19321",
+    );
+    assert!(s.status.success() && c.status.success(), "{c:?}");
+    let o = decode(&[], &pcap);
+    assert!(o.status.success(), "{}", stdout(&o));
+    assert_eq!(errors(&o), 0);
+    // 20 messages of 5 packets (MTU 1024) each way, sent and received.
+    let sends = stdout(&o)
+        .lines()
+        .filter(|l| l.contains("RC SEND_"))
+        .count();
+    assert!(sends >= 200, "{sends} SEND packets");
+    assert!(stdout(&o).contains("127.0.1.22:"), "the client's packets");
+}
+
+/// perftest's table rows: the numeric lines.
+fn perf_rows(o: &Output) -> Vec<Vec<f64>> {
+    stdout(o)
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .filter(|f| f.len() >= 5 && f.iter().all(|x| x.parse::<f64>().is_ok()))
+        .map(|f| f.iter().map(|x| x.parse().unwrap()).collect())
+        .collect()
+}
+
+#[test]
+fn perf_runs_every_test_between_two_processes_with_verified_payload() {
+    for (k, (test, extra)) in [
+        ("write-bw", vec!["-s", "5000", "-q", "2"]),
+        ("read-bw", vec!["-s", "70000"]),
+        ("send-bw", vec!["-s", "3000"]),
+        ("atomic-bw", vec![]),
+        ("atomic-bw", vec!["-A", "CMP_AND_SWAP"]),
+        ("write-lat", vec!["-s", "100"]),
+        ("read-lat", vec!["-s", "100"]),
+        ("send-lat", vec!["-s", "100"]),
+        ("atomic-lat", vec![]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut args = vec![test, "-n", "50", "--verify"];
+        args.extend(extra);
+        let tcp = (19330 + k).to_string();
+        let (s, c) = tool_pair(&["perf"], &args, &args, "127.0.1.31", "127.0.1.32", &tcp);
+        for (who, o) in [("server", &s), ("client", &c)] {
+            assert!(
+                o.status.success(),
+                "{test} {who}: {}{}",
+                stdout(o),
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+        let rows = perf_rows(&c);
+        assert_eq!(rows.len(), 1, "{test}: {}", stdout(&c));
+        let size = match test {
+            t if t.starts_with("atomic") => 8.0,
+            _ => args[args.iter().position(|a| *a == "-s").unwrap() + 1]
+                .parse()
+                .unwrap(),
+        };
+        assert_eq!((rows[0][0], rows[0][1]), (size, 50.0), "{test}");
+        assert!(
+            rows[0][2..].iter().all(|v| *v >= 0.0) && rows[0][3] > 0.0,
+            "{test}"
+        );
+        if test.ends_with("bw") {
+            // The side where the data lands checked it.
+            let checked = if test == "read-bw" { &c } else { &s };
+            assert!(
+                stdout(checked).contains("Payload check (--verify): OK"),
+                "{test}: {}",
+                stdout(checked)
+            );
+        }
+    }
+}
+
+#[test]
+fn perf_refuses_bad_flags_as_perftest_does() {
+    let bin = env!("CARGO_BIN_EXE_softrdma");
+    for (args, msg) in [
+        (
+            vec!["perf", "atomic-bw", "-s", "16"],
+            "cannot be changed for Atomic",
+        ),
+        (
+            vec!["perf", "write-bw", "-A", "CMP_AND_SWAP"],
+            "-A is for the atomic",
+        ),
+        (
+            vec!["perf", "atomic-bw", "-A", "XOR"],
+            "Invalid Atomic type",
+        ),
+        (vec!["perf", "write-lat", "-q", "2"], "Multiple QPs"),
+        (
+            vec!["perf", "read-bw", "-I", "64"],
+            "Inline feature not available",
+        ),
+        (vec!["perf", "write-bw", "-n", "2"], "Iteration num"),
+        (vec!["perf", "write-bw", "-c", "UD"], "RC only"),
+        (
+            vec!["perf", "write-bw", "-d", "roce_lo", "-x", "0"],
+            "IPv6 link-local",
+        ),
+    ] {
+        let o = Command::new(bin).args(&args).output().unwrap();
+        assert_eq!(o.status.code(), Some(1), "{args:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(msg), "{args:?}: {err}");
+    }
+    let o = Command::new(bin)
+        .args(["perf", "write-bw", "-s", "0"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
 }

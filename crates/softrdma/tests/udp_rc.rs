@@ -215,3 +215,64 @@ fn thousands_of_ping_pongs_lose_no_post() {
             .unwrap();
     }
 }
+
+/// As rxe: an RC QP drops packets that do not come from its peer's address,
+/// even with a valid ICRC and the expected PSN; its peer's traffic goes on.
+#[test]
+fn an_rc_qp_ignores_packets_from_another_address() {
+    use softrdma::wire::icrc::{self, Ipv4Pseudo};
+    use softrdma::wire::{Opcode, Psn, packet};
+    let a = end("127.0.0.1");
+    let b = end("127.0.0.1");
+    cm::connect(&a.qp, &a.info, &b.info, &RcOptions::default()).unwrap();
+    cm::connect(&b.qp, &b.info, &a.info, &RcOptions::default()).unwrap();
+    for k in 0..2 {
+        b.qp.post_recv(RecvWr {
+            wr_id: k,
+            sgl: vec![b.mr.sge(k as usize * 64, 64)],
+        })
+        .unwrap();
+    }
+    // A stranger at 127.0.0.9 sends a SEND Only with the PSN b expects.
+    let stranger = std::net::UdpSocket::bind("127.0.0.9:0").unwrap();
+    let from = match stranger.local_addr().unwrap() {
+        std::net::SocketAddr::V4(s) => s,
+        _ => unreachable!(),
+    };
+    let to = b.ctx.local_addr();
+    let r = packet::Repr::new(Opcode::RC_SEND_ONLY, b.qp.qpn(), Psn::new(a.info.psn), 5);
+    let mut p = vec![0u8; r.buffer_len().unwrap()];
+    r.emit(&mut p, b"forge").unwrap();
+    let udp_len = (8 + p.len()) as u16;
+    let ip = Ipv4Pseudo {
+        src: from.ip().octets(),
+        dst: to.ip().octets(),
+        identification: 0,
+        dont_fragment: true,
+    }
+    .header(udp_len);
+    icrc::fill(
+        &ip,
+        &icrc::udp_header(from.port(), to.port(), udp_len),
+        &mut p,
+    )
+    .unwrap();
+    stranger.send_to(&p, to).unwrap();
+    let t = std::time::Instant::now();
+    while b.ctx.stats().wrong_source == 0 {
+        assert!(t.elapsed() < T, "the stranger's packet was not counted");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // The real peer's SEND, with that same PSN, is the one that lands.
+    a.mr.write(0, b"peer!").unwrap();
+    a.qp.post_send(SendWr::new(1, SendOp::Send, vec![a.mr.sge(0, 5)]))
+        .unwrap();
+    assert_eq!(one(&a.cq).status, WcStatus::Success);
+    let wc = one(&b.cq);
+    assert_eq!(
+        (wc.status, wc.wr_id, wc.byte_len),
+        (WcStatus::Success, 0, 5)
+    );
+    assert_eq!(b.mr.read_vec(0, 5).unwrap(), b"peer!");
+    assert_eq!(b.cq.poll_one().unwrap(), None, "nothing from the stranger");
+}

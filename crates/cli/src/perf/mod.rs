@@ -144,6 +144,9 @@ pub struct PerfArgs {
     /// Share the device's address through `softrdma hostd`.
     #[arg(long)]
     pub shared_port: bool,
+    /// Write what this side sends and receives to a pcap file.
+    #[arg(long, value_name = "FILE")]
+    pub pcap: Option<std::path::PathBuf>,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -364,6 +367,9 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
     let mut dev = chosen.device(4791);
     if a.shared_port {
         dev = dev.shared_port(true);
+    }
+    if let Some(p) = &a.pcap {
+        dev = dev.pcap(p);
     }
     let ctx = dev.open().map_err(|e| e.to_string())?;
     let port = ctx.query_port();

@@ -3,4 +3,5 @@
 
 pub mod hostd;
 pub mod netdev;
+mod pcap;
 pub mod udp;

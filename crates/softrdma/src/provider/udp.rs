@@ -21,6 +21,7 @@ use rustix::net::{SendFlags, sockopt};
 use softrdma_wire::bth;
 use softrdma_wire::icrc::{self, Icrc, Ipv4Pseudo};
 
+use super::pcap::{PacketMeta, PcapWriter};
 use crate::engine::rc::MAX_HEADER_LEN;
 use crate::engine::srq::Srq;
 use crate::engine::ud::RecvMeta;
@@ -31,6 +32,8 @@ use crate::verbs::events::{AsyncEvent, EventQueue};
 
 /// Packets taken from a QP under its lock before they are sent without it.
 const BATCH: usize = 16;
+/// Sockets per device (source ports its QPs spread over).
+const SOCKETS: usize = 8;
 /// Largest datagram received.
 const RX_BUF: usize = 65536;
 /// Most scatter/gather elements per work request on this provider (a packet's
@@ -83,6 +86,8 @@ pub struct DeviceStats {
     pub bad_icrc: AtomicU64,
     /// Dropped: no such QP, or not a RoCEv2 packet.
     pub no_qp: AtomicU64,
+    /// Dropped: for an RC QP, from an address that is not its peer's.
+    pub wrong_source: AtomicU64,
     /// Send errors from the kernel.
     pub send_errors: AtomicU64,
 }
@@ -100,15 +105,21 @@ pub(crate) struct Shared {
     /// The hostd connection broke: the port stays down.
     uplink_lost: AtomicBool,
     pub stats: DeviceStats,
-    socket: UdpSocket,
+    /// The device's sockets: the first is bound to its address (exclusive)
+    /// or an ephemeral port (hostd); the others to ephemeral ports. A QP
+    /// sends from the one its number hashes to, so that fabrics hashing the
+    /// UDP source port (ECMP) spread the flows; all of them receive.
+    sockets: Vec<UdpSocket>,
+    /// Their ports (the source port of what each sends).
+    ports: Vec<u16>,
     /// The address peers reach the device at.
     local: SocketAddrV4,
-    /// The socket's own port: the source port of what it sends.
-    src_port: u16,
     /// The connection to the hostd sharing `local`, if any.
     uplink: Option<OwnedFd>,
     /// The QPN slot (top byte of QPNs) given by the hostd; 0 when exclusive.
     pub slot: u8,
+    /// A capture of what the device sends and receives.
+    pcap: Option<Mutex<PcapWriter>>,
     epoch: Instant,
     wake: OwnedFd,
     /// When the progress thread will wake by itself (engine time; MAX = never).
@@ -166,7 +177,18 @@ impl UdpDevice {
     /// Opens the device at `addr`: binds it (exclusive), or joins the hostd
     /// that shares it (then the socket sends from an ephemeral port and
     /// receives through the daemon). Returns the device and its QPN slot.
-    pub fn open(addr: SocketAddrV4, busy_poll: bool, shared_port: bool) -> io::Result<UdpDevice> {
+    pub fn open(
+        addr: SocketAddrV4,
+        busy_poll: bool,
+        shared_port: bool,
+        pcap: Option<&std::path::Path>,
+    ) -> io::Result<UdpDevice> {
+        let pcap = match pcap {
+            Some(p) => Some(Mutex::new(PcapWriter::create(p).map_err(|e| {
+                io::Error::new(e.kind(), format!("pcap file {}: {e}", p.display()))
+            })?)),
+            None => None,
+        };
         let (socket, uplink, slot) = if shared_port {
             let (uplink, slot) = super::hostd::join(addr)?;
             (
@@ -177,11 +199,22 @@ impl UdpDevice {
         } else {
             (roce_socket(addr)?, None, 0)
         };
-        let bound = match socket.local_addr()? {
-            SocketAddr::V4(a) => a,
-            SocketAddr::V6(_) => unreachable!("bound to IPv4"),
+        let port_of = |s: &UdpSocket| -> io::Result<SocketAddrV4> {
+            match s.local_addr()? {
+                SocketAddr::V4(a) => Ok(a),
+                SocketAddr::V6(_) => unreachable!("bound to IPv4"),
+            }
         };
+        let bound = port_of(&socket)?;
         let local = if shared_port { addr } else { bound };
+        let mut sockets = vec![socket];
+        for _ in 1..SOCKETS {
+            sockets.push(roce_socket(SocketAddrV4::new(*addr.ip(), 0))?);
+        }
+        let ports = sockets
+            .iter()
+            .map(|s| port_of(s).map(|a| a.port()))
+            .collect::<io::Result<Vec<u16>>>()?;
         let shared = Arc::new(Shared {
             mrs: RwLock::new(MrTable::new()),
             qps: RwLock::new(HashMap::new()),
@@ -190,11 +223,12 @@ impl UdpDevice {
             port_up: AtomicBool::new(true),
             uplink_lost: AtomicBool::new(false),
             stats: DeviceStats::default(),
-            socket,
+            sockets,
+            ports,
             local,
-            src_port: bound.port(),
             uplink,
             slot,
+            pcap,
             epoch: Instant::now(),
             wake: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?,
             sleep_until: AtomicU64::new(u64::MAX),
@@ -331,7 +365,7 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
                         None => peer,
                     };
                     match dest {
-                        Some(d) => send_packet(shared, d, s),
+                        Some(d) => send_packet(shared, d, s, slot.qpn),
                         // An address handle destroyed with sends in flight.
                         None => {
                             shared.stats.send_errors.fetch_add(1, Ordering::Relaxed);
@@ -355,7 +389,9 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
 }
 
 /// Gathers headers, region pieces, pad and ICRC into one datagram.
-fn send_packet(shared: &Shared, peer: SocketAddrV4, s: &TxSlot) {
+fn send_packet(shared: &Shared, peer: SocketAddrV4, s: &TxSlot, qpn: u32) {
+    // rxe's hash_32 of the QPN (WIRE-NOTES 1.1) picks the socket.
+    let sock = (qpn.wrapping_mul(0x61C8_8647) >> 18) as usize % shared.sockets.len();
     let t = s.t;
     let ib_len = t.len + t.payload_len + usize::from(t.pad) + icrc::LEN;
     let udp_len = (8 + ib_len) as u16;
@@ -366,7 +402,7 @@ fn send_packet(shared: &Shared, peer: SocketAddrV4, s: &TxSlot) {
         dont_fragment: true,
     }
     .header(udp_len);
-    let udp = icrc::udp_header(shared.src_port, peer.port(), udp_len);
+    let udp = icrc::udp_header(shared.ports[sock], peer.port(), udp_len);
     let mut crc = Icrc::new(&ip, &udp).expect("a valid pseudo-header");
     let head = &s.buf[..t.len];
     let mut bth_bytes = [0u8; bth::HEADER_LEN];
@@ -393,8 +429,20 @@ fn send_packet(shared: &Shared, peer: SocketAddrV4, s: &TxSlot) {
     trailer[usize::from(t.pad)..tl].copy_from_slice(&crc.finish().to_le_bytes());
     iov[n] = IoSlice::new(&trailer[..tl]);
     n += 1;
+    if let Some(pcap) = &shared.pcap {
+        let m = PacketMeta {
+            src: SocketAddrV4::new(*shared.local.ip(), shared.ports[sock]),
+            dst: peer,
+            identification: 0,
+            ttl: 64,
+            tos: 0,
+        };
+        let parts: [&[u8]; MAX_SGE + 2] =
+            std::array::from_fn(|i| if i < n { &*iov[i] } else { &[] });
+        let _ = pcap.lock().expect("pcap lock").record(&m, &parts[..n]);
+    }
     match rustix::net::sendmsg_addr(
-        &shared.socket,
+        &shared.sockets[sock],
         &SocketAddr::V4(peer),
         &iov[..n],
         &mut Default::default(),
@@ -482,29 +530,35 @@ fn progress(shared: &Arc<Shared>) {
             tv_sec: d.as_secs() as i64,
             tv_nsec: i64::from(d.subsec_nanos()),
         });
-        let mut fds = [
-            PollFd::new(&shared.socket, PollFlags::IN),
-            PollFd::new(&shared.wake, PollFlags::IN),
-            match (&shared.uplink, uplink_open) {
+        let mut fds: [PollFd; SOCKETS + 2] = std::array::from_fn(|i| match i {
+            _ if i < SOCKETS => PollFd::new(&shared.sockets[i], PollFlags::IN),
+            _ if i == SOCKETS => PollFd::new(&shared.wake, PollFlags::IN),
+            _ => match (&shared.uplink, uplink_open) {
                 (Some(u), true) => PollFd::new(u, PollFlags::IN),
                 _ => PollFd::new(&shared.wake, PollFlags::empty()),
             },
-        ];
+        });
         if rustix::event::poll(&mut fds, ts.as_ref()).is_err() {
             continue;
         }
-        if !fds[1].revents().is_empty() {
+        if !fds[SOCKETS].revents().is_empty() {
             let mut b = [0u8; 8];
             let _ = rustix::io::read(&shared.wake, &mut b);
         }
+        let readable: [bool; SOCKETS] = std::array::from_fn(|i| !fds[i].revents().is_empty());
         // Everything that is there.
-        while let Some((n, meta)) = recv_datagram(&shared.socket, &mut rx, &mut cmsg) {
-            receive(shared, &rx[..n], &meta);
+        for (i, sock) in shared.sockets.iter().enumerate() {
+            if !readable[i] {
+                continue;
+            }
+            while let Some((n, meta)) = recv_datagram(sock, &mut rx, &mut cmsg) {
+                receive(shared, &rx[..n], &meta, shared.ports[i]);
+            }
         }
         if let (Some(uplink), true) = (&shared.uplink, uplink_open) {
             loop {
                 match super::hostd::recv_forwarded(uplink, &mut rx) {
-                    Ok(Some((n, meta))) => receive(shared, &rx[..n], &meta),
+                    Ok(Some((n, meta))) => receive(shared, &rx[..n], &meta, shared.local.port()),
                     Ok(None) => break,
                     Err(_) => {
                         // The daemon is gone: nothing reaches the device now.
@@ -582,9 +636,41 @@ pub(crate) fn recv_datagram(
 }
 
 /// One datagram: to its QP, if the ICRC holds.
-fn receive(shared: &Shared, packet: &[u8], rx: &RxMeta) {
+fn receive(shared: &Shared, packet: &[u8], rx: &RxMeta, dst_port: u16) {
     let from = rx.from;
     shared.stats.received.fetch_add(1, Ordering::Relaxed);
+    let udp_len = (8 + packet.len()) as u16;
+    let ip = Ipv4Pseudo {
+        src: from.ip().octets(),
+        dst: shared.local.ip().octets(),
+        identification: 0,
+        dont_fragment: true,
+    }
+    .header(udp_len);
+    let udp = icrc::udp_header(from.port(), dst_port, udp_len);
+    // softrdma peers send IP ID 0; others (rxe) a counting ID that the socket
+    // does not show: then the ID is solved from the ICRC.
+    let ident = if icrc::verify(&ip, &udp, packet).is_ok() {
+        Some(0)
+    } else {
+        icrc::solve_ipv4_identification(&ip, &udp, packet)
+            .ok()
+            .flatten()
+    };
+    if let Some(pcap) = &shared.pcap {
+        let m = PacketMeta {
+            src: from,
+            dst: SocketAddrV4::new(*shared.local.ip(), dst_port),
+            identification: ident.unwrap_or(0),
+            ttl: rx.ttl,
+            tos: rx.tos,
+        };
+        let _ = pcap.lock().expect("pcap lock").record(&m, &[packet]);
+    }
+    let Some(ident) = ident else {
+        shared.stats.bad_icrc.fetch_add(1, Ordering::Relaxed);
+        return;
+    };
     let Ok(h) = bth::Header::new_checked(packet) else {
         shared.stats.no_qp.fetch_add(1, Ordering::Relaxed);
         return;
@@ -599,28 +685,13 @@ fn receive(shared: &Shared, packet: &[u8], rx: &RxMeta) {
         shared.stats.no_qp.fetch_add(1, Ordering::Relaxed);
         return;
     };
-    let udp_len = (8 + packet.len()) as u16;
-    let ip = Ipv4Pseudo {
-        src: from.ip().octets(),
-        dst: shared.local.ip().octets(),
-        identification: 0,
-        dont_fragment: true,
-    }
-    .header(udp_len);
-    let udp = icrc::udp_header(from.port(), shared.local.port(), udp_len);
-    // softrdma peers send IP ID 0; others (rxe) a counting ID that the socket
-    // does not show: then the ID is solved from the ICRC.
-    let ident = if icrc::verify(&ip, &udp, packet).is_ok() {
-        Some(0)
-    } else {
-        icrc::solve_ipv4_identification(&ip, &udp, packet)
-            .ok()
-            .flatten()
-    };
-    let Some(ident) = ident else {
-        shared.stats.bad_icrc.fetch_add(1, Ordering::Relaxed);
+    // As rxe: an RC QP takes packets only from its peer's address.
+    if let Some(peer) = *slot.peer.lock().expect("peer lock")
+        && peer.ip() != from.ip()
+    {
+        shared.stats.wrong_source.fetch_add(1, Ordering::Relaxed);
         return;
-    };
+    }
     let meta = RecvMeta::V4 {
         src: from.ip().octets(),
         dst: shared.local.ip().octets(),

@@ -88,6 +88,7 @@ pub struct Device {
     busy_poll: bool,
     link_mtu: Option<usize>,
     shared_port: Option<bool>,
+    pcap: Option<std::path::PathBuf>,
 }
 
 impl Device {
@@ -105,6 +106,7 @@ impl Device {
             busy_poll: false,
             link_mtu: None,
             shared_port: None,
+            pcap: None,
         }
     }
 
@@ -123,6 +125,15 @@ impl Device {
     #[must_use]
     pub fn shared_port(mut self, on: bool) -> Device {
         self.shared_port = Some(on);
+        self
+    }
+
+    /// Write what the device sends and receives to a pcap file (raw IPv4,
+    /// with the IP and UDP headers synthesized), for tshark or
+    /// `softrdma decode`.
+    #[must_use]
+    pub fn pcap(mut self, path: impl Into<std::path::PathBuf>) -> Device {
+        self.pcap = Some(path.into());
         self
     }
 
@@ -158,8 +169,8 @@ impl Device {
                 "a shared address needs a port (4791), not 0".into(),
             ));
         }
-        let dev =
-            UdpDevice::open(self.addr, self.busy_poll, shared_port).map_err(io_err(format!(
+        let dev = UdpDevice::open(self.addr, self.busy_poll, shared_port, self.pcap.as_deref())
+            .map_err(io_err(format!(
                 "cannot open a RoCEv2 device on {}{}",
                 self.addr,
                 if shared_port { " through hostd" } else { "" }
@@ -343,6 +354,7 @@ impl Context {
             received: s.received.load(Ordering::Relaxed),
             bad_icrc: s.bad_icrc.load(Ordering::Relaxed),
             no_qp: s.no_qp.load(Ordering::Relaxed),
+            wrong_source: s.wrong_source.load(Ordering::Relaxed),
             send_errors: s.send_errors.load(Ordering::Relaxed),
         }
     }
@@ -401,6 +413,8 @@ pub struct DeviceCounters {
     pub bad_icrc: u64,
     /// Received for no known QP (dropped).
     pub no_qp: u64,
+    /// Dropped: for an RC QP, from an address that is not its peer's.
+    pub wrong_source: u64,
     /// Datagrams the kernel refused to send.
     pub send_errors: u64,
 }
