@@ -177,7 +177,9 @@ def bw_result(out, sizes, iters):
     for r in rows:
         if int(r[1]) != iters:
             return f"{int(r[1])} iterations, expected {iters}"
-        if r[3] <= 0 or r[4] <= 0:
+        # Two bytes five times is 0.00 MB/s in two decimals: the rate must
+        # show, the bandwidth from 1 KiB up.
+        if r[4] <= 0 or (r[0] >= 1024 and r[3] <= 0):
             return f"a zero bandwidth or message rate: {r}"
     return None
 
@@ -196,13 +198,35 @@ def lat_result(out, sizes, iters):
     return None
 
 
+def check_pcap(pcap):
+    """Our capture: `softrdma decode` checks every ICRC (rxe's with the IP ID
+    the receiver solved); tshark finds nothing malformed."""
+    problems = []
+    d = subprocess.run([str(REPO / "target/release/softrdma"), "decode", "--quiet", str(pcap)],
+                       capture_output=True, text=True)
+    m = re.search(r"(\d+) RoCEv2 packets.*; 0 errors", d.stdout)
+    if d.returncode != 0 or not m or int(m.group(1)) == 0:
+        problems.append(f"softrdma decode of our pcap: {d.stdout.strip()} {d.stderr.strip()}")
+    if shutil.which("tshark"):
+        t = subprocess.run(["tshark", "-r", str(pcap), "-Y", "_ws.malformed || _ws.expert.severity >= error"],
+                           capture_output=True, text=True)
+        if t.returncode != 0 or t.stdout.strip():
+            problems.append(f"tshark finds problems in our pcap:\n{t.stdout[:2000]}")
+        n = subprocess.run(["tshark", "-r", str(pcap), "-Y", "infiniband"], capture_output=True,
+                           text=True).stdout.count("\n")
+        if n == 0:
+            problems.append("tshark sees no RoCE packet in our pcap")
+    return problems
+
+
 # ---------------------------------------------------------------- cases
 
 class Case:
     """One tool pair; `tool` runs in the guest, `ours` on the host."""
 
-    def __init__(self, name, tool, ours, check, timeout=120):
+    def __init__(self, name, tool, ours, check, timeout=120, pcap=False):
         self.name, self.tool, self.ours, self.check, self.timeout = name, tool, ours, check, timeout
+        self.pcap = pcap
 
 
 def cases(mtu4200=False):
@@ -221,21 +245,29 @@ def cases(mtu4200=False):
             out.append(Case(f"{kind}_pingpong s={size} n={iters} {extra}".strip(), *c,
                             check=lambda o, role, s=size, n=iters: pingpong_result(o, s, n)))
 
-    def perf(test, size, iters, extra=""):
+    def perf(test, size, iters, extra="", pcap=False, sizes=None):
         tool = f"ib_{test.replace('-', '_')}"
         flags = f"-n {iters}" + (f" -s {size}" if size else "") + (f" {extra}" if extra else "")
         shown = size or 8
+        qps = re.search(r"-q (\d+)", extra)
+        # perftest's BW rows count the iterations of all QPs.
+        rows_iters = iters * (int(qps.group(1)) if qps else 1)
 
-        def check(out, role, test=test, size=shown, iters=iters):
+        def check(out, role, test=test, size=shown, iters=iters, rows_iters=rows_iters):
             if test in ("read-lat", "atomic-lat") and role == "server":
                 # perftest's READ/atomic latency server prints no table.
                 return None if "Waiting for client" in out or "address" in out else "no output"
+            want = sizes or [size]
             if test.endswith("lat"):
-                return lat_result(out, [size], iters)
-            return bw_result(out, [size], iters)
+                return lat_result(out, want, iters)
+            if role == "server" and test != "send-bw":
+                # A BW server prints the client's report: its last size only.
+                want = want[-1:]
+            return bw_result(out, want, rows_iters)
 
         out.append(Case(f"{tool} {flags}", f"{tool} -d rxe0 -x 1 -F {flags}",
-                        f"perf {test} -x 1 -F {flags}", check=check))
+                        f"perf {test} -x 1 -F {flags}", check=check, pcap=pcap,
+                        timeout=300 if sizes else 120))
 
     if mtu4200:
         ping("rc", 8192, 20, "-m 4096 -c")
@@ -247,14 +279,16 @@ def cases(mtu4200=False):
     ping("rc", 4096, 50, "-c")
     ping("rc", 5000, 20, "-e")
     ping("ud", 1024, 50, "-c")
-    perf("write-bw", 65536, 20)
-    perf("write-bw", 5000, 50)
+    perf("write-bw", 65536, 20, pcap=True)
+    perf("write-bw", 5000, 50, "-q 2 --report_gbits")
     perf("write-bw", 1048576, 5)
-    perf("read-bw", 4096, 50)
+    perf("write-bw", None, 5, "-a", sizes=[1 << i for i in range(1, 24)])
+    perf("read-bw", 4096, 50, pcap=True)
     perf("read-bw", 1000000, 5)
-    perf("send-bw", 65536, 20)
+    perf("send-bw", 65536, 20, pcap=True)
     perf("send-bw", 3000, 50)
-    perf("atomic-bw", None, 100)
+    perf("send-bw", 1048576, 5)
+    perf("atomic-bw", None, 100, pcap=True)
     perf("atomic-bw", None, 100, "-A CMP_AND_SWAP")
     perf("write-lat", 64, 100)
     perf("write-lat", 3000, 20)
@@ -269,6 +303,9 @@ def run_case(guest, case, port, tool_is_server, keep_going=True):
     """Runs one case in one role; returns None or what failed."""
     job = re.sub(r"[^A-Za-z0-9]+", "_", case.name) + ("_tsrv" if tool_is_server else "_tcli")
     ours = [str(REPO / "target/release/softrdma")] + case.ours.split() + ["-p", str(port)]
+    pcap = Path(guest.share) / f"{job}.pcap"
+    if case.pcap:
+        ours += ["--pcap", str(pcap)]
     tool = f"{case.tool} -p {port}"
     if tool_is_server:
         # Mark when the tool listens, so that the host client does not race it.
@@ -302,6 +339,8 @@ def run_case(guest, case, port, tool_is_server, keep_going=True):
         err = case.check(text, role)
         if err:
             problems.append(f"{who}: {err}")
+    if case.pcap and not problems:
+        problems += check_pcap(pcap)
     if problems:
         return "; ".join(problems) + f"\n--- tool:\n{tout}\n--- softrdma:\n{host.stdout}{host.stderr}"
     return None

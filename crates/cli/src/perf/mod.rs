@@ -882,10 +882,11 @@ fn bw_client(s: &Setup, size: u64) -> Result<Report, String> {
     };
     Ok(Report {
         size,
+        // perftest's rows count the iterations of all QPs.
         iters: if cfg.duration.is_some() {
             msgs
         } else {
-            cfg.iters
+            cfg.iters * q as u64
         },
         bw_peak: if cfg.duration.is_some() {
             0.0
@@ -976,7 +977,7 @@ fn send_bw_server(s: &Setup, size: u64) -> Result<Report, String> {
     let msgs = n * q as u64;
     Ok(Report {
         size,
-        iters: n,
+        iters: msgs,
         bw_peak: 0.0,
         bw_avg: bw_unit((msgs * size) as f64 / secs, cfg.gbits),
         msg_rate: msgs as f64 / secs / 1e6,
