@@ -547,3 +547,46 @@ fn perf_refuses_bad_flags_as_perftest_does() {
         .unwrap();
     assert_eq!(o.status.code(), Some(2));
 }
+
+#[test]
+fn perf_duration_mode_and_ud_and_bidirectional_between_two_processes() {
+    for (k, args) in [
+        vec!["write-bw", "-D", "1", "-s", "4096"],
+        vec!["send-bw", "-c", "UD", "-s", "1000", "-n", "50", "--verify"],
+        vec!["send-lat", "-c", "UD", "-s", "100", "-n", "50"],
+        vec!["write-bw", "-b", "-s", "3000", "-n", "50", "--verify"],
+        vec!["send-bw", "-b", "-s", "3000", "-n", "50", "--verify"],
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let tcp = (19350 + k).to_string();
+        let (s, c) = tool_pair(&["perf"], &args, &args, "127.0.1.41", "127.0.1.42", &tcp);
+        for (who, o) in [("server", &s), ("client", &c)] {
+            assert!(
+                o.status.success(),
+                "{args:?} {who}: {}{}",
+                stdout(o),
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+        let rows = perf_rows(&c);
+        assert_eq!(rows.len(), 1, "{args:?}: {}", stdout(&c));
+        assert!(
+            rows[0][1] > 0.0 && rows[0][3] > 0.0,
+            "{args:?}: {:?}",
+            rows[0]
+        );
+        if args.contains(&"-b") {
+            // Both sides print the same summed figures, and both checked.
+            assert_eq!(perf_rows(&s), rows, "{args:?}");
+            assert!(stdout(&s).contains("Bidirectional BW Test"));
+        }
+        if args.contains(&"--verify") {
+            assert!(
+                stdout(&s).contains("Payload check (--verify): OK"),
+                "{args:?}"
+            );
+        }
+    }
+}

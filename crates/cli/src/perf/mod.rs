@@ -9,6 +9,7 @@ mod report;
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddrV4, TcpListener, TcpStream};
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use softrdma::cm::{self, ConnInfo, RcOptions};
@@ -123,7 +124,7 @@ pub struct PerfArgs {
     /// Atomic type: FETCH_AND_ADD (default) or CMP_AND_SWAP.
     #[arg(short = 'A', long = "atomic_type")]
     pub atomic: Option<String>,
-    /// Connection type (RC).
+    /// Connection type: RC, or UD for the SEND tests.
     #[arg(short = 'c', long = "connection", default_value = "RC")]
     pub conn: String,
     /// Report bandwidth in Gb/s instead of MB/s.
@@ -132,7 +133,7 @@ pub struct PerfArgs {
     /// Accepted for perftest compatibility (no CPU frequency check here).
     #[arg(short = 'F', long = "CPU-freq")]
     pub cpu_freq: bool,
-    /// Bidirectional traffic (not supported yet).
+    /// Bidirectional: both sides send (BW tests).
     #[arg(short = 'b', long = "bidirectional")]
     pub bidir: bool,
     /// Sleep on completion events (softrdma always waits blocking; accepted).
@@ -184,22 +185,25 @@ struct Config {
     cas: bool,
     gbits: bool,
     verify: bool,
+    duplex: bool,
+    ud: bool,
 }
 
 fn config(a: &PerfArgs) -> Result<Config, String> {
     let t = a.test;
     let verb = t.verb();
-    if a.conn != "RC" {
-        return Err(format!(
-            "-c {}: softrdma perf runs RC only so far (perftest also has UC, UD, XRC, DC)",
-            a.conn
-        ));
-    }
-    if a.bidir {
-        if t.is_lat() {
-            return Err(" Bidirectional is only available in BW test".into());
+    let ud = match a.conn.as_str() {
+        "RC" => false,
+        "UD" if verb == Verb::Send => true,
+        "UD" => return Err(" UD connection only possible in SEND tests".into()),
+        other => {
+            return Err(format!(
+                "-c {other}: softrdma perf runs RC and UD (perftest also has UC, XRC, DC)"
+            ));
         }
-        return Err("-b: bidirectional runs are not supported yet".into());
+    };
+    if a.bidir && t.is_lat() {
+        return Err(" Bidirectional is only available in BW test".into());
     }
     if a.qps == 0 || (t.is_lat() && a.qps > 1) {
         return Err(" Multiple QPs only available on bw tests".into());
@@ -300,6 +304,8 @@ fn config(a: &PerfArgs) -> Result<Config, String> {
         cas,
         gbits: a.gbits,
         verify: a.verify,
+        duplex: a.bidir,
+        ud,
     })
 }
 
@@ -328,9 +334,21 @@ struct Setup {
     cycle: usize,
     cache_line: usize,
     rem: Vec<Key>,
+    /// UD: the address handle of each QP's peer.
+    ahs: Vec<Ah>,
 }
 
+/// UD receive buffers start with the 40-byte GRH area.
+const GRH: usize = 40;
+/// perftest's Q_Key.
+const QKEY: u32 = 0x1111_1111;
+
 impl Setup {
+    /// Bytes a message takes in a receive buffer (with the GRH area on UD).
+    fn span(&self, size: u64) -> u64 {
+        if self.cfg.ud { size + GRH as u64 } else { size }
+    }
+
     /// Address step between messages (perftest's INC), if messages step.
     fn step(&self, size: u64, k: u64) -> usize {
         let size = size as usize;
@@ -357,7 +375,7 @@ fn pattern(offset: usize) -> u8 {
 }
 
 fn run_inner(a: &PerfArgs) -> Result<(), String> {
-    let cfg = config(a)?;
+    let mut cfg = config(a)?;
     let verb = cfg.test.verb();
     let peer_ip = match &a.host {
         Some(h) => Some(crate::ping::resolve_v4(h, a.port)?),
@@ -397,10 +415,19 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
     let (cycle, cache_line, mtu_enum) = oob.preamble(PAGE, CACHE_LINE, mtu_enum(mtu))?;
     let mtu = enum_mtu(mtu_enum);
     let (cycle, cache_line) = (cycle as usize, cache_line as usize);
+    if cfg.ud && cfg.sizes.iter().any(|&z| z > mtu.bytes() as u64) {
+        println!(
+            " Max msg size in UD is MTU {}\n Changing to this MTU",
+            mtu.bytes()
+        );
+        for z in &mut cfg.sizes {
+            *z = (*z).min(mtu.bytes() as u64);
+        }
+    }
     print_header(&cfg, a, chosen.name.as_deref().unwrap_or("softrdma"), mtu);
 
     // perftest's buffer: per QP a source area, then per QP a target area.
-    let max_size = *cfg.sizes.iter().max().expect("a size") as usize;
+    let max_size = *cfg.sizes.iter().max().expect("a size") as usize + if cfg.ud { GRH } else { 0 };
     let half = max_size.max(cycle).div_ceil(cache_line) * cache_line;
     let access = match verb {
         Verb::Write => Access::LOCAL_WRITE | Access::REMOTE_WRITE,
@@ -422,8 +449,13 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
     let mut qps = Vec::new();
     let mut mine = Vec::new();
     for i in 0..cfg.qps {
+        let init = if cfg.ud {
+            QpInit::ud(&scq, &rcq)
+        } else {
+            QpInit::rc(&scq, &rcq)
+        };
         let qp = pd
-            .create_qp(&QpInit::rc(&scq, &rcq).caps(QpCaps {
+            .create_qp(&init.caps(QpCaps {
                 max_send_wr: cfg.tx_depth,
                 max_recv_wr: cfg.rx_depth,
                 max_send_sge: 1,
@@ -446,7 +478,8 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
     for k in &mine {
         print_addr("local", k, verb);
     }
-    let connect = |rem: &[Key]| -> Result<(), String> {
+    let connect = |rem: &[Key]| -> Result<Vec<Ah>, String> {
+        let mut ahs = Vec::new();
         for (i, qp) in qps.iter().enumerate() {
             let r = &rem[i];
             if r.gid[..12] != [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff] {
@@ -455,6 +488,16 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
                 );
             }
             let ip = Ipv4Addr::new(r.gid[12], r.gid[13], r.gid[14], r.gid[15]);
+            if cfg.ud {
+                ud_connect(qp, mine[i].psn)?;
+                ahs.push(
+                    pd.create_ah(AhAttr {
+                        addr: SocketAddrV4::new(ip, 4791),
+                    })
+                    .map_err(|e| e.to_string())?,
+                );
+                continue;
+            }
             let local = ConnInfo {
                 addr: ctx.local_addr(),
                 qpn: mine[i].qpn,
@@ -484,38 +527,38 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
             };
             cm::connect(qp, &local, &remote, &opts).map_err(|e| e.to_string())?;
         }
-        Ok(())
+        Ok(ahs)
     };
     let keys_round =
         |oob: &mut Oob| -> Result<Vec<Key>, String> { mine.iter().map(|k| oob.key(k)).collect() };
     // The handshakes before traffic, in each test's order.
-    let rem = match cfg.test {
+    let (rem, ahs) = match cfg.test {
         Test::WriteBw | Test::ReadBw | Test::AtomicBw => {
             let r = keys_round(&mut oob)?;
-            connect(&r)?;
+            let ahs = connect(&r)?;
             let r = keys_round(&mut oob)?;
             oob.key(&mine[0])?;
-            r
+            (r, ahs)
         }
         Test::SendBw => {
             let r = keys_round(&mut oob)?;
-            connect(&r)?;
+            let ahs = connect(&r)?;
             oob.key(&mine[0])?;
-            keys_round(&mut oob)?
+            (keys_round(&mut oob)?, ahs)
         }
         Test::WriteLat | Test::ReadLat | Test::AtomicLat => {
             oob.key(&mine[0])?;
             let r = keys_round(&mut oob)?;
-            connect(&r)?;
+            let ahs = connect(&r)?;
             let r = keys_round(&mut oob)?;
             oob.key(&mine[0])?;
-            r
+            (r, ahs)
         }
         Test::SendLat => {
             let r = keys_round(&mut oob)?;
-            connect(&r)?;
+            let ahs = connect(&r)?;
             oob.key(&mine[0])?;
-            keys_round(&mut oob)?
+            (keys_round(&mut oob)?, ahs)
         }
     };
     for k in &rem {
@@ -531,9 +574,60 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
         cycle,
         cache_line,
         rem,
+        ahs,
     };
     let my0 = mine[0];
     match (cfg.test, cfg.client) {
+        (Test::WriteBw | Test::ReadBw | Test::AtomicBw | Test::SendBw, client) if cfg.duplex => {
+            println!("{RESULT_LINE}\n{}", bw_header(cfg.gbits));
+            for &size in &cfg.sizes {
+                if verb == Verb::Send {
+                    post_recvs(&s, size, cfg.rx_depth as u64)?;
+                }
+                oob.key(&my0)?;
+                let ours = if verb == Verb::Send {
+                    // Both send and receive; the server sends once the client's
+                    // first message is in.
+                    let first_rx = AtomicBool::new(false);
+                    std::thread::scope(|sc| {
+                        let rx = sc.spawn(|| send_bw_server(&s, size, Some(&first_rx)));
+                        let deadline = Instant::now() + Duration::from_secs(60);
+                        while !client && !first_rx.load(Ordering::Acquire) {
+                            if Instant::now() > deadline || rx.is_finished() {
+                                break;
+                            }
+                            std::thread::sleep(Duration::from_micros(50));
+                        }
+                        let sent = bw_client(&s, size);
+                        let got = rx.join().expect("the receiving thread");
+                        got.and(sent)
+                    })?
+                } else {
+                    bw_client(&s, size)?
+                };
+                if cfg.sizes.len() > 1 {
+                    oob.key(&my0)?;
+                }
+                let theirs = oob.report(&ours)?;
+                print_bw(
+                    &Report {
+                        bw_peak: ours.bw_peak + theirs.bw_peak,
+                        bw_avg: ours.bw_avg + theirs.bw_avg,
+                        msg_rate: ours.msg_rate + theirs.msg_rate,
+                        ..ours
+                    },
+                    cfg.gbits,
+                );
+            }
+            println!("{RESULT_LINE}");
+            if cfg.verify {
+                match verb {
+                    Verb::Read => check_read(&s)?,
+                    _ => check_target(&s, verb)?,
+                }
+            }
+            oob.close(&my0)
+        }
         (Test::WriteBw | Test::ReadBw | Test::AtomicBw, true) => {
             println!("{RESULT_LINE}\n{}", bw_header(cfg.gbits));
             let mut last = Report::default();
@@ -573,7 +667,7 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
                 let r = if client {
                     bw_client(&s, size)?
                 } else {
-                    send_bw_server(&s, size)?
+                    send_bw_server(&s, size, None)?
                 };
                 print_bw(&r, cfg.gbits);
                 if cfg.sizes.len() > 1 {
@@ -624,6 +718,31 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
             oob.close(&my0)
         }
     }
+}
+
+/// A UD QP from RESET to RTS with perftest's Q_Key.
+fn ud_connect(qp: &Qp, psn: u32) -> Result<(), String> {
+    for attr in [
+        QpAttr {
+            state: Some(QpState::Init),
+            pkey_index: Some(0),
+            port: Some(1),
+            qkey: Some(QKEY),
+            ..QpAttr::default()
+        },
+        QpAttr {
+            state: Some(QpState::Rtr),
+            ..QpAttr::default()
+        },
+        QpAttr {
+            state: Some(QpState::Rts),
+            sq_psn: Some(psn),
+            ..QpAttr::default()
+        },
+    ] {
+        qp.modify(&attr, None).map_err(|e| e.to_string())?;
+    }
+    Ok(())
 }
 
 fn mtu_enum(m: Mtu) -> u8 {
@@ -679,18 +798,25 @@ fn print_header(cfg: &Config, a: &PerfArgs, dev: &str, mtu: Mtu) {
         (Verb::Atomic, false) => "FETCH_AND_ADD ",
         _ => "",
     };
-    let kind = if cfg.test.is_lat() { "Latency" } else { "BW" };
+    let kind = match (cfg.test.is_lat(), cfg.duplex) {
+        (true, _) => "Latency",
+        (false, true) => "Bidirectional BW",
+        (false, false) => "BW",
+    };
     println!("{RESULT_LINE}");
     println!("                    {name} {atomic}{kind} Test");
     println!(" Dual-port       : OFF\t\tDevice         : {dev}");
     println!(" Number of qps   : {}\t\tTransport type : IB", cfg.qps);
-    println!(" Connection type : RC\t\tUsing SRQ      : OFF");
+    println!(
+        " Connection type : {}\t\tUsing SRQ      : OFF",
+        if cfg.ud { "UD" } else { "RC" }
+    );
     println!(" PCIe relax order: OFF");
     println!(" ibv_wr* API     : OFF");
-    if cfg.client {
+    if cfg.client || cfg.duplex {
         println!(" TX depth        : {}", cfg.tx_depth);
     }
-    if verb == Verb::Send && !cfg.client {
+    if verb == Verb::Send && (!cfg.client || cfg.duplex) {
         println!(" RX depth        : {}", cfg.rx_depth);
     }
     if !cfg.test.is_lat() {
@@ -765,7 +891,7 @@ fn reap(cq: &Cq, out: &mut Vec<WorkCompletion>) -> Result<(), String> {
 }
 
 fn send_op(s: &Setup, i: usize, size: u64, k: u64, signaled: bool) -> SendWr {
-    let step = s.step(size, k);
+    let step = s.step(s.span(size), k);
     let sge = s.mr.sge(s.local(i) + step, size as u32);
     let remote_addr = s.rem[i].vaddr + step as u64;
     let rkey = s.rem[i].rkey;
@@ -787,6 +913,9 @@ fn send_op(s: &Setup, i: usize, size: u64, k: u64, signaled: bool) -> SendWr {
     };
     let wr_id = ((i as u64) << 40) | k;
     let mut wr = SendWr::new(wr_id, op, vec![sge]);
+    if let Some(ah) = s.ahs.get(i) {
+        wr = wr.to(ah.dest(s.rem[i].qpn, QKEY));
+    }
     if size <= u64::from(s.cfg.inline) && matches!(s.cfg.test.verb(), Verb::Write | Verb::Send) {
         let mut data = vec![0u8; size as usize];
         if s.mr.read(s.local(i) + step, &mut data).is_ok() {
@@ -809,6 +938,7 @@ fn bw_client(s: &Setup, size: u64) -> Result<Report, String> {
     let cq_mod = u64::from(cfg.cq_mod);
     let mut scnt = vec![0u64; q];
     let mut ccnt = vec![0u64; q];
+    let mut last_signaled: Vec<Option<u64>> = vec![None; q];
     // Post time of the first WR of each signaled window, per QP.
     let mut window_start: Vec<Vec<Instant>> = vec![Vec::new(); q];
     // Completed windows: post time of their first WR, completion, WRs.
@@ -826,10 +956,26 @@ fn bw_client(s: &Setup, size: u64) -> Result<Report, String> {
     loop {
         let now = Instant::now();
         let posting = !stop_posting(now);
+        if !posting {
+            // The duration is over: one more signaled WR per QP makes the
+            // unsignaled ones before it complete (RC completes in order).
+            for i in 0..q {
+                if scnt[i] > ccnt[i] && last_signaled[i] != Some(scnt[i] - 1) {
+                    s.qps[i]
+                        .post_send(send_op(s, i, size, scnt[i], true))
+                        .map_err(|e| e.to_string())?;
+                    last_signaled[i] = Some(scnt[i]);
+                    scnt[i] += 1;
+                }
+            }
+        }
         for i in 0..q {
             while posting && scnt[i] < n && scnt[i] - ccnt[i] < u64::from(cfg.tx_depth) {
                 let k = scnt[i];
                 let signaled = k % cq_mod == cq_mod - 1 || k == n - 1;
+                if signaled {
+                    last_signaled[i] = Some(k);
+                }
                 if k.is_multiple_of(cq_mod) && cfg.duration.is_none() {
                     window_start[i].push(Instant::now());
                 }
@@ -925,10 +1071,14 @@ fn peak_rate(windows: &[(Instant, Instant, u64)], size: u64) -> f64 {
 fn post_recvs_at(s: &Setup, size: u64, count: u64, same_place: bool) -> Result<(), String> {
     for (i, qp) in s.qps.iter().enumerate() {
         for k in 0..count {
-            let step = if same_place { 0 } else { s.step(size, k) };
+            let step = if same_place {
+                0
+            } else {
+                s.step(s.span(size), k)
+            };
             qp.post_recv(RecvWr {
                 wr_id: ((i as u64) << 40) | k,
-                sgl: vec![s.mr.sge(s.target(i) + step, size as u32)],
+                sgl: vec![s.mr.sge(s.target(i) + step, s.span(size) as u32)],
             })
             .map_err(|e| e.to_string())?;
         }
@@ -941,7 +1091,7 @@ fn post_recvs(s: &Setup, size: u64, count: u64) -> Result<(), String> {
 }
 
 /// The send_bw server: counts the messages, from the first to the last.
-fn send_bw_server(s: &Setup, size: u64) -> Result<Report, String> {
+fn send_bw_server(s: &Setup, size: u64, first_rx: Option<&AtomicBool>) -> Result<Report, String> {
     let cfg = &s.cfg;
     let q = cfg.qps;
     let n = cfg.iters;
@@ -954,6 +1104,9 @@ fn send_bw_server(s: &Setup, size: u64) -> Result<Report, String> {
         reap(&s.rcq, &mut wcs)?;
         let now = Instant::now();
         first.get_or_insert(now);
+        if let Some(f) = first_rx {
+            f.store(true, Ordering::Release);
+        }
         last = now;
         for wc in &wcs {
             if wc.status != WcStatus::Success {
@@ -966,7 +1119,9 @@ fn send_bw_server(s: &Setup, size: u64) -> Result<Report, String> {
                 s.qps[i]
                     .post_recv(RecvWr {
                         wr_id: ((i as u64) << 40) | k,
-                        sgl: vec![s.mr.sge(s.target(i) + s.step(size, k), size as u32)],
+                        sgl: vec![
+                            s.mr.sge(s.target(i) + s.step(s.span(size), k), s.span(size) as u32),
+                        ],
                     })
                     .map_err(|e| e.to_string())?;
                 posted[i] += 1;
@@ -1080,7 +1235,7 @@ fn send_lat(s: &Setup, size: u64) -> Result<Vec<Instant>, String> {
                 s.qps[0]
                     .post_recv(RecvWr {
                         wr_id: rcnt,
-                        sgl: vec![s.mr.sge(s.target(0), size as u32)],
+                        sgl: vec![s.mr.sge(s.target(0), s.span(size) as u32)],
                     })
                     .map_err(|e| e.to_string())?;
             }
@@ -1107,7 +1262,7 @@ fn send_lat(s: &Setup, size: u64) -> Result<Vec<Instant>, String> {
 /// The slots a test's messages landed in (offsets within an area).
 fn slots(s: &Setup, size: u64) -> Vec<usize> {
     let count = s.cfg.iters.min((s.cycle / 64) as u64 + 1);
-    let mut v: Vec<usize> = (0..count).map(|k| s.step(size, k)).collect();
+    let mut v: Vec<usize> = (0..count).map(|k| s.step(s.span(size), k)).collect();
     v.sort_unstable();
     v.dedup();
     v
@@ -1133,9 +1288,10 @@ fn check_target(s: &Setup, verb: Verb) -> Result<(), String> {
             }
             continue;
         }
+        let grh = if s.cfg.ud { GRH } else { 0 };
         for o in slots(s, size) {
             let got =
-                s.mr.read_vec(base + o, size as usize)
+                s.mr.read_vec(base + o + grh, size as usize)
                     .map_err(|e| e.to_string())?;
             if let Some(j) = (0..got.len()).find(|&j| got[j] != pattern(o + j)) {
                 return Err(format!(
