@@ -219,6 +219,19 @@ def check_pcap(pcap):
     return problems
 
 
+def lat_duration_result(out, sizes):
+    """A latency table in duration mode (-D): bytes, iterations, t_avg, tps."""
+    rows = perf_rows(out)
+    if "tps average" not in out:
+        return "no duration-mode latency table"
+    if [int(r[0]) for r in rows] != sizes:
+        return f"rows for sizes {[int(r[0]) for r in rows]}, expected {sizes}"
+    for r in rows:
+        if r[1] <= 0 or r[2] <= 0 or r[3] <= 0:
+            return f"a zero figure: {r}"
+    return None
+
+
 # ---------------------------------------------------------------- cases
 
 class Case:
@@ -261,6 +274,8 @@ def cases(mtu4200=False):
                 # perftest's READ/atomic latency server prints no table.
                 return None if "Waiting for client" in out or "address" in out else "no output"
             want = sizes or [size]
+            if test.endswith("lat") and iters is None:
+                return lat_duration_result(out, want)
             if test.endswith("lat"):
                 return lat_result(out, want, iters)
             if role == "server" and test != "send-bw":
@@ -295,6 +310,10 @@ def cases(mtu4200=False):
     perf("atomic-bw", None, 100, "-A CMP_AND_SWAP")
     perf("write-bw", 8192, None, "-D 2")
     perf("read-bw", 4096, None, "-D 2")
+    perf("send-bw", 4096, None, "-D 2")
+    perf("write-lat", 64, None, "-D 2")
+    perf("read-lat", 64, None, "-D 2")
+    perf("send-lat", 64, None, "-D 2")
     perf("write-bw", 8192, 20, "-b")
     perf("read-bw", 3000, 20, "-b")
     perf("send-bw", 4096, 20, "-b")

@@ -50,6 +50,12 @@ pub fn bw_unit(bytes_per_sec: f64, gbits: bool) -> f64 {
 
 pub const LAT_HEADER: &str = " #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec] ";
 
+pub const LAT_DURATION_HEADER: &str = " #bytes        #iterations       t_avg[usec]    tps average";
+
+pub fn lat_duration_row(size: u64, iters: u64, avg: f64, tps: f64) -> String {
+    format!(" {size:<7}       {iters}            {avg:<7.2}        {tps:<7.2}")
+}
+
 /// Latency statistics from the times between consecutive posts.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LatStats {
