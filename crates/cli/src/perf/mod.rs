@@ -711,7 +711,9 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
                 print_lat(size, cfg.iters, &posted, true, clock)?;
             }
             println!("{RESULT_LINE}");
-            // write_lat ends without a closing exchange.
+            // write_lat ends without a closing exchange: stay up until the
+            // peer leaves, to acknowledge its last WRITE.
+            oob.linger(Duration::from_secs(10));
             Ok(())
         }
         (Test::SendLat, _) => {

@@ -186,6 +186,17 @@ impl Oob {
         })
     }
 
+    /// Waits (at most `limit`) for the peer to close the connection: for
+    /// write-lat, which ends without a closing exchange, so that this side's
+    /// QP stays up to acknowledge the peer's last WRITE.
+    pub fn linger(mut self, limit: std::time::Duration) {
+        // Half-close first: a softrdma peer lingering too sees the end.
+        let _ = self.stream.shutdown(std::net::Shutdown::Write);
+        let _ = self.stream.set_read_timeout(Some(limit));
+        let mut buf = [0u8; 64];
+        while matches!(self.stream.read(&mut buf), Ok(n) if n > 0) {}
+    }
+
     /// perftest's close: a last key handshake, then "done" (which nobody
     /// reads: the peer may already have closed, so errors after the
     /// handshake are not failures).
