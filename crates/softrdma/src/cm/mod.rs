@@ -9,7 +9,10 @@
 //!
 //! `addr` is the device's IPv4 address and UDP port (how a peer learns a port
 //! other than 4791); `rkey`, `va` and `len` advertise one memory region (zero
-//! when none). Interop with rdma-core's own exchanges comes with the interop work.
+//! when none). rdma-core's and perftest's own exchanges live with the tools
+//! (`softrdma ping`, `softrdma perf`); [`mpa`] is iWARP's establishment.
+
+pub mod mpa;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddrV4, TcpStream};
