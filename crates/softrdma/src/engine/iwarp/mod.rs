@@ -1,0 +1,1015 @@
+//! The iWARP transport: RDMAP (RFC 5040) over DDP (RFC 5041) over MPA
+//! (RFC 5044), sans-I/O. TCP does the reliability, so there are no PSNs,
+//! ACKs or timers: the work is segmentation, placement and error semantics.
+//!
+//! Transmit: [`IwarpQp::poll_transmit`] writes an FPDU's MPA length field and
+//! DDP/RDMAP headers into a buffer and names the region pieces that carry its
+//! payload; the provider sends them with gather I/O and appends pad and CRC.
+//!
+//! Receive is two steps so that payload lands straight in the region: the
+//! provider reads an FPDU's length and DDP header and calls
+//! [`IwarpQp::accept_header`], which checks STag, bounds, rights, queue and
+//! sequence and answers where the payload goes ([`Placement`]); the provider
+//! reads the payload there, checks the CRC and calls
+//! [`IwarpQp::segment_done`].
+//!
+//! Completions: a SEND or WRITE completes when its last FPDU is handed to the
+//! provider (as siw's do when written to the socket), a READ when its last
+//! response segment is placed, a receive at the last segment of its message.
+//! Completions come in posting order.
+//!
+//! Errors: a bad STag, bounds, rights, a SEND with no receive posted (iWARP
+//! has no RNR), or a malformed segment make this side send a Terminate, go to
+//! ERROR and flush; a Terminate from the peer, a CRC error or a lost
+//! connection do the same without a Terminate.
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::VecDeque;
+
+use softrdma_wire::ddp::{self, QN_READ_REQUEST, QN_SEND, QN_TERMINATE};
+use softrdma_wire::rdmap::{
+    self, CopiedDdpHeader, Layer, Opcode, ReadRequest, ReadRequestRepr, TermControl, TermEncoding,
+    TerminateRepr,
+};
+
+use super::rc::QpCaps;
+use super::{
+    CqKind, PostError, QpEvent, RecvWr, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
+    check_post_recv, push_pieces,
+};
+use crate::engine::qp::QpState;
+use crate::memory::{Access, AccessError, MrTable, PdId, Segment};
+
+/// Largest header [`IwarpQp::poll_transmit`] writes: MPA length, untagged DDP
+/// header, a Read Request, or a Terminate body with copied headers.
+pub const MAX_HEADER_LEN: usize = 2 + ddp::UNTAGGED_HEADER_LEN + 4 + 2 + 18 + 28;
+
+/// What the connection agreed (MPA) and what the provider's stream allows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IwarpConfig {
+    /// Largest ULPDU (DDP segment) to send: siw keeps FPDUs within the MSS.
+    pub max_ulpdu: usize,
+    /// Inbound READs served at once.
+    pub ird: u16,
+    /// Outbound READs outstanding at once.
+    pub ord: u16,
+    /// How to lay out the Terminates this side sends.
+    pub terminate_encoding: TermEncoding,
+}
+
+impl Default for IwarpConfig {
+    /// siw's: ULPDU 1442 (an FPDU in a 1448-byte segment), IRD = ORD = 1.
+    fn default() -> Self {
+        IwarpConfig {
+            max_ulpdu: 1442,
+            ird: 1,
+            ord: 1,
+            terminate_encoding: TermEncoding::Rfc,
+        }
+    }
+}
+
+/// One FPDU handed to the provider: `header_len` bytes of the buffer (MPA
+/// length field first), then `payload_len` bytes of region pieces; the
+/// provider adds [`softrdma_wire::mpa::pad_len`] pad bytes and the CRC field.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Transmit {
+    /// Bytes of the buffer to send first.
+    pub header_len: usize,
+    /// Bytes of the pieces after them.
+    pub payload_len: usize,
+    /// The ULPDU length (the MPA length field's value).
+    pub ulpdu_len: usize,
+}
+
+/// Where an inbound segment's payload goes.
+#[derive(Debug)]
+pub enum Placement {
+    /// Straight into these region pieces, in order (they add up to the
+    /// payload length).
+    Data(Vec<Segment>),
+    /// Into a buffer the provider hands back to `segment_done` (Read
+    /// Requests and Terminates: small control messages).
+    Control,
+    /// Read and drop (the segment failed; a Terminate is on its way).
+    Discard,
+}
+
+/// Counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IwarpStats {
+    /// FPDUs sent.
+    pub fpdus_sent: u64,
+    /// FPDUs received.
+    pub fpdus_received: u64,
+    /// Terminates sent.
+    pub terminates_sent: u64,
+    /// Terminates received.
+    pub terminates_received: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Rts,
+    /// A Terminate is queued or sent; nothing else goes out.
+    Error,
+}
+
+/// A WQE whose completion is due in posting order.
+#[derive(Debug)]
+struct Pending {
+    wr_id: u64,
+    opcode: WcOpcode,
+    signaled: bool,
+    byte_len: u32,
+    done: Option<WcStatus>,
+    /// Sequence number (to find it again).
+    seq: u64,
+}
+
+/// A WQE being transmitted.
+#[derive(Debug)]
+struct SqEntry {
+    wr: SendWr,
+    seq: u64,
+    /// Payload bytes handed out so far.
+    sent: usize,
+    /// Total payload bytes.
+    len: usize,
+    /// Resolved local pieces (on first transmit).
+    segs: Option<Vec<Segment>>,
+    /// MSN of this message on its queue (untagged).
+    msn: u32,
+}
+
+/// A READ this side asked for.
+#[derive(Debug)]
+struct OutRead {
+    seq: u64,
+    sink_stag: u32,
+    sink_to: u64,
+    segs: Vec<Segment>,
+    len: usize,
+    got: usize,
+}
+
+/// A READ the peer asked for, being answered.
+#[derive(Debug)]
+struct InRead {
+    sink_stag: u32,
+    sink_to: u64,
+    src: Segment,
+    sent: usize,
+}
+
+/// A receive WQE.
+#[derive(Debug)]
+struct RqEntry {
+    wr: RecvWr,
+    /// Resolved when its message starts.
+    segs: Option<Vec<Segment>>,
+    len: usize,
+}
+
+/// What the current inbound segment is, between `accept_header` and
+/// `segment_done`.
+#[derive(Debug, Clone, Copy)]
+enum RxSeg {
+    Write,
+    ReadResponse {
+        last: bool,
+        len: usize,
+    },
+    Send {
+        last: bool,
+        end: usize,
+        solicited: bool,
+        invalidate: Option<u32>,
+    },
+    ReadRequest,
+    Terminate,
+    Failed,
+}
+
+/// An iWARP QP's transport.
+#[derive(Debug)]
+pub struct IwarpQp {
+    qpn: u32,
+    pd: PdId,
+    caps: QpCaps,
+    cfg: IwarpConfig,
+    state: State,
+    next_seq: u64,
+    pending: VecDeque<Pending>,
+    sq: VecDeque<SqEntry>,
+    reads_out: VecDeque<OutRead>,
+    irq: VecDeque<InRead>,
+    rq: VecDeque<RqEntry>,
+    /// Next MSN to send on the SEND queue and the READ queue.
+    send_msn: u32,
+    read_msn: u32,
+    /// Next MSN expected on each untagged queue.
+    recv_send_msn: u32,
+    recv_read_msn: u32,
+    rx: Option<RxSeg>,
+    /// Payload length of the current inbound segment.
+    rx_payload_len: usize,
+    /// Terminate to send (body), and the header of the segment that caused it.
+    terminate: Option<TerminateRepr>,
+    terminate_sent: bool,
+    completions: VecDeque<(CqKind, WorkCompletion)>,
+    events: VecDeque<QpEvent>,
+    /// The Terminate the peer sent, if any.
+    peer_terminate: Option<TerminateRepr>,
+    /// STags invalidated by SEND with invalidate (the provider applies them).
+    invalidated: VecDeque<u32>,
+    stats: IwarpStats,
+}
+
+fn local_error(e: &AccessError) -> WcStatus {
+    match e {
+        AccessError::OutOfBounds { .. } => WcStatus::LocLenErr,
+        _ => WcStatus::LocProtErr,
+    }
+}
+
+impl IwarpQp {
+    /// A QP in RTS on an established connection.
+    pub fn new(qpn: u32, pd: PdId, caps: QpCaps, cfg: IwarpConfig) -> IwarpQp {
+        IwarpQp {
+            qpn,
+            pd,
+            caps,
+            cfg: IwarpConfig {
+                max_ulpdu: cfg.max_ulpdu.clamp(64, 65535 - 8),
+                ..cfg
+            },
+            state: State::Rts,
+            next_seq: 0,
+            pending: VecDeque::new(),
+            sq: VecDeque::new(),
+            reads_out: VecDeque::new(),
+            irq: VecDeque::new(),
+            rq: VecDeque::new(),
+            send_msn: 1,
+            read_msn: 1,
+            recv_send_msn: 1,
+            recv_read_msn: 1,
+            rx: None,
+            rx_payload_len: 0,
+            terminate: None,
+            terminate_sent: false,
+            completions: VecDeque::new(),
+            events: VecDeque::new(),
+            peer_terminate: None,
+            invalidated: VecDeque::new(),
+            stats: IwarpStats::default(),
+        }
+    }
+
+    /// QP number.
+    pub fn qpn(&self) -> u32 {
+        self.qpn
+    }
+
+    /// RTS, or ERROR after a failure.
+    pub fn state(&self) -> QpState {
+        match self.state {
+            State::Rts => QpState::Rts,
+            State::Error => QpState::Err,
+        }
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> IwarpStats {
+        self.stats
+    }
+
+    /// The Terminate the peer sent, if one came.
+    pub fn peer_terminate(&self) -> Option<&TerminateRepr> {
+        self.peer_terminate.as_ref()
+    }
+
+    /// The Terminate this side sent (or is sending), if any.
+    pub fn own_terminate(&self) -> Option<&TerminateRepr> {
+        self.terminate.as_ref()
+    }
+
+    /// STags the peer invalidated with SEND with invalidate, for the
+    /// provider to apply to its MR table.
+    pub fn poll_invalidated(&mut self) -> Option<u32> {
+        self.invalidated.pop_front()
+    }
+
+    /// Posts a send WR.
+    pub fn post_send(&mut self, wr: SendWr) -> Result<(), PostError> {
+        if self.state != State::Rts {
+            return Err(PostError::BadState(QpState::Err));
+        }
+        match wr.op {
+            SendOp::Send | SendOp::Write { .. } | SendOp::Read { .. } => {}
+            SendOp::SendWithImm(_) | SendOp::WriteWithImm { .. } => {
+                return Err(PostError::Unsupported(
+                    "iWARP has no immediate data (RDMAP carries none)",
+                ));
+            }
+            SendOp::CompareSwap { .. } | SendOp::FetchAdd { .. } => {
+                return Err(PostError::Unsupported(
+                    "iWARP (RFC 5040) has no atomic operations",
+                ));
+            }
+        }
+        if wr.sgl.len() > self.caps.max_send_sge as usize {
+            return Err(PostError::TooManySges {
+                given: wr.sgl.len(),
+                max: self.caps.max_send_sge,
+            });
+        }
+        if self.sq.len() + self.reads_out.len() >= self.caps.max_send_wr as usize {
+            return Err(PostError::QueueFull(self.caps.max_send_wr));
+        }
+        let len = if wr.flags.inline {
+            wr.inline_data.len()
+        } else {
+            wr.sgl.iter().map(|s| s.len as usize).sum()
+        };
+        if len > u32::MAX as usize / 2 {
+            return Err(PostError::TooLong(len as u64));
+        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.pending.push_back(Pending {
+            wr_id: wr.wr_id,
+            opcode: wr.op.wc_opcode(),
+            signaled: wr.flags.signaled,
+            byte_len: len as u32,
+            done: None,
+            seq,
+        });
+        self.sq.push_back(SqEntry {
+            wr,
+            seq,
+            sent: 0,
+            len,
+            segs: None,
+            msn: 0,
+        });
+        Ok(())
+    }
+
+    /// Posts a receive WR.
+    pub fn post_recv(&mut self, wr: RecvWr) -> Result<(), PostError> {
+        let state = self.state();
+        if state == QpState::Err {
+            return Err(PostError::BadState(state));
+        }
+        check_post_recv(&wr, false, state, self.rq.len(), &self.caps)?;
+        let len = wr.sgl.iter().map(|s| s.len as usize).sum();
+        self.rq.push_back(RqEntry {
+            wr,
+            segs: None,
+            len,
+        });
+        Ok(())
+    }
+
+    fn complete(&mut self, seq: u64, status: WcStatus) {
+        if let Some(p) = self.pending.iter_mut().find(|p| p.seq == seq) {
+            p.done = Some(status);
+        }
+        while let Some(p) = self.pending.front() {
+            let Some(status) = p.done else { break };
+            let p = self.pending.pop_front().expect("front");
+            if p.signaled || status != WcStatus::Success {
+                let mut wc = WorkCompletion::new(p.wr_id, status, p.opcode, self.qpn);
+                wc.byte_len = if status == WcStatus::Success {
+                    p.byte_len
+                } else {
+                    0
+                };
+                self.completions.push_back((CqKind::Send, wc));
+            }
+        }
+    }
+
+    /// Next completion.
+    pub fn poll_completion(&mut self) -> Option<(CqKind, WorkCompletion)> {
+        self.completions.pop_front()
+    }
+
+    /// Next asynchronous event.
+    pub fn poll_event(&mut self) -> Option<QpEvent> {
+        self.events.pop_front()
+    }
+
+    /// The QP fails: `head` (a send WQE) completes with `status`, everything
+    /// else is flushed.
+    fn fail(&mut self, head_status: Option<WcStatus>) {
+        if self.state == State::Error && self.pending.iter().all(|p| p.done.is_some()) {
+            return;
+        }
+        self.state = State::Error;
+        // The oldest unreported WQE takes the error; everything after it is
+        // flushed, even what already went out (completions stay in order).
+        let mut first = head_status;
+        for p in &mut self.pending {
+            p.done = Some(first.take().unwrap_or(WcStatus::WrFlushErr));
+        }
+        if let Some(seq) = self.pending.front().map(|p| p.seq) {
+            self.complete(seq, self.pending[0].done.expect("just set"));
+        }
+        self.sq.clear();
+        self.reads_out.clear();
+        self.irq.clear();
+        while let Some(r) = self.rq.pop_front() {
+            let wc =
+                WorkCompletion::new(r.wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.qpn);
+            self.completions.push_back((CqKind::Recv, wc));
+        }
+        self.events.push_back(QpEvent::Fatal);
+    }
+
+    /// Queues a Terminate for the segment whose DDP header is `hdr` and fails.
+    fn terminate(&mut self, layer: Layer, etype: u8, code: u8, hdr: &[u8], head: Option<WcStatus>) {
+        if self.terminate.is_none() && self.state == State::Rts {
+            let copied = CopiedDdpHeader::from_bytes(hdr).ok();
+            self.terminate = Some(TerminateRepr {
+                encoding: self.cfg.terminate_encoding,
+                control: TermControl {
+                    layer,
+                    etype,
+                    code,
+                    m: copied.is_some(),
+                    d: copied.is_some(),
+                    r: false,
+                },
+                ddp_segment_length: copied
+                    .is_some()
+                    .then_some((hdr.len() + self.rx_payload_len).min(usize::from(u16::MAX)) as u16),
+                ddp_header: copied,
+                rdma_header: None,
+            });
+        }
+        self.fail(head);
+    }
+
+    /// The connection is gone (closed, reset, or a CRC error): fail and flush.
+    pub fn connection_lost(&mut self) {
+        self.fail(None);
+    }
+
+    /// Whether the QP has something to send.
+    pub fn wants_transmit(&self) -> bool {
+        match self.state {
+            State::Error => self.terminate.is_some() && !self.terminate_sent,
+            State::Rts => !self.irq.is_empty() || self.sq_ready(),
+        }
+    }
+
+    fn sq_ready(&self) -> bool {
+        match self.sq.front() {
+            None => false,
+            Some(e) => match e.wr.op {
+                SendOp::Read { .. } => self.reads_out.len() < usize::from(self.cfg.ord.max(1)),
+                // A fenced WQE waits for the READs before it.
+                _ => !e.wr.flags.fence || self.reads_out.is_empty(),
+            },
+        }
+    }
+
+    /// The next FPDU to send, if any (see [`Transmit`]). `buf` needs
+    /// [`MAX_HEADER_LEN`] bytes.
+    pub fn poll_transmit(
+        &mut self,
+        mrs: &MrTable,
+        buf: &mut [u8],
+        pieces: &mut Vec<Segment>,
+    ) -> Option<Transmit> {
+        pieces.clear();
+        if self.state == State::Error {
+            if self.terminate_sent {
+                return None;
+            }
+            let t = self.terminate?;
+            self.terminate_sent = true;
+            self.stats.terminates_sent += 1;
+            return Some(self.emit_terminate(&t, buf));
+        }
+        if let Some(t) = self.transmit_read_response(buf, pieces) {
+            return Some(t);
+        }
+        if !self.sq_ready() {
+            return None;
+        }
+        self.transmit_sq(mrs, buf, pieces)
+    }
+
+    fn untagged_header(
+        buf: &mut [u8],
+        op: Opcode,
+        qn: u32,
+        msn: u32,
+        mo: u32,
+        last: bool,
+        inv: u32,
+    ) {
+        let r = ddp::Repr {
+            last,
+            rsvd_ulp: op.control_byte(),
+            placement: ddp::Placement::Untagged {
+                rsvd_ulp_word: inv,
+                queue: qn,
+                msn,
+                offset: mo,
+            },
+        };
+        r.emit(&mut ddp::Segment::new_unchecked(
+            &mut buf[2..2 + ddp::UNTAGGED_HEADER_LEN],
+        ));
+    }
+
+    fn tagged_header(buf: &mut [u8], op: Opcode, stag: u32, to: u64, last: bool) {
+        let r = ddp::Repr {
+            last,
+            rsvd_ulp: op.control_byte(),
+            placement: ddp::Placement::Tagged { stag, offset: to },
+        };
+        r.emit(&mut ddp::Segment::new_unchecked(
+            &mut buf[2..2 + ddp::TAGGED_HEADER_LEN],
+        ));
+    }
+
+    fn finish(&mut self, buf: &mut [u8], header_len: usize, payload_len: usize) -> Transmit {
+        let ulpdu_len = header_len - 2 + payload_len;
+        buf[..2].copy_from_slice(&(ulpdu_len as u16).to_be_bytes());
+        self.stats.fpdus_sent += 1;
+        Transmit {
+            header_len,
+            payload_len,
+            ulpdu_len,
+        }
+    }
+
+    fn emit_terminate(&mut self, t: &TerminateRepr, buf: &mut [u8]) -> Transmit {
+        let msn = 1;
+        Self::untagged_header(buf, Opcode::Terminate, QN_TERMINATE, msn, 0, true, 0);
+        let at = 2 + ddp::UNTAGGED_HEADER_LEN;
+        let n = t.emit(&mut buf[at..]).unwrap_or(0);
+        self.finish(buf, at + n, 0)
+    }
+
+    fn transmit_read_response(
+        &mut self,
+        buf: &mut [u8],
+        pieces: &mut Vec<Segment>,
+    ) -> Option<Transmit> {
+        let room = self.cfg.max_ulpdu - ddp::TAGGED_HEADER_LEN;
+        let r = self.irq.front_mut()?;
+        let n = (r.src.len() - r.sent).min(room);
+        let last = r.sent + n == r.src.len();
+        let to = r.sink_to.wrapping_add(r.sent as u64);
+        if n > 0 {
+            pieces.push(r.src.slice(r.sent, n).expect("inside the source"));
+        }
+        let stag = r.sink_stag;
+        r.sent += n;
+        if last {
+            self.irq.pop_front();
+        }
+        Self::tagged_header(buf, Opcode::ReadResponse, stag, to, last);
+        Some(self.finish(buf, 2 + ddp::TAGGED_HEADER_LEN, n))
+    }
+
+    fn transmit_sq(
+        &mut self,
+        mrs: &MrTable,
+        buf: &mut [u8],
+        pieces: &mut Vec<Segment>,
+    ) -> Option<Transmit> {
+        let pd = self.pd;
+        let e = self.sq.front_mut()?;
+        if e.segs.is_none() && !e.wr.flags.inline {
+            // Resolve the local buffers once, when the WQE starts.
+            let need = match e.wr.op {
+                SendOp::Read { .. } => Access::LOCAL_WRITE,
+                _ => Access::NONE,
+            };
+            let mut segs = Vec::with_capacity(e.wr.sgl.len());
+            for s in &e.wr.sgl {
+                match mrs.local(pd, s.lkey, s.addr, s.len, need) {
+                    Ok(seg) => segs.push(seg),
+                    Err(err) => {
+                        let status = local_error(&err);
+                        let seq = e.seq;
+                        self.sq.pop_front();
+                        self.complete(seq, status);
+                        // A local error ends the stream, as in siw.
+                        self.fail(None);
+                        return None;
+                    }
+                }
+            }
+            e.segs = Some(segs);
+            match e.wr.op {
+                SendOp::Read { .. } => {
+                    e.msn = self.read_msn;
+                    self.read_msn = self.read_msn.wrapping_add(1);
+                }
+                SendOp::Send => {
+                    e.msn = self.send_msn;
+                    self.send_msn = self.send_msn.wrapping_add(1);
+                }
+                _ => {}
+            }
+        } else if e.wr.flags.inline && e.segs.is_none() {
+            e.segs = Some(Vec::new());
+            if let SendOp::Send = e.wr.op {
+                e.msn = self.send_msn;
+                self.send_msn = self.send_msn.wrapping_add(1);
+            }
+        }
+        let e = self.sq.front_mut().expect("front");
+        match e.wr.op {
+            SendOp::Read { remote_addr, rkey } => {
+                let e = self.sq.pop_front().expect("front");
+                let segs = e.segs.unwrap_or_default();
+                let (sink_stag, sink_to) = e.wr.sgl.first().map_or((0, 0), |s| (s.lkey, s.addr));
+                Self::untagged_header(buf, Opcode::ReadRequest, QN_READ_REQUEST, e.msn, 0, true, 0);
+                let at = 2 + ddp::UNTAGGED_HEADER_LEN;
+                ReadRequestRepr {
+                    sink_stag,
+                    sink_offset: sink_to,
+                    size: e.len as u32,
+                    source_stag: rkey,
+                    source_offset: remote_addr,
+                }
+                .emit(&mut ReadRequest::new_unchecked(
+                    &mut buf[at..at + rdmap::READ_REQUEST_LEN],
+                ));
+                self.reads_out.push_back(OutRead {
+                    seq: e.seq,
+                    sink_stag,
+                    sink_to,
+                    segs,
+                    len: e.len,
+                    got: 0,
+                });
+                Some(self.finish(buf, at + rdmap::READ_REQUEST_LEN, 0))
+            }
+            SendOp::Write { remote_addr, rkey } => {
+                let room = self.cfg.max_ulpdu - ddp::TAGGED_HEADER_LEN;
+                let n = (e.len - e.sent).min(room);
+                let last = e.sent + n == e.len;
+                let at = 2 + ddp::TAGGED_HEADER_LEN;
+                Self::take_payload(e, n, buf, at, pieces);
+                Self::tagged_header(
+                    buf,
+                    Opcode::Write,
+                    rkey,
+                    remote_addr.wrapping_add(e.sent as u64),
+                    last,
+                );
+                e.sent += n;
+                let inline = if e.wr.flags.inline { n } else { 0 };
+                self.after_segment(last);
+                Some(self.finish(buf, at + inline, n - inline))
+            }
+            _ => {
+                let room = self.cfg.max_ulpdu - ddp::UNTAGGED_HEADER_LEN;
+                let n = (e.len - e.sent).min(room);
+                let last = e.sent + n == e.len;
+                let op = if e.wr.flags.solicited {
+                    Opcode::SendSe
+                } else {
+                    Opcode::Send
+                };
+                let at = 2 + ddp::UNTAGGED_HEADER_LEN;
+                Self::take_payload(e, n, buf, at, pieces);
+                Self::untagged_header(buf, op, QN_SEND, e.msn, e.sent as u32, last, 0);
+                e.sent += n;
+                let inline = if e.wr.flags.inline { n } else { 0 };
+                self.after_segment(last);
+                Some(self.finish(buf, at + inline, n - inline))
+            }
+        }
+    }
+
+    /// The payload of the next segment: region pieces, or inline bytes copied
+    /// after the header.
+    fn take_payload(e: &SqEntry, n: usize, buf: &mut [u8], at: usize, pieces: &mut Vec<Segment>) {
+        if e.wr.flags.inline {
+            buf[at..at + n].copy_from_slice(&e.wr.inline_data[e.sent..e.sent + n]);
+        } else if let Some(segs) = &e.segs {
+            push_pieces(segs, e.sent, n, pieces);
+        }
+    }
+
+    fn after_segment(&mut self, last: bool) {
+        if last {
+            let e = self.sq.pop_front().expect("front");
+            self.complete(e.seq, WcStatus::Success);
+        }
+    }
+
+    /// The DDP header (14 bytes tagged, 18 untagged, from the start of the
+    /// ULPDU) of the next inbound segment, whose payload (everything after
+    /// the DDP header) is `payload_len` bytes: where it goes.
+    pub fn accept_header(&mut self, hdr: &[u8], payload_len: usize, mrs: &MrTable) -> Placement {
+        self.stats.fpdus_received += 1;
+        self.rx = Some(RxSeg::Failed);
+        self.rx_payload_len = payload_len;
+        if self.state != State::Rts {
+            return Placement::Discard;
+        }
+        let Ok(seg) = ddp::Segment::new_checked(hdr) else {
+            self.terminate(Layer::Llp, 0, 0x02, &[], None);
+            return Placement::Discard;
+        };
+        let Ok(d) = ddp::Repr::parse(&seg) else {
+            // Bad DDP version (the only parse failure of a whole header).
+            let etype = if seg.tagged() { 1 } else { 2 };
+            self.terminate(
+                Layer::Ddp,
+                etype,
+                if seg.tagged() { 0x04 } else { 0x06 },
+                hdr,
+                None,
+            );
+            return Placement::Discard;
+        };
+        if d.rsvd_ulp >> 6 != rdmap::VERSION {
+            self.terminate(Layer::Rdmap, 2, 0x05, hdr, None);
+            return Placement::Discard;
+        }
+        let op = match Opcode::from_code(d.rsvd_ulp & 0x0f) {
+            Ok(op) if op.tagged() == d.tagged() => op,
+            _ => {
+                self.terminate(Layer::Rdmap, 2, 0x06, hdr, None);
+                return Placement::Discard;
+            }
+        };
+        match (op, d.placement) {
+            (Opcode::Write, ddp::Placement::Tagged { stag, offset }) => {
+                match mrs.remote(
+                    self.pd,
+                    stag,
+                    offset,
+                    payload_len as u64,
+                    Access::REMOTE_WRITE,
+                ) {
+                    Ok(s) => {
+                        self.rx = Some(RxSeg::Write);
+                        Placement::Data(vec![s])
+                    }
+                    Err(e) => {
+                        let (layer, etype, code) = tagged_error(&e);
+                        self.terminate(layer, etype, code, hdr, None);
+                        Placement::Discard
+                    }
+                }
+            }
+            (Opcode::ReadResponse, ddp::Placement::Tagged { stag, offset }) => {
+                let Some(r) = self.reads_out.front() else {
+                    self.terminate(Layer::Rdmap, 2, 0x06, hdr, None);
+                    return Placement::Discard;
+                };
+                let off = offset.wrapping_sub(r.sink_to) as usize;
+                if stag != r.sink_stag || off != r.got || off + payload_len > r.len {
+                    self.terminate(Layer::Ddp, 1, 0x01, hdr, None);
+                    return Placement::Discard;
+                }
+                let mut pieces = Vec::new();
+                push_pieces(&r.segs, off, payload_len, &mut pieces);
+                self.rx = Some(RxSeg::ReadResponse {
+                    last: d.last,
+                    len: payload_len,
+                });
+                Placement::Data(pieces)
+            }
+            (
+                Opcode::Send | Opcode::SendSe | Opcode::SendInvalidate | Opcode::SendSeInvalidate,
+                ddp::Placement::Untagged {
+                    rsvd_ulp_word,
+                    queue,
+                    msn,
+                    offset: message_offset,
+                },
+            ) => {
+                if queue != QN_SEND {
+                    self.terminate(Layer::Ddp, 2, 0x01, hdr, None);
+                    return Placement::Discard;
+                }
+                if msn != self.recv_send_msn {
+                    self.terminate(Layer::Ddp, 2, 0x03, hdr, None);
+                    return Placement::Discard;
+                }
+                let pd = self.pd;
+                let Some(r) = self.rq.front_mut() else {
+                    // No receive posted: iWARP has no RNR; the stream ends.
+                    self.terminate(Layer::Ddp, 2, 0x02, hdr, None);
+                    return Placement::Discard;
+                };
+                if r.segs.is_none() {
+                    let mut segs = Vec::new();
+                    for s in &r.wr.sgl {
+                        match mrs.local(pd, s.lkey, s.addr, s.len, Access::LOCAL_WRITE) {
+                            Ok(seg) => segs.push(seg),
+                            Err(_) => {
+                                let r = self.rq.pop_front().expect("front");
+                                let wc = WorkCompletion::new(
+                                    r.wr.wr_id,
+                                    WcStatus::LocProtErr,
+                                    WcOpcode::Recv,
+                                    self.qpn,
+                                );
+                                self.completions.push_back((CqKind::Recv, wc));
+                                self.terminate(Layer::Rdmap, 2, 0x07, hdr, None);
+                                return Placement::Discard;
+                            }
+                        }
+                    }
+                    r.segs = Some(segs);
+                }
+                let end = message_offset as usize + payload_len;
+                if end > r.len {
+                    let r = self.rq.pop_front().expect("front");
+                    let wc = WorkCompletion::new(
+                        r.wr.wr_id,
+                        WcStatus::LocLenErr,
+                        WcOpcode::Recv,
+                        self.qpn,
+                    );
+                    self.completions.push_back((CqKind::Recv, wc));
+                    self.terminate(Layer::Ddp, 2, 0x05, hdr, None);
+                    return Placement::Discard;
+                }
+                let mut pieces = Vec::new();
+                push_pieces(
+                    r.segs.as_deref().unwrap_or(&[]),
+                    message_offset as usize,
+                    payload_len,
+                    &mut pieces,
+                );
+                let invalidate = matches!(op, Opcode::SendInvalidate | Opcode::SendSeInvalidate)
+                    .then_some(rsvd_ulp_word);
+                self.rx = Some(RxSeg::Send {
+                    last: d.last,
+                    end,
+                    solicited: matches!(op, Opcode::SendSe | Opcode::SendSeInvalidate),
+                    invalidate,
+                });
+                Placement::Data(pieces)
+            }
+            (Opcode::ReadRequest, ddp::Placement::Untagged { queue, msn, .. }) => {
+                if queue != QN_READ_REQUEST || msn != self.recv_read_msn {
+                    self.terminate(
+                        Layer::Ddp,
+                        2,
+                        if queue != QN_READ_REQUEST { 0x01 } else { 0x03 },
+                        hdr,
+                        None,
+                    );
+                    return Placement::Discard;
+                }
+                if payload_len != rdmap::READ_REQUEST_LEN {
+                    self.terminate(Layer::Rdmap, 2, 0x06, hdr, None);
+                    return Placement::Discard;
+                }
+                self.rx = Some(RxSeg::ReadRequest);
+                Placement::Control
+            }
+            (Opcode::Terminate, _) => {
+                self.rx = Some(RxSeg::Terminate);
+                Placement::Control
+            }
+            _ => {
+                self.terminate(Layer::Rdmap, 2, 0x06, hdr, None);
+                Placement::Discard
+            }
+        }
+    }
+
+    /// The current segment's payload is in place (or, for
+    /// [`Placement::Control`], in `control`); `crc_ok` says whether the MPA
+    /// CRC held (true when CRC is off).
+    pub fn segment_done(&mut self, control: &[u8], crc_ok: bool, mrs: &MrTable) {
+        let seg = self.rx.take().unwrap_or(RxSeg::Failed);
+        if !crc_ok {
+            // RFC 5044: a CRC error ends the connection.
+            self.terminate(Layer::Llp, 0, 0x02, &[], None);
+            return;
+        }
+        if self.state != State::Rts {
+            return;
+        }
+        match seg {
+            RxSeg::Failed | RxSeg::Write => {}
+            RxSeg::ReadResponse { last, len } => {
+                let r = self.reads_out.front_mut().expect("checked at the header");
+                r.got += len;
+                if last {
+                    let r = self.reads_out.pop_front().expect("front");
+                    if r.got == r.len {
+                        self.complete(r.seq, WcStatus::Success);
+                    } else {
+                        self.terminate(Layer::Ddp, 1, 0x01, &[], Some(WcStatus::BadRespErr));
+                    }
+                }
+            }
+            RxSeg::Send {
+                last,
+                end,
+                solicited,
+                invalidate,
+            } => {
+                if last {
+                    let r = self.rq.pop_front().expect("checked at the header");
+                    self.recv_send_msn = self.recv_send_msn.wrapping_add(1);
+                    let mut wc = WorkCompletion::new(
+                        r.wr.wr_id,
+                        WcStatus::Success,
+                        WcOpcode::Recv,
+                        self.qpn,
+                    );
+                    wc.byte_len = end as u32;
+                    wc.solicited = solicited;
+                    self.completions.push_back((CqKind::Recv, wc));
+                    if let Some(stag) = invalidate {
+                        self.invalidated.push_back(stag);
+                    }
+                }
+            }
+            RxSeg::ReadRequest => {
+                self.recv_read_msn = self.recv_read_msn.wrapping_add(1);
+                let req = ReadRequest::new_checked(control)
+                    .ok()
+                    .and_then(|v| ReadRequestRepr::parse(&v).ok());
+                let Some(req) = req else {
+                    self.terminate(Layer::Rdmap, 2, 0x06, &[], None);
+                    return;
+                };
+                if self.irq.len() >= usize::from(self.cfg.ird.max(1)) {
+                    // More READs than this side's IRD.
+                    self.terminate(Layer::Rdmap, 2, 0x07, &[], None);
+                    return;
+                }
+                match mrs.remote(
+                    self.pd,
+                    req.source_stag,
+                    req.source_offset,
+                    u64::from(req.size),
+                    Access::REMOTE_READ,
+                ) {
+                    Ok(src) => self.irq.push_back(InRead {
+                        sink_stag: req.sink_stag,
+                        sink_to: req.sink_offset,
+                        src,
+                        sent: 0,
+                    }),
+                    Err(e) => {
+                        let (layer, etype, code) = tagged_error(&e);
+                        // The Read Request's header goes with the Terminate.
+                        self.terminate(layer, etype, code, &[], None);
+                        if let Some(t) = &mut self.terminate {
+                            t.control.r = true;
+                            t.rdma_header = Some(req);
+                        }
+                    }
+                }
+            }
+            RxSeg::Terminate => {
+                self.stats.terminates_received += 1;
+                let t = TerminateRepr::parse(control).ok();
+                let status = t
+                    .as_ref()
+                    .map_or(WcStatus::RemOpErr, |t| terminate_status(&t.control));
+                self.peer_terminate = t;
+                // The WQE the peer failed on is the oldest not yet done.
+                self.fail(Some(status));
+            }
+        }
+    }
+}
+
+/// The Terminate a failed remote access earns: an unknown STag is DDP's
+/// "invalid STag", the rest RDMAP remote protection errors.
+fn tagged_error(e: &AccessError) -> (Layer, u8, u8) {
+    match e {
+        AccessError::UnknownKey(_) | AccessError::WrongKeyKind(_) => (Layer::Ddp, 1, 0x00),
+        AccessError::OutOfBounds { .. } => (Layer::Rdmap, 1, 0x01),
+        AccessError::NotPermitted { .. } => (Layer::Rdmap, 1, 0x02),
+        AccessError::WrongPd { .. } => (Layer::Rdmap, 1, 0x03),
+        AccessError::Unaligned(_) => (Layer::Rdmap, 1, 0x01),
+    }
+}
+
+/// The completion status of the WQE a peer's Terminate failed.
+fn terminate_status(c: &TermControl) -> WcStatus {
+    match (c.layer, c.etype) {
+        (Layer::Rdmap, 1) | (Layer::Ddp, 1) => WcStatus::RemAccessErr,
+        (Layer::Rdmap, 2) if matches!(c.code, 0x05 | 0x06) => WcStatus::RemInvReqErr,
+        _ => WcStatus::RemOpErr,
+    }
+}

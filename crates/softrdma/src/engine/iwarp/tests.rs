@@ -1,0 +1,604 @@
+//! Two iWARP QPs joined by an in-memory byte stream, framed and parsed the
+//! way the TCP provider does (MPA length, DDP header, placement, pad, CRC).
+
+use std::sync::Arc;
+
+use softrdma_wire::ddp;
+use softrdma_wire::mpa::{self, Crc32c};
+use softrdma_wire::rdmap::{Layer, TermEncoding};
+
+use super::*;
+use crate::engine::Sge;
+use crate::memory::{Region, RegionMemory};
+
+const MEM: usize = 1 << 20;
+const LKEY: [u32; 2] = [0x1000_0001, 0x2000_0001];
+const RKEY: [u32; 2] = [0x1000_0002, 0x2000_0002];
+const IOVA: [u64; 2] = [0x10_0000_0000, 0x20_0000_0000];
+
+struct Side {
+    qp: IwarpQp,
+    mrs: MrTable,
+    mem: Arc<RegionMemory>,
+    wcs: Vec<(CqKind, WorkCompletion)>,
+}
+
+fn side(i: usize, access: Access, cfg: IwarpConfig) -> Side {
+    let mem = Arc::new(RegionMemory::zeroed(MEM).unwrap());
+    let mut mrs = MrTable::new();
+    mrs.insert(Region::new(1, (LKEY[i], RKEY[i]), mem.clone(), 0, MEM, IOVA[i], access).unwrap());
+    let caps = QpCaps {
+        max_send_wr: 64,
+        max_recv_wr: 64,
+        max_send_sge: 4,
+        max_recv_sge: 4,
+        max_inline_data: 256,
+    };
+    Side {
+        qp: IwarpQp::new(0x11 + i as u32, 1, caps, cfg),
+        mrs,
+        mem,
+        wcs: Vec::new(),
+    }
+}
+
+struct Pair {
+    s: [Side; 2],
+    crc: bool,
+    /// Bytes on the way from side i to the other.
+    wire: [Vec<u8>; 2],
+}
+
+fn sge(i: usize, off: u64, len: u32) -> Sge {
+    Sge {
+        addr: IOVA[i] + off,
+        len,
+        lkey: LKEY[i],
+    }
+}
+
+impl Pair {
+    fn new() -> Pair {
+        Pair::with(IwarpConfig::default(), Access::ALL, true)
+    }
+
+    fn with(cfg: IwarpConfig, access: Access, crc: bool) -> Pair {
+        Pair {
+            s: [side(0, access, cfg), side(1, access, cfg)],
+            crc,
+            wire: [Vec::new(), Vec::new()],
+        }
+    }
+
+    /// Side i's FPDUs onto the wire, as the provider frames them.
+    fn transmit(&mut self, i: usize) {
+        let mut buf = vec![0u8; MAX_HEADER_LEN + 512];
+        let mut pieces = Vec::new();
+        let s = &mut self.s[i];
+        while let Some(t) = s.qp.poll_transmit(&s.mrs, &mut buf, &mut pieces) {
+            let start = self.wire[i].len();
+            self.wire[i].extend_from_slice(&buf[..t.header_len]);
+            for p in &pieces {
+                let mut b = vec![0u8; p.len()];
+                p.read(0, &mut b);
+                self.wire[i].extend_from_slice(&b);
+            }
+            assert_eq!(self.wire[i].len() - start, 2 + t.ulpdu_len);
+            assert!(t.ulpdu_len <= s.qp.cfg.max_ulpdu);
+            self.wire[i].extend(std::iter::repeat_n(0, mpa::pad_len(t.ulpdu_len)));
+            let crc = if self.crc {
+                let mut c = Crc32c::default();
+                c.update(&self.wire[i][start..]);
+                c.finish()
+            } else {
+                0
+            };
+            self.wire[i].extend_from_slice(&crc.to_le_bytes());
+        }
+        while let Some(c) = s.qp.poll_completion() {
+            s.wcs.push(c);
+        }
+    }
+
+    /// The other side reads what side i sent, placing as it goes.
+    fn receive(&mut self, i: usize) {
+        let bytes = std::mem::take(&mut self.wire[i]);
+        let r = &mut self.s[1 - i];
+        let mut at = 0;
+        while at < bytes.len() {
+            let ulpdu_len = u16::from_be_bytes([bytes[at], bytes[at + 1]]) as usize;
+            let fpdu = &bytes[at..at + mpa::fpdu_len(ulpdu_len)];
+            let ulpdu = &fpdu[2..2 + ulpdu_len];
+            let hlen = if ulpdu[0] & 0x80 != 0 {
+                ddp::TAGGED_HEADER_LEN
+            } else {
+                ddp::UNTAGGED_HEADER_LEN
+            };
+            let payload = &ulpdu[hlen..];
+            let mut control = Vec::new();
+            match r.qp.accept_header(&ulpdu[..hlen], payload.len(), &r.mrs) {
+                Placement::Data(pieces) => {
+                    assert_eq!(pieces.iter().map(|p| p.len()).sum::<usize>(), payload.len());
+                    let mut off = 0;
+                    for p in pieces {
+                        p.write(0, &payload[off..off + p.len()]);
+                        off += p.len();
+                    }
+                }
+                Placement::Control => control = payload.to_vec(),
+                Placement::Discard => {}
+            }
+            let covered = &fpdu[..fpdu.len() - 4];
+            let sent = u32::from_le_bytes(fpdu[fpdu.len() - 4..].try_into().unwrap());
+            let crc_ok = !self.crc || {
+                let mut c = Crc32c::default();
+                c.update(covered);
+                c.finish() == sent
+            };
+            r.qp.segment_done(&control, crc_ok, &r.mrs);
+            at += fpdu.len();
+        }
+        while let Some(c) = r.qp.poll_completion() {
+            r.wcs.push(c);
+        }
+    }
+
+    /// Both ways until quiet.
+    fn run(&mut self) {
+        for _ in 0..64 {
+            self.transmit(0);
+            self.transmit(1);
+            if self.wire.iter().all(Vec::is_empty) {
+                return;
+            }
+            self.receive(0);
+            self.receive(1);
+        }
+        panic!("no quiet");
+    }
+
+    fn post(&mut self, i: usize, wr: SendWr) {
+        self.s[i].qp.post_send(wr).unwrap();
+    }
+
+    fn recv(&mut self, i: usize, wr_id: u64, sgl: Vec<Sge>) {
+        self.s[i].qp.post_recv(RecvWr { wr_id, sgl }).unwrap();
+    }
+
+    fn statuses(&self, i: usize, kind: CqKind) -> Vec<(u64, WcStatus)> {
+        self.s[i]
+            .wcs
+            .iter()
+            .filter(|(k, _)| *k == kind)
+            .map(|(_, w)| (w.wr_id, w.status))
+            .collect()
+    }
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31) ^ seed)
+        .collect()
+}
+
+#[test]
+fn send_spans_many_fpdus_and_lands_in_the_receive() {
+    for crc in [false, true] {
+        let mut p = Pair::with(IwarpConfig::default(), Access::ALL, crc);
+        let data = pattern(10_000, 1);
+        p.s[0].mem.write(0, &data);
+        p.recv(1, 7, vec![sge(1, 4096, 4000), sge(1, 65536, 8000)]);
+        p.post(
+            0,
+            SendWr::new(1, SendOp::Send, vec![sge(0, 0, 10_000)]).solicited(),
+        );
+        p.run();
+        assert_eq!(p.statuses(0, CqKind::Send), [(1, WcStatus::Success)]);
+        let wc = p.s[1].wcs[0].1;
+        assert_eq!(
+            (wc.wr_id, wc.status, wc.byte_len, wc.solicited),
+            (7, WcStatus::Success, 10_000, true)
+        );
+        let mut got = vec![0u8; 4000];
+        p.s[1].mem.read(4096, &mut got);
+        assert_eq!(got, data[..4000]);
+        let mut got = vec![0u8; 6000];
+        p.s[1].mem.read(65536, &mut got);
+        assert_eq!(got, data[4000..]);
+        // 1442-byte ULPDUs: 18 header + 1424 payload each.
+        assert_eq!(
+            p.s[0].qp.stats().fpdus_sent,
+            10_000usize.div_ceil(1424) as u64
+        );
+    }
+}
+
+#[test]
+fn write_and_read_place_at_the_tagged_offset() {
+    let mut p = Pair::new();
+    let data = pattern(70_000, 2);
+    p.s[0].mem.write(0, &data);
+    p.post(
+        0,
+        SendWr::new(
+            1,
+            SendOp::Write {
+                remote_addr: IOVA[1] + 100_000,
+                rkey: RKEY[1],
+            },
+            vec![sge(0, 0, 70_000)],
+        ),
+    );
+    // Read it back into another place, in two SGEs.
+    p.post(
+        0,
+        SendWr::new(
+            2,
+            SendOp::Read {
+                remote_addr: IOVA[1] + 100_000,
+                rkey: RKEY[1],
+            },
+            vec![sge(0, 200_000, 30_000), sge(0, 300_000, 40_000)],
+        ),
+    );
+    p.run();
+    assert_eq!(
+        p.statuses(0, CqKind::Send),
+        [(1, WcStatus::Success), (2, WcStatus::Success)]
+    );
+    let mut got = vec![0u8; 70_000];
+    p.s[1].mem.read(100_000, &mut got);
+    assert_eq!(got, data);
+    let mut a = vec![0u8; 30_000];
+    p.s[0].mem.read(200_000, &mut a);
+    let mut b = vec![0u8; 40_000];
+    p.s[0].mem.read(300_000, &mut b);
+    assert_eq!([a, b].concat(), data);
+    assert!(p.s[1].wcs.is_empty(), "one-sided: nothing at the target");
+}
+
+#[test]
+fn inline_and_zero_length_operations() {
+    let mut p = Pair::new();
+    p.recv(1, 1, vec![sge(1, 0, 64)]);
+    p.recv(1, 2, vec![]);
+    p.post(
+        0,
+        SendWr::new(1, SendOp::Send, vec![]).inline(b"inline bytes"),
+    );
+    p.post(0, SendWr::new(2, SendOp::Send, vec![]));
+    p.post(
+        0,
+        SendWr::new(
+            3,
+            SendOp::Write {
+                remote_addr: IOVA[1] + 512,
+                rkey: RKEY[1],
+            },
+            vec![],
+        )
+        .inline(b"written inline"),
+    );
+    p.post(
+        0,
+        SendWr::new(
+            4,
+            SendOp::Read {
+                remote_addr: IOVA[1],
+                rkey: RKEY[1],
+            },
+            vec![],
+        ),
+    );
+    p.run();
+    assert_eq!(p.statuses(0, CqKind::Send).len(), 4);
+    assert!(
+        p.statuses(0, CqKind::Send)
+            .iter()
+            .all(|s| s.1 == WcStatus::Success)
+    );
+    let lens: Vec<u32> = p.s[1].wcs.iter().map(|(_, w)| w.byte_len).collect();
+    assert_eq!(lens, [12, 0]);
+    let mut got = [0u8; 14];
+    p.s[1].mem.read(512, &mut got);
+    assert_eq!(&got, b"written inline");
+}
+
+#[test]
+fn atomics_and_immediate_data_are_refused_on_post() {
+    let mut p = Pair::new();
+    for op in [
+        SendOp::FetchAdd {
+            remote_addr: IOVA[1],
+            rkey: RKEY[1],
+            add: 1,
+        },
+        SendOp::SendWithImm(5),
+        SendOp::WriteWithImm {
+            remote_addr: IOVA[1],
+            rkey: RKEY[1],
+            imm: 5,
+        },
+    ] {
+        let e = p.s[0]
+            .qp
+            .post_send(SendWr::new(1, op, vec![sge(0, 0, 8)]))
+            .unwrap_err();
+        assert!(matches!(e, PostError::Unsupported(_)), "{e}");
+    }
+}
+
+#[test]
+fn a_bad_stag_terminates_and_both_sides_flush() {
+    for (stag, off, layer, etype, code) in [
+        (0xdead_beef, 0, Layer::Ddp, 1, 0x00),
+        (RKEY[1], MEM as u64 - 10, Layer::Rdmap, 1, 0x01),
+    ] {
+        let mut p = Pair::new();
+        p.recv(0, 50, vec![sge(0, 0, 64)]);
+        p.post(
+            0,
+            SendWr::new(
+                1,
+                SendOp::Write {
+                    remote_addr: IOVA[1] + off,
+                    rkey: stag,
+                },
+                vec![sge(0, 0, 100)],
+            ),
+        );
+        p.post(0, SendWr::new(2, SendOp::Send, vec![sge(0, 0, 8)]));
+        p.run();
+        // The target sent a Terminate with the DDP header of the segment.
+        let t = p.s[1].qp.own_terminate().expect("a Terminate");
+        assert_eq!(
+            (t.control.layer, t.control.etype, t.control.code),
+            (layer, etype, code)
+        );
+        let h = t
+            .ddp_header
+            .as_ref()
+            .expect("the failed header")
+            .parse()
+            .unwrap();
+        assert!(h.tagged());
+        let pt = p.s[0].qp.peer_terminate().expect("the Terminate arrived");
+        assert_eq!(pt.control, t.control);
+        // The WRITE already completed (sent); the SEND after it fails with the
+        // Terminate's status, the receive is flushed.
+        assert_eq!(
+            p.statuses(0, CqKind::Send),
+            [(1, WcStatus::Success), (2, WcStatus::Success)]
+        );
+        assert_eq!(p.statuses(0, CqKind::Recv), [(50, WcStatus::WrFlushErr)]);
+        assert_eq!(p.s[0].qp.state(), QpState::Err);
+        assert_eq!(p.s[1].qp.state(), QpState::Err);
+        assert!(
+            p.s[0]
+                .qp
+                .post_send(SendWr::new(3, SendOp::Send, vec![]))
+                .is_err()
+        );
+    }
+}
+
+#[test]
+fn a_bad_read_fails_the_read_with_rem_access_err() {
+    let mut p = Pair::with(
+        IwarpConfig::default(),
+        Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+        true,
+    );
+    p.post(
+        0,
+        SendWr::new(
+            1,
+            SendOp::Read {
+                remote_addr: IOVA[1],
+                rkey: RKEY[1],
+            },
+            vec![sge(0, 0, 100)],
+        ),
+    );
+    p.post(0, SendWr::new(2, SendOp::Send, vec![sge(0, 0, 8)]));
+    p.run();
+    let t = p.s[1].qp.own_terminate().unwrap();
+    assert_eq!(
+        (t.control.layer, t.control.etype, t.control.code),
+        (Layer::Rdmap, 1, 0x02)
+    );
+    assert!(
+        t.control.r && t.rdma_header.is_some(),
+        "the Read Request header goes along"
+    );
+    // The READ fails with the Terminate's status; the SEND behind it flushes
+    // (it went out, but completes in order after the READ).
+    assert_eq!(
+        p.statuses(0, CqKind::Send),
+        [(1, WcStatus::RemAccessErr), (2, WcStatus::WrFlushErr)]
+    );
+}
+
+#[test]
+fn a_send_without_a_receive_terminates_the_connection() {
+    let mut p = Pair::new();
+    p.post(0, SendWr::new(1, SendOp::Send, vec![sge(0, 0, 8)]));
+    p.run();
+    let t = p.s[1].qp.own_terminate().unwrap();
+    assert_eq!(
+        (t.control.layer, t.control.etype, t.control.code),
+        (Layer::Ddp, 2, 0x02)
+    );
+    assert_eq!(p.s[1].qp.state(), QpState::Err);
+}
+
+#[test]
+fn a_send_longer_than_the_receive_is_loc_len_err() {
+    let mut p = Pair::new();
+    p.recv(1, 9, vec![sge(1, 0, 100)]);
+    p.post(0, SendWr::new(1, SendOp::Send, vec![sge(0, 0, 3000)]));
+    p.run();
+    assert_eq!(p.statuses(1, CqKind::Recv), [(9, WcStatus::LocLenErr)]);
+    let t = p.s[1].qp.own_terminate().unwrap();
+    assert_eq!(
+        (t.control.layer, t.control.etype, t.control.code),
+        (Layer::Ddp, 2, 0x05)
+    );
+}
+
+#[test]
+fn a_crc_error_ends_the_connection() {
+    let mut p = Pair::new();
+    p.recv(1, 9, vec![sge(1, 0, 100)]);
+    p.post(0, SendWr::new(1, SendOp::Send, vec![sge(0, 0, 50)]));
+    p.transmit(0);
+    let n = p.wire[0].len();
+    p.wire[0][n - 10] ^= 0x40;
+    p.receive(0);
+    assert_eq!(p.s[1].qp.state(), QpState::Err);
+    assert_eq!(p.statuses(1, CqKind::Recv), [(9, WcStatus::WrFlushErr)]);
+}
+
+#[test]
+fn a_lost_connection_flushes_everything() {
+    let mut p = Pair::new();
+    p.recv(0, 5, vec![sge(0, 0, 8)]);
+    p.post(
+        0,
+        SendWr::new(
+            1,
+            SendOp::Read {
+                remote_addr: IOVA[1],
+                rkey: RKEY[1],
+            },
+            vec![sge(0, 0, 8)],
+        ),
+    );
+    p.transmit(0);
+    p.s[0].qp.connection_lost();
+    while let Some(c) = p.s[0].qp.poll_completion() {
+        p.s[0].wcs.push(c);
+    }
+    assert_eq!(p.statuses(0, CqKind::Send), [(1, WcStatus::WrFlushErr)]);
+    assert_eq!(p.statuses(0, CqKind::Recv), [(5, WcStatus::WrFlushErr)]);
+    assert_eq!(p.s[0].qp.poll_event(), Some(QpEvent::Fatal));
+}
+
+#[test]
+fn ord_limits_outstanding_reads_and_fence_waits_for_them() {
+    let cfg = IwarpConfig {
+        ord: 1,
+        ird: 1,
+        ..IwarpConfig::default()
+    };
+    let mut p = Pair::with(cfg, Access::ALL, false);
+    for k in 0..3 {
+        p.post(
+            0,
+            SendWr::new(
+                k,
+                SendOp::Read {
+                    remote_addr: IOVA[1],
+                    rkey: RKEY[1],
+                },
+                vec![sge(0, k * 64, 64)],
+            ),
+        );
+    }
+    // One Read Request goes out at a time.
+    let mut buf = vec![0u8; MAX_HEADER_LEN];
+    let mut pieces = Vec::new();
+    assert!(
+        p.s[0]
+            .qp
+            .poll_transmit(&p.s[0].mrs, &mut buf, &mut pieces)
+            .is_some()
+    );
+    assert!(
+        p.s[0]
+            .qp
+            .poll_transmit(&p.s[0].mrs, &mut buf, &mut pieces)
+            .is_none()
+    );
+    let mut p = Pair::with(cfg, Access::ALL, false);
+    for k in 0..3 {
+        p.post(
+            0,
+            SendWr::new(
+                k,
+                SendOp::Read {
+                    remote_addr: IOVA[1],
+                    rkey: RKEY[1],
+                },
+                vec![sge(0, k * 64, 64)],
+            ),
+        );
+    }
+    p.run();
+    assert_eq!(p.statuses(0, CqKind::Send).len(), 3);
+    assert!(
+        p.statuses(0, CqKind::Send)
+            .iter()
+            .all(|s| s.1 == WcStatus::Success)
+    );
+}
+
+#[test]
+fn the_peers_terminate_in_siws_layout_is_understood() {
+    let cfg = IwarpConfig {
+        terminate_encoding: TermEncoding::Siw,
+        ..IwarpConfig::default()
+    };
+    let mut p = Pair::with(cfg, Access::ALL, true);
+    p.post(
+        0,
+        SendWr::new(
+            1,
+            SendOp::Write {
+                remote_addr: IOVA[1],
+                rkey: 0x1234_5678,
+            },
+            vec![sge(0, 0, 10)],
+        ),
+    );
+    p.post(0, SendWr::new(2, SendOp::Send, vec![sge(0, 0, 8)]));
+    p.run();
+    let pt = p.s[0].qp.peer_terminate().unwrap();
+    assert_eq!(pt.encoding, TermEncoding::Siw);
+    assert_eq!((pt.control.layer, pt.control.etype), (Layer::Ddp, 1));
+    // Both went out before the Terminate came back; the QP is in error now.
+    assert_eq!(
+        p.statuses(0, CqKind::Send),
+        [(1, WcStatus::Success), (2, WcStatus::Success)]
+    );
+    assert_eq!(p.s[0].qp.state(), QpState::Err);
+}
+
+#[test]
+fn garbage_headers_terminate_instead_of_panicking() {
+    let mut p = Pair::new();
+    p.recv(1, 1, vec![sge(1, 0, 64)]);
+    // An untagged header naming queue 5, then a bad RDMAP version.
+    for hdr in [
+        [0x41u8, 0x43, 0, 0, 0, 0, 0, 0, 0, 5, 0, 0, 0, 1, 0, 0, 0, 0],
+        [0x41, 0x83, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0],
+    ] {
+        let mut q = Pair::new();
+        let r = &mut q.s[1];
+        assert!(matches!(
+            r.qp.accept_header(&hdr, 0, &r.mrs),
+            Placement::Discard
+        ));
+        r.qp.segment_done(&[], true, &r.mrs);
+        assert!(r.qp.own_terminate().is_some());
+        assert_eq!(r.qp.state(), QpState::Err);
+    }
+    // Short and empty headers too.
+    let r = &mut p.s[1];
+    assert!(matches!(
+        r.qp.accept_header(&[0x80], 0, &r.mrs),
+        Placement::Discard
+    ));
+    r.qp.segment_done(&[], true, &r.mrs);
+    assert_eq!(r.qp.state(), QpState::Err);
+}
