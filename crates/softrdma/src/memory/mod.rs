@@ -259,6 +259,20 @@ impl Segment {
     pub fn fetch_add(&self, add: u64) -> u64 {
         self.region.memory.fetch_add(self.offset, add)
     }
+    /// Reads from `fd` into the segment at `at`, at most `len` bytes (one
+    /// `read(2)`); returns how many came, 0 at end of stream.
+    ///
+    /// # Panics
+    /// If the range reaches past the segment.
+    pub fn read_from_fd(
+        &self,
+        at: usize,
+        len: usize,
+        fd: std::os::fd::BorrowedFd<'_>,
+    ) -> std::io::Result<usize> {
+        assert!(at + len <= self.len, "read past the segment");
+        self.region.memory.read_from_fd(self.offset + at, len, fd)
+    }
     /// The bytes of the segment for gather I/O.
     ///
     /// # Safety
@@ -297,11 +311,31 @@ impl MrTable {
         r
     }
 
+    /// Invalidates a remote key (iWARP SEND with invalidate): later remote
+    /// accesses with it fail; local use of the region goes on. Returns
+    /// whether `rkey` named a region's remote key.
+    pub fn invalidate_remote(&mut self, rkey: u32) -> bool {
+        match self.regions.get(&rkey) {
+            Some(r) if r.rkey == rkey && r.lkey != rkey => {
+                self.regions.remove(&rkey);
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Removes the region with this lkey; later accesses with its keys fail.
     pub fn remove(&mut self, lkey: u32) -> Option<Arc<Region>> {
         let r = self.regions.get(&lkey).filter(|r| r.lkey == lkey)?.clone();
         self.regions.remove(&r.lkey);
-        self.regions.remove(&r.rkey);
+        // The rkey may have been invalidated and handed to another region since.
+        if self
+            .regions
+            .get(&r.rkey)
+            .is_some_and(|o| Arc::ptr_eq(o, &r))
+        {
+            self.regions.remove(&r.rkey);
+        }
         Some(r)
     }
 

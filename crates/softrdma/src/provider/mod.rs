@@ -4,4 +4,5 @@
 pub mod hostd;
 pub mod netdev;
 mod pcap;
+pub mod tcp;
 pub mod udp;

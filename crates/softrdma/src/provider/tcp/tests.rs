@@ -1,0 +1,243 @@
+//! iWARP QPs over real loopback TCP: MPA establishment, then SEND, WRITE,
+//! READ with the payload placed straight from the socket, the Terminate of a
+//! bad STag, and a peer that vanishes mid-transfer.
+
+use std::net::{TcpListener, TcpStream};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use super::*;
+use crate::cm::mpa::{self as cm_mpa, Decision, MpaConfig};
+use crate::engine::iwarp::IwarpConfig;
+use crate::engine::rc::QpCaps;
+use crate::engine::{SendOp, Sge, WcStatus, WorkCompletion};
+use crate::memory::{Access, Region, RegionMemory};
+use crate::verbs::cq::Cq;
+
+const MEM: usize = 4 << 20;
+const T: Duration = Duration::from_secs(10);
+
+struct End {
+    qp: TcpQp,
+    mem: Arc<RegionMemory>,
+    mrs: Arc<RwLock<MrTable>>,
+    scq: Cq,
+    rcq: Cq,
+    lkey: u32,
+    rkey: u32,
+    iova: u64,
+}
+
+fn end(i: u32, stream: TcpStream, crc: bool) -> End {
+    let mem = Arc::new(RegionMemory::zeroed(MEM).unwrap());
+    let (lkey, rkey, iova) = (0x100 + i, 0x200 + i, 0x1000_0000 * u64::from(i + 1));
+    let mut t = MrTable::new();
+    t.insert(Region::new(1, (lkey, rkey), mem.clone(), 0, MEM, iova, Access::ALL).unwrap());
+    let mrs = Arc::new(RwLock::new(t));
+    let events = Arc::new(EventQueue::new().unwrap());
+    let scq = Cq::new(256, 1, Some(events.clone())).unwrap();
+    let rcq = Cq::new(256, 2, Some(events.clone())).unwrap();
+    let caps = QpCaps {
+        max_send_wr: 64,
+        max_recv_wr: 64,
+        max_send_sge: 4,
+        max_recv_sge: 4,
+        max_inline_data: 64,
+    };
+    let cfg = IwarpConfig {
+        max_ulpdu: max_ulpdu_for(&stream),
+        ird: 4,
+        ord: 4,
+        ..IwarpConfig::default()
+    };
+    let engine = IwarpQp::new(0x11 + i, 1, caps, cfg);
+    let qp = TcpQp::start(
+        stream,
+        engine,
+        mrs.clone(),
+        crc,
+        scq.inner.clone(),
+        rcq.inner.clone(),
+        events,
+    )
+    .unwrap();
+    End {
+        qp,
+        mem,
+        mrs,
+        scq,
+        rcq,
+        lkey,
+        rkey,
+        iova,
+    }
+}
+
+/// Two ends connected through MPA on loopback.
+fn pair(crc: bool) -> (End, End) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let at = l.local_addr().unwrap();
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let out = cm_mpa::accept(&mut s, &MpaConfig::default(), |_| Decision::Accept).unwrap();
+        (s, out)
+    });
+    let mut c = TcpStream::connect(at).unwrap();
+    let cfg = MpaConfig {
+        crc: if crc {
+            cm_mpa::CrcPolicy::Required
+        } else {
+            cm_mpa::CrcPolicy::IfAsked
+        },
+        ..MpaConfig::default()
+    };
+    let co = cm_mpa::connect(&mut c, &cfg).unwrap();
+    let (s, so) = server.join().unwrap();
+    assert_eq!((co.crc, so.crc), (crc, crc));
+    (end(0, c, co.crc), end(1, s, so.crc))
+}
+
+fn sge(e: &End, off: u64, len: u32) -> Sge {
+    Sge {
+        addr: e.iova + off,
+        len,
+        lkey: e.lkey,
+    }
+}
+
+fn one(cq: &Cq) -> WorkCompletion {
+    cq.wait(T).unwrap().expect("a completion within 10 s")
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(7) ^ seed).collect()
+}
+
+#[test]
+fn send_write_and_read_over_tcp_with_and_without_crc() {
+    for crc in [false, true] {
+        let (a, b) = pair(crc);
+        let data = pattern(300_000, 3);
+        a.mem.write(0, &data);
+        b.qp.post_recv(RecvWr {
+            wr_id: 9,
+            sgl: vec![sge(&b, 0, 400_000)],
+        })
+        .unwrap();
+        a.qp.post_send(SendWr::new(1, SendOp::Send, vec![sge(&a, 0, 300_000)]))
+            .unwrap();
+        a.qp.post_send(SendWr::new(
+            2,
+            SendOp::Write {
+                remote_addr: b.iova + 1_000_000,
+                rkey: b.rkey,
+            },
+            vec![sge(&a, 0, 300_000)],
+        ))
+        .unwrap();
+        a.qp.post_send(SendWr::new(
+            3,
+            SendOp::Read {
+                remote_addr: b.iova + 1_000_000,
+                rkey: b.rkey,
+            },
+            vec![sge(&a, 2_000_000, 300_000)],
+        ))
+        .unwrap();
+        for k in 1..=3 {
+            let wc = one(&a.scq);
+            assert_eq!((wc.wr_id, wc.status), (k, WcStatus::Success), "crc {crc}");
+        }
+        let wc = one(&b.rcq);
+        assert_eq!(
+            (wc.wr_id, wc.status, wc.byte_len),
+            (9, WcStatus::Success, 300_000)
+        );
+        let mut got = vec![0u8; 300_000];
+        b.mem.read(0, &mut got);
+        assert_eq!(got, data, "SEND");
+        b.mem.read(1_000_000, &mut got);
+        assert_eq!(got, data, "WRITE");
+        a.mem.read(2_000_000, &mut got);
+        assert_eq!(got, data, "READ");
+        // At most a loopback MSS each (64 KiB), so several per message.
+        assert!(a.qp.with_engine(|q| q.stats().fpdus_sent) >= 11);
+    }
+}
+
+#[test]
+fn a_bad_stag_is_terminated_and_the_connection_closes() {
+    let (a, b) = pair(false);
+    a.qp.post_send(SendWr::new(
+        1,
+        SendOp::Write {
+            remote_addr: b.iova,
+            rkey: 0xbad,
+        },
+        vec![sge(&a, 0, 100)],
+    ))
+    .unwrap();
+    // The WRITE went out (and completed); the Terminate comes back and the
+    // QP goes to ERROR, after which posting fails.
+    assert_eq!(one(&a.scq).status, WcStatus::Success);
+    let t0 = std::time::Instant::now();
+    while a.qp.with_engine(|q| q.state()) != crate::engine::QpState::Err {
+        assert!(t0.elapsed() < T, "the requester never saw the Terminate");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let e =
+        a.qp.post_send(SendWr::new(2, SendOp::Send, vec![sge(&a, 0, 8)]))
+            .unwrap_err();
+    assert!(matches!(e, PostError::BadState(_)), "{e}");
+    let t = b.qp.with_engine(|q| q.own_terminate().map(|t| t.control));
+    assert_eq!(
+        t.map(|c| (c.layer, c.etype, c.code)),
+        Some((softrdma_wire::rdmap::Layer::Ddp, 1, 0x00))
+    );
+    let seen = a.qp.with_engine(|q| q.peer_terminate().map(|t| t.control));
+    assert_eq!(seen, t, "the Terminate reached the requester");
+}
+
+#[test]
+fn a_peer_that_vanishes_mid_transfer_flushes_and_never_hangs() {
+    let (a, b) = pair(false);
+    a.qp.post_recv(RecvWr {
+        wr_id: 50,
+        sgl: vec![sge(&a, 0, 64)],
+    })
+    .unwrap();
+    for k in 0..8 {
+        a.qp.post_send(SendWr::new(
+            k,
+            SendOp::Write {
+                remote_addr: b.iova,
+                rkey: b.rkey,
+            },
+            vec![sge(&a, 0, 4 << 20)],
+        ))
+        .unwrap();
+    }
+    a.qp.post_send(SendWr::new(
+        99,
+        SendOp::Read {
+            remote_addr: b.iova,
+            rkey: b.rkey,
+        },
+        vec![sge(&a, 0, 64)],
+    ))
+    .unwrap();
+    // The target goes away while 32 MiB are on their way.
+    std::thread::sleep(Duration::from_millis(20));
+    drop(b);
+    let mut statuses = Vec::new();
+    while statuses.len() < 9 {
+        statuses.push(one(&a.scq));
+    }
+    let last = statuses.last().unwrap();
+    assert_eq!(last.wr_id, 99);
+    assert_eq!(last.status, WcStatus::WrFlushErr, "{statuses:?}");
+    let r = one(&a.rcq);
+    assert_eq!((r.wr_id, r.status), (50, WcStatus::WrFlushErr));
+    assert_eq!(a.qp.with_engine(|q| q.state()), crate::engine::QpState::Err);
+    let _ = a.mrs.read().unwrap().len();
+}
