@@ -10,10 +10,6 @@
 //! Copies of payload bytes (the design's budget): none on send, none on
 //! receive (READ Requests and Terminates, small control messages, are read
 //! into a buffer).
-//!
-//! The verbs layer does not open iWARP devices yet (issue 6, next step); until
-//! then this provider is driven by its tests only.
-#![cfg_attr(not(test), allow(dead_code))]
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream};

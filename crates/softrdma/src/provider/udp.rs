@@ -95,7 +95,7 @@ pub struct DeviceStats {
 /// What the device's threads share.
 #[derive(Debug)]
 pub(crate) struct Shared {
-    pub mrs: RwLock<MrTable>,
+    pub mrs: Arc<RwLock<MrTable>>,
     pub qps: RwLock<HashMap<u32, Arc<QpSlot>>>,
     /// Address handles: where UD sends go.
     pub ahs: RwLock<HashMap<u32, SocketAddrV4>>,
@@ -216,7 +216,7 @@ impl UdpDevice {
             .map(|s| port_of(s).map(|a| a.port()))
             .collect::<io::Result<Vec<u16>>>()?;
         let shared = Arc::new(Shared {
-            mrs: RwLock::new(MrTable::new()),
+            mrs: Arc::new(RwLock::new(MrTable::new())),
             qps: RwLock::new(HashMap::new()),
             ahs: RwLock::new(HashMap::new()),
             events: Arc::new(EventQueue::new()?),

@@ -16,11 +16,14 @@
 
 pub(crate) mod cq;
 pub(crate) mod events;
+mod iwarp;
+
+pub use iwarp::IwarpQpStats;
 
 use std::fmt;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 pub use crate::engine::qp::{Mtu, QpType};
 pub use crate::engine::rc::{QpCaps, RcStats};
@@ -37,8 +40,9 @@ use crate::engine::rc::RcQp;
 use crate::engine::ud::UdQp;
 pub use crate::engine::ud::UdStats;
 pub use crate::engine::{AhId, UdDest};
-use crate::memory::{Region, RegionMemory};
+use crate::memory::{MrTable, Region, RegionMemory};
 use crate::provider::udp::{MAX_SGE, QpSlot, UdpDevice};
+use events::EventQueue;
 
 /// Errors of the verbs.
 #[derive(Debug, thiserror::Error)]
@@ -89,6 +93,7 @@ pub struct Device {
     link_mtu: Option<usize>,
     shared_port: Option<bool>,
     pcap: Option<std::path::PathBuf>,
+    iwarp: bool,
 }
 
 impl Device {
@@ -107,6 +112,16 @@ impl Device {
             link_mtu: None,
             shared_port: None,
             pcap: None,
+            iwarp: false,
+        }
+    }
+
+    /// The iWARP device at `ip`: RDMAP/DDP/MPA over TCP, one connection per
+    /// QP (see [`crate::cm::iwarp`]); RC only, no atomics, no immediate data.
+    pub fn iwarp(ip: Ipv4Addr) -> Device {
+        Device {
+            iwarp: true,
+            ..Device::udp(SocketAddrV4::new(ip, 0).into())
         }
     }
 
@@ -169,13 +184,28 @@ impl Device {
                 "a shared address needs a port (4791), not 0".into(),
             ));
         }
-        let dev = UdpDevice::open(self.addr, self.busy_poll, shared_port, self.pcap.as_deref())
-            .map_err(io_err(format!(
-                "cannot open a RoCEv2 device on {}{}",
-                self.addr,
-                if shared_port { " through hostd" } else { "" }
-            )))?;
-        let slot = dev.shared.slot;
+        let (dev, slot) = if self.iwarp {
+            let events = EventQueue::new().map_err(io_err("cannot open an iWARP device"))?;
+            let events = Arc::new(events);
+            events.push(AsyncEvent::PortActive);
+            (
+                Provider::Iwarp(IwarpDevice {
+                    addr: *self.addr.ip(),
+                    mrs: Arc::new(RwLock::new(MrTable::new())),
+                    events,
+                }),
+                0,
+            )
+        } else {
+            let dev = UdpDevice::open(self.addr, self.busy_poll, shared_port, self.pcap.as_deref())
+                .map_err(io_err(format!(
+                    "cannot open a RoCEv2 device on {}{}",
+                    self.addr,
+                    if shared_port { " through hostd" } else { "" }
+                )))?;
+            let slot = dev.shared.slot;
+            (Provider::Udp(dev), slot)
+        };
         let netdev = crate::provider::netdev::owner_of(*self.addr.ip());
         let link_mtu = self
             .link_mtu
@@ -207,9 +237,51 @@ impl Device {
     }
 }
 
+/// The provider behind a context.
+#[derive(Debug)]
+enum Provider {
+    /// RoCEv2 over UDP.
+    Udp(UdpDevice),
+    /// iWARP over TCP.
+    Iwarp(IwarpDevice),
+}
+
+/// An iWARP device: an IPv4 address; each QP brings its TCP connection.
+#[derive(Debug)]
+pub(crate) struct IwarpDevice {
+    pub(crate) addr: Ipv4Addr,
+    pub(crate) mrs: Arc<RwLock<MrTable>>,
+    pub(crate) events: Arc<EventQueue>,
+}
+
+impl ContextInner {
+    fn mrs(&self) -> &Arc<RwLock<MrTable>> {
+        match &self.dev {
+            Provider::Udp(d) => &d.shared.mrs,
+            Provider::Iwarp(d) => &d.mrs,
+        }
+    }
+
+    fn events(&self) -> &Arc<EventQueue> {
+        match &self.dev {
+            Provider::Udp(d) => &d.shared.events,
+            Provider::Iwarp(d) => &d.events,
+        }
+    }
+
+    fn udp(&self, what: &str) -> Result<&UdpDevice> {
+        match &self.dev {
+            Provider::Udp(d) => Ok(d),
+            Provider::Iwarp(_) => Err(VerbsError::Invalid(format!(
+                "{what} is for RoCEv2 devices; this one is iWARP"
+            ))),
+        }
+    }
+}
+
 #[derive(Debug)]
 struct ContextInner {
-    dev: UdpDevice,
+    dev: Provider,
     next_pd: AtomicU32,
     next_ah: AtomicU32,
     next_cq: AtomicU32,
@@ -327,14 +399,22 @@ pub struct Context {
 impl Context {
     /// The device's address and UDP port.
     pub fn local_addr(&self) -> SocketAddrV4 {
-        self.inner.dev.local_addr()
+        match &self.inner.dev {
+            Provider::Udp(d) => d.local_addr(),
+            Provider::Iwarp(d) => SocketAddrV4::new(d.addr, 0),
+        }
+    }
+
+    /// Whether this is an iWARP device.
+    pub fn is_iwarp(&self) -> bool {
+        matches!(self.inner.dev, Provider::Iwarp(_))
     }
 
     /// The port's attributes.
     pub fn query_port(&self) -> PortAttr {
         let a = self.local_addr();
         PortAttr {
-            state: if self.inner.dev.shared.port_up() {
+            state: if self.inner.udp("").is_ok_and(|d| d.shared.port_up()) || self.is_iwarp() {
                 PortState::Active
             } else {
                 PortState::Down
@@ -348,7 +428,10 @@ impl Context {
 
     /// The device's counters.
     pub fn stats(&self) -> DeviceCounters {
-        let s = &self.inner.dev.shared.stats;
+        let Provider::Udp(d) = &self.inner.dev else {
+            return DeviceCounters::default();
+        };
+        let s = &d.shared.stats;
         DeviceCounters {
             sent: s.sent.load(Ordering::Relaxed),
             received: s.received.load(Ordering::Relaxed),
@@ -361,7 +444,9 @@ impl Context {
 
     /// Busy polling on or off.
     pub fn set_busy_poll(&self, on: bool) {
-        self.inner.dev.set_busy_poll(on);
+        if let Provider::Udp(d) = &self.inner.dev {
+            d.set_busy_poll(on);
+        }
     }
 
     /// A protection domain.
@@ -380,30 +465,30 @@ impl Context {
             )));
         }
         let id = self.inner.next_cq.fetch_add(1, Ordering::Relaxed);
-        Cq::new(capacity, id, Some(self.inner.dev.shared.events.clone()))
+        Cq::new(capacity, id, Some(self.inner.events().clone()))
             .map_err(io_err("cannot create a completion queue"))
     }
 
     /// The next asynchronous event, if one is waiting (`ibv_get_async_event`
     /// without blocking; events need no acknowledging).
     pub fn poll_async_event(&self) -> Option<AsyncEvent> {
-        self.inner.dev.shared.events.poll()
+        self.inner.events().poll()
     }
 
     /// Waits up to `timeout` for an asynchronous event.
     pub fn wait_async_event(&self, timeout: std::time::Duration) -> Option<AsyncEvent> {
-        self.inner.dev.shared.events.wait(timeout)
+        self.inner.events().wait(timeout)
     }
 
     /// A descriptor that is readable while asynchronous events wait (epoll/tokio).
     pub fn async_fd(&self) -> std::os::fd::BorrowedFd<'_> {
         use std::os::fd::AsFd;
-        self.inner.dev.shared.events.as_fd()
+        self.inner.events().as_fd()
     }
 }
 
-/// Device counters.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Device counters (RoCEv2; zero on iWARP).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct DeviceCounters {
     /// Datagrams sent.
     pub sent: u64,
@@ -452,8 +537,7 @@ impl Pd {
     }
 
     fn insert(&self, memory: RegionMemory, access: Access) -> Result<Mr> {
-        let shared = &self.ctx.inner.dev.shared;
-        let mut mrs = shared.mrs.write().expect("MR table lock");
+        let mut mrs = self.ctx.inner.mrs().write().expect("MR table lock");
         let lkey = random_key(|k| mrs.key_in_use(k))?;
         let rkey = random_key(|k| k == lkey || mrs.key_in_use(k))?;
         let len = memory.len();
@@ -496,11 +580,9 @@ impl Pd {
                 attr.addr
             )));
         }
+        let dev = self.ctx.inner.udp("an address handle")?;
         let id = AhId(self.ctx.inner.next_ah.fetch_add(1, Ordering::Relaxed));
-        self.ctx
-            .inner
-            .dev
-            .shared
+        dev.shared
             .ahs
             .write()
             .expect("AH table lock")
@@ -542,7 +624,10 @@ impl Pd {
                 "at most 4096 bytes of inline data".into(),
             ));
         }
-        let shared = &self.ctx.inner.dev.shared;
+        if let Provider::Iwarp(_) = &self.ctx.inner.dev {
+            return self.create_iwarp_qp(init);
+        }
+        let shared = &self.ctx.inner.udp("a QP")?.shared;
         let mut qps = shared.qps.write().expect("QP table lock");
         let qpn = {
             let mut next = self.ctx.inner.next_qpn.lock().expect("QPN lock");
@@ -586,7 +671,7 @@ impl Pd {
         qps.insert(qpn, slot.clone());
         Ok(Qp {
             ctx: self.ctx.clone(),
-            slot,
+            kind: QpKind::Roce(slot),
         })
     }
 }
@@ -660,14 +745,13 @@ impl Ah {
 
 impl Drop for Ah {
     fn drop(&mut self) {
-        self.ctx
-            .inner
-            .dev
-            .shared
-            .ahs
-            .write()
-            .expect("AH table lock")
-            .remove(&self.id.0);
+        if let Provider::Udp(d) = &self.ctx.inner.dev {
+            d.shared
+                .ahs
+                .write()
+                .expect("AH table lock")
+                .remove(&self.id.0);
+        }
     }
 }
 
@@ -773,9 +857,7 @@ impl Drop for Mr {
     fn drop(&mut self) {
         self.ctx
             .inner
-            .dev
-            .shared
-            .mrs
+            .mrs()
             .write()
             .expect("MR table lock")
             .remove(self.region.lkey);
@@ -852,13 +934,22 @@ impl fmt::Display for AddressVector {
 #[derive(Debug)]
 pub struct Qp {
     ctx: Context,
-    slot: Arc<QpSlot>,
+    kind: QpKind,
+}
+
+#[derive(Debug)]
+enum QpKind {
+    Roce(Arc<QpSlot>),
+    Iwarp(Arc<iwarp::IwarpSlot>),
 }
 
 impl Qp {
     /// QP number.
     pub fn qpn(&self) -> u32 {
-        self.slot.qpn
+        match &self.kind {
+            QpKind::Roce(s) => s.qpn,
+            QpKind::Iwarp(s) => s.qpn,
+        }
     }
 
     /// The context.
@@ -866,8 +957,25 @@ impl Qp {
         &self.ctx
     }
 
+    fn roce(&self, what: &str) -> Result<&Arc<QpSlot>> {
+        match &self.kind {
+            QpKind::Roce(s) => Ok(s),
+            QpKind::Iwarp(_) => Err(VerbsError::Invalid(format!(
+                "{what}: an iWARP QP is brought up by cm::iwarp (connect or accept), \
+                 which runs the MPA exchange"
+            ))),
+        }
+    }
+
+    fn kick(&self, slot: &QpSlot) {
+        if let Provider::Udp(d) = &self.ctx.inner.dev {
+            d.kick(slot);
+        }
+    }
+
     /// Modifies the QP (`ibv_modify_qp`); RC's INIT -> RTR needs `av`.
     pub fn modify(&self, attr: &QpAttr, av: Option<AddressVector>) -> Result<()> {
+        let slot = self.roce("modify")?;
         let mut a = *attr;
         a.has_av = av.is_some();
         if let Some(m) = a.path_mtu
@@ -880,33 +988,45 @@ impl Qp {
             )));
         }
         {
-            let mut qp = self.slot.engine.lock().expect("QP lock");
+            let mut qp = slot.engine.lock().expect("QP lock");
             qp.modify(&a)?;
             if let Some(av) = av {
-                *self.slot.peer.lock().expect("peer lock") = Some(av.addr);
+                *slot.peer.lock().expect("peer lock") = Some(av.addr);
             }
             if qp.state() == QpState::Reset {
-                *self.slot.peer.lock().expect("peer lock") = None;
+                *slot.peer.lock().expect("peer lock") = None;
             }
         }
         // Entering ERR flushes: the completions must reach the CQs.
-        self.ctx.inner.dev.kick(&self.slot);
+        self.kick(slot);
         Ok(())
     }
 
     /// The QP's attributes (`ibv_query_qp`).
     pub fn query(&self) -> QpAttr {
-        self.slot.engine.lock().expect("QP lock").query()
+        match &self.kind {
+            QpKind::Roce(s) => s.engine.lock().expect("QP lock").query(),
+            QpKind::Iwarp(s) => QpAttr {
+                state: Some(s.state()),
+                ..QpAttr::default()
+            },
+        }
     }
 
     /// Current state.
     pub fn state(&self) -> QpState {
-        self.slot.engine.lock().expect("QP lock").state()
+        match &self.kind {
+            QpKind::Roce(s) => s.engine.lock().expect("QP lock").state(),
+            QpKind::Iwarp(s) => s.state(),
+        }
     }
 
-    /// Transport counters of an RC QP.
+    /// Transport counters of an RC QP on RoCEv2.
     pub fn stats(&self) -> Option<RcStats> {
-        match &*self.slot.engine.lock().expect("QP lock") {
+        let QpKind::Roce(s) = &self.kind else {
+            return None;
+        };
+        match &*s.engine.lock().expect("QP lock") {
             QpEngine::Rc(q) => Some(q.stats()),
             QpEngine::Ud(_) => None,
         }
@@ -914,37 +1034,66 @@ impl Qp {
 
     /// Counters of a UD QP.
     pub fn ud_stats(&self) -> Option<UdStats> {
-        match &*self.slot.engine.lock().expect("QP lock") {
+        let QpKind::Roce(s) = &self.kind else {
+            return None;
+        };
+        match &*s.engine.lock().expect("QP lock") {
             QpEngine::Ud(q) => Some(q.stats()),
             QpEngine::Rc(_) => None,
+        }
+    }
+
+    /// Counters of an iWARP QP, and the Terminates sent and received.
+    pub fn iwarp_stats(&self) -> Option<iwarp::IwarpQpStats> {
+        match &self.kind {
+            QpKind::Iwarp(s) => Some(s.stats()),
+            QpKind::Roce(_) => None,
         }
     }
 
     /// Posts a send work request; returns at once. For inline sends the
     /// payload is copied from `wr.inline_data`.
     pub fn post_send(&self, wr: SendWr) -> Result<()> {
-        self.slot.engine.lock().expect("QP lock").post_send(wr)?;
-        self.ctx.inner.dev.kick(&self.slot);
+        match &self.kind {
+            QpKind::Roce(slot) => {
+                slot.engine.lock().expect("QP lock").post_send(wr)?;
+                self.kick(slot);
+            }
+            QpKind::Iwarp(s) => s.post_send(wr)?,
+        }
         Ok(())
     }
 
-    /// Posts a receive work request.
+    /// Posts a receive work request (on iWARP also before the connection is
+    /// up, as rdma_cm users do).
     pub fn post_recv(&self, wr: RecvWr) -> Result<()> {
-        self.slot.engine.lock().expect("QP lock").post_recv(wr)?;
-        self.ctx.inner.dev.kick(&self.slot);
+        match &self.kind {
+            QpKind::Roce(slot) => {
+                slot.engine.lock().expect("QP lock").post_recv(wr)?;
+                self.kick(slot);
+            }
+            QpKind::Iwarp(s) => s.post_recv(wr)?,
+        }
         Ok(())
+    }
+
+    /// The iWARP slot, for `cm::iwarp`.
+    pub(crate) fn iwarp_slot(&self) -> Option<&Arc<iwarp::IwarpSlot>> {
+        match &self.kind {
+            QpKind::Iwarp(s) => Some(s),
+            QpKind::Roce(_) => None,
+        }
     }
 }
 
 impl Drop for Qp {
     fn drop(&mut self) {
-        self.ctx
-            .inner
-            .dev
-            .shared
-            .qps
-            .write()
-            .expect("QP table lock")
-            .remove(&self.slot.qpn);
+        if let (QpKind::Roce(slot), Provider::Udp(d)) = (&self.kind, &self.ctx.inner.dev) {
+            d.shared
+                .qps
+                .write()
+                .expect("QP table lock")
+                .remove(&slot.qpn);
+        }
     }
 }

@@ -1,0 +1,98 @@
+//! Connecting iWARP QPs, as rdma_cm does on iWARP: a TCP connection from
+//! the device's address, then the MPA exchange ([`super::mpa`]) carrying the
+//! application's private data, then the QP runs on the connection.
+
+use std::net::{SocketAddr, SocketAddrV4, TcpListener, TcpStream};
+
+use super::mpa::{self, Decision, MpaConfig, MpaError, MpaOutcome, MpaRequest};
+use crate::verbs::{Context, Qp, VerbsError};
+
+/// Why a connection failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// The TCP connection.
+    #[error("TCP connection to {to}: {source}")]
+    Tcp {
+        /// Where to.
+        to: SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The MPA exchange (rejected, refused, malformed).
+    #[error(transparent)]
+    Mpa(#[from] MpaError),
+    /// The QP.
+    #[error(transparent)]
+    Verbs(#[from] VerbsError),
+}
+
+/// Connects `qp` (of an iWARP device, not yet connected) to a listener at
+/// `to`: TCP from the device's address, MPA Request with `cfg`'s offer.
+pub fn connect(qp: &Qp, to: SocketAddrV4, cfg: &MpaConfig) -> Result<MpaOutcome, ConnectError> {
+    let local = SocketAddrV4::new(*qp.context().local_addr().ip(), 0);
+    let tcp = |source| ConnectError::Tcp {
+        to: to.into(),
+        source,
+    };
+    let sock =
+        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).map_err(tcp)?;
+    sock.bind(&SocketAddr::V4(local).into()).map_err(tcp)?;
+    sock.connect(&SocketAddr::V4(to).into()).map_err(tcp)?;
+    let mut stream: TcpStream = sock.into();
+    let out = mpa::connect(&mut stream, cfg)?;
+    qp.attach_iwarp(stream, &out)?;
+    Ok(out)
+}
+
+/// A listener for iWARP connections on a device's address.
+#[derive(Debug)]
+pub struct Listener {
+    tcp: TcpListener,
+}
+
+impl Listener {
+    /// Listens on TCP `port` (0: any) of `ctx`'s address.
+    pub fn bind(ctx: &Context, port: u16) -> Result<Listener, VerbsError> {
+        if !ctx.is_iwarp() {
+            return Err(VerbsError::Invalid(
+                "an iWARP listener needs an iWARP device (Device::iwarp)".into(),
+            ));
+        }
+        let at = SocketAddrV4::new(*ctx.local_addr().ip(), port);
+        let tcp = TcpListener::bind(at).map_err(|e| VerbsError::Io {
+            what: format!("cannot listen on {at}"),
+            source: e,
+        })?;
+        Ok(Listener { tcp })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddrV4 {
+        match self.tcp.local_addr() {
+            Ok(SocketAddr::V4(a)) => a,
+            _ => SocketAddrV4::new(std::net::Ipv4Addr::UNSPECIFIED, 0),
+        }
+    }
+
+    /// Takes the next connection for `qp`: reads the MPA Request, lets
+    /// `decide` accept or reject it (seeing the peer's private data), and
+    /// on acceptance runs `qp` on the connection. A connection that is not
+    /// MPA is dropped with an error (the listener goes on).
+    pub fn accept(
+        &self,
+        qp: &Qp,
+        cfg: &MpaConfig,
+        decide: impl FnOnce(&MpaRequest) -> Decision,
+    ) -> Result<MpaOutcome, ConnectError> {
+        let (mut stream, _) = self.tcp.accept().map_err(|source| ConnectError::Tcp {
+            to: self
+                .tcp
+                .local_addr()
+                .unwrap_or(SocketAddr::V4(self.local_addr())),
+            source,
+        })?;
+        let out = mpa::accept(&mut stream, cfg, decide)?;
+        qp.attach_iwarp(stream, &out)?;
+        Ok(out)
+    }
+}

@@ -1,0 +1,173 @@
+//! iWARP QPs in the verbs: created unconnected in a PD, brought up by
+//! `cm::iwarp` (TCP connection and MPA exchange), then the same `post_send`,
+//! `post_recv` and CQs as RoCEv2 QPs.
+
+use std::net::TcpStream;
+use std::sync::{Arc, Mutex};
+
+use super::cq::CqInner;
+use super::{Pd, Provider, Qp, QpInit, QpKind, QpType, Result, VerbsError};
+use crate::cm::mpa::MpaOutcome;
+use crate::engine::iwarp::{IwarpConfig, IwarpQp, IwarpStats};
+use crate::engine::rc::QpCaps;
+use crate::engine::{PostError, QpState, RecvWr, SendWr};
+use crate::provider::tcp::{TcpQp, max_ulpdu_for};
+use softrdma_wire::rdmap::{TermEncoding, TerminateRepr};
+
+/// An iWARP QP's counters and the Terminates of its connection.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct IwarpQpStats {
+    /// FPDU counters.
+    pub fpdus: IwarpStats,
+    /// The Terminate this side sent, if any.
+    pub terminate_sent: Option<TerminateRepr>,
+    /// The Terminate the peer sent, if any.
+    pub terminate_received: Option<TerminateRepr>,
+}
+
+/// What the verbs keep of an iWARP QP.
+#[derive(Debug)]
+pub(crate) struct IwarpSlot {
+    pub(crate) qpn: u32,
+    pd: u32,
+    caps: QpCaps,
+    send_cq: Arc<CqInner>,
+    recv_cq: Arc<CqInner>,
+    /// The connection, once up.
+    conn: Mutex<Option<TcpQp>>,
+    /// Receives posted before the connection.
+    early: Mutex<Vec<RecvWr>>,
+    /// Connected once (a QP is not reused for a second connection).
+    used: Mutex<bool>,
+}
+
+impl IwarpSlot {
+    pub(crate) fn state(&self) -> QpState {
+        match &*self.conn.lock().expect("conn lock") {
+            Some(c) => c.with_engine(|q| q.state()),
+            None if *self.used.lock().expect("lock") => QpState::Err,
+            None => QpState::Init,
+        }
+    }
+
+    pub(crate) fn stats(&self) -> IwarpQpStats {
+        match &*self.conn.lock().expect("conn lock") {
+            Some(c) => c.with_engine(|q| IwarpQpStats {
+                fpdus: q.stats(),
+                terminate_sent: q.own_terminate().copied(),
+                terminate_received: q.peer_terminate().copied(),
+            }),
+            None => IwarpQpStats::default(),
+        }
+    }
+
+    pub(crate) fn post_send(&self, wr: SendWr) -> Result<(), PostError> {
+        match &*self.conn.lock().expect("conn lock") {
+            Some(c) => c.post_send(wr),
+            None => Err(PostError::BadState(self.state())),
+        }
+    }
+
+    pub(crate) fn post_recv(&self, wr: RecvWr) -> Result<(), PostError> {
+        if let Some(c) = &*self.conn.lock().expect("conn lock") {
+            return c.post_recv(wr);
+        }
+        if *self.used.lock().expect("lock") {
+            return Err(PostError::BadState(QpState::Err));
+        }
+        let mut early = self.early.lock().expect("lock");
+        if wr.sgl.len() > self.caps.max_recv_sge as usize {
+            return Err(PostError::TooManySges {
+                given: wr.sgl.len(),
+                max: self.caps.max_recv_sge,
+            });
+        }
+        if early.len() >= self.caps.max_recv_wr as usize {
+            return Err(PostError::QueueFull(self.caps.max_recv_wr));
+        }
+        early.push(wr);
+        Ok(())
+    }
+}
+
+impl Pd {
+    pub(super) fn create_iwarp_qp(&self, init: &QpInit<'_>) -> Result<Qp> {
+        if init.qp_type != QpType::Rc {
+            return Err(VerbsError::Invalid("iWARP has RC QPs only (no UD)".into()));
+        }
+        if init.srq.is_some() {
+            return Err(VerbsError::Invalid(
+                "shared receive queues are not supported on iWARP devices yet".into(),
+            ));
+        }
+        let qpn = {
+            let mut next = self.ctx.inner.next_qpn.lock().expect("QPN lock");
+            let q = *next;
+            *next = if q >= *self.ctx.inner.qpn_range.end() {
+                *self.ctx.inner.qpn_range.start()
+            } else {
+                q + 1
+            };
+            q
+        };
+        Ok(Qp {
+            ctx: self.ctx.clone(),
+            kind: QpKind::Iwarp(Arc::new(IwarpSlot {
+                qpn,
+                pd: self.id,
+                caps: init.caps,
+                send_cq: init.send_cq.inner.clone(),
+                recv_cq: init.recv_cq.inner.clone(),
+                conn: Mutex::new(None),
+                early: Mutex::new(Vec::new()),
+                used: Mutex::new(false),
+            })),
+        })
+    }
+}
+
+impl Qp {
+    /// Starts the QP on a connection whose MPA exchange is done.
+    pub(crate) fn attach_iwarp(&self, stream: TcpStream, mpa: &MpaOutcome) -> Result<()> {
+        let slot = self
+            .iwarp_slot()
+            .ok_or_else(|| VerbsError::Invalid("cm::iwarp needs a QP of an iWARP device".into()))?;
+        let Provider::Iwarp(dev) = &self.ctx.inner.dev else {
+            unreachable!("iWARP QPs live on iWARP devices")
+        };
+        let mut used = slot.used.lock().expect("lock");
+        if *used {
+            return Err(VerbsError::Invalid(
+                "this iWARP QP was connected before: create a new one".into(),
+            ));
+        }
+        let cfg = IwarpConfig {
+            max_ulpdu: max_ulpdu_for(&stream),
+            ird: mpa.ird.max(1),
+            ord: mpa.ord.max(1),
+            terminate_encoding: TermEncoding::Rfc,
+        };
+        let mut engine = IwarpQp::new(slot.qpn, slot.pd, slot.caps, cfg);
+        // Receives posted before the connection are in place before its
+        // first byte is read.
+        for wr in slot.early.lock().expect("lock").drain(..) {
+            engine.post_recv(wr)?;
+        }
+        let conn = TcpQp::start(
+            stream,
+            engine,
+            dev.mrs.clone(),
+            mpa.crc,
+            slot.send_cq.clone(),
+            slot.recv_cq.clone(),
+            dev.events.clone(),
+        )
+        .map_err(|e| VerbsError::Io {
+            what: "cannot start the iWARP connection".into(),
+            source: e,
+        })?;
+        *slot.conn.lock().expect("conn lock") = Some(conn);
+        *used = true;
+        Ok(())
+    }
+}

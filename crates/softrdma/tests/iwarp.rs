@@ -1,0 +1,345 @@
+//! iWARP through the verbs on loopback TCP: every operation with CRC on and
+//! off, the errors and their Terminates, a rejected connection, and a peer
+//! that goes away mid-transfer.
+
+use std::net::Ipv4Addr;
+use std::time::Duration;
+
+use softrdma::cm::iwarp::{self, ConnectError, Listener};
+use softrdma::cm::mpa::{CrcPolicy, Decision, MpaConfig, MpaError};
+use softrdma::verbs::*;
+use softrdma::wire::rdmap::Layer;
+
+const T: Duration = Duration::from_secs(10);
+
+struct End {
+    ctx: Context,
+    _pd: Pd,
+    mr: Mr,
+    scq: Cq,
+    rcq: Cq,
+    qp: Qp,
+}
+
+fn end(ip: [u8; 4]) -> End {
+    let ctx = Device::iwarp(Ipv4Addr::from(ip)).open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let mr = pd.register(8 << 20, Access::ALL).unwrap();
+    let scq = ctx.create_cq(256).unwrap();
+    let rcq = ctx.create_cq(256).unwrap();
+    let qp = pd
+        .create_qp(&QpInit::rc(&scq, &rcq).caps(QpCaps {
+            max_send_wr: 64,
+            max_recv_wr: 64,
+            max_send_sge: 4,
+            max_recv_sge: 4,
+            max_inline_data: 64,
+        }))
+        .unwrap();
+    End {
+        ctx,
+        _pd: pd,
+        mr,
+        scq,
+        rcq,
+        qp,
+    }
+}
+
+/// A client at 127.0.0.1 connected to a server at 127.0.0.2; `before` runs on
+/// the server's end before it accepts (to post receives).
+fn pair(client_cfg: MpaConfig, before: impl FnOnce(&End) + Send + 'static) -> (End, End) {
+    let server = end([127, 0, 0, 2]);
+    let listener = Listener::bind(&server.ctx, 0).unwrap();
+    let at = listener.local_addr();
+    let t = std::thread::spawn(move || {
+        before(&server);
+        listener
+            .accept(&server.qp, &MpaConfig::default(), |_| Decision::Accept)
+            .unwrap();
+        server
+    });
+    let client = end([127, 0, 0, 1]);
+    iwarp::connect(&client.qp, at, &client_cfg).unwrap();
+    (client, t.join().unwrap())
+}
+
+fn one(cq: &Cq) -> WorkCompletion {
+    cq.wait(T).unwrap().expect("a completion within 10 s")
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(13) ^ seed)
+        .collect()
+}
+
+fn wait_state(qp: &Qp, want: QpState) {
+    let t = std::time::Instant::now();
+    while qp.state() != want {
+        assert!(t.elapsed() < T, "QP never reached {want}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn every_operation_with_crc_on_and_off() {
+    for crc in [CrcPolicy::IfAsked, CrcPolicy::Required] {
+        let cfg = MpaConfig {
+            crc,
+            ..MpaConfig::default()
+        };
+        // Receives posted before the connection is up are used.
+        let (a, b) = pair(cfg, |b| {
+            for k in 0..3 {
+                b.qp.post_recv(RecvWr {
+                    wr_id: 100 + k,
+                    sgl: vec![b.mr.sge(k as usize * 100_000, 100_000)],
+                })
+                .unwrap();
+            }
+        });
+        assert_eq!(a.qp.state(), QpState::Rts);
+        let data = pattern(90_000, 7);
+        a.mr.write(0, &data).unwrap();
+        a.qp.post_send(SendWr::new(1, SendOp::Send, vec![a.mr.sge(0, 90_000)]).solicited())
+            .unwrap();
+        a.qp.post_send(SendWr::new(2, SendOp::Send, vec![]).inline(b"inline"))
+            .unwrap();
+        a.qp.post_send(SendWr::new(3, SendOp::Send, vec![]))
+            .unwrap();
+        a.qp.post_send(SendWr::new(
+            4,
+            SendOp::Write {
+                remote_addr: b.mr.addr() + 1_000_000,
+                rkey: b.mr.rkey(),
+            },
+            vec![a.mr.sge(0, 90_000)],
+        ))
+        .unwrap();
+        a.qp.post_send(SendWr::new(
+            5,
+            SendOp::Read {
+                remote_addr: b.mr.addr() + 1_000_000,
+                rkey: b.mr.rkey(),
+            },
+            vec![a.mr.sge(2_000_000, 40_000), a.mr.sge(3_000_000, 50_000)],
+        ))
+        .unwrap();
+        for k in 1..=5 {
+            let wc = one(&a.scq);
+            assert_eq!((wc.wr_id, wc.status), (k, WcStatus::Success), "{crc:?}");
+        }
+        let got: Vec<(u64, u32, bool)> = (0..3)
+            .map(|_| {
+                let wc = one(&b.rcq);
+                assert_eq!(wc.status, WcStatus::Success);
+                (wc.wr_id, wc.byte_len, wc.solicited)
+            })
+            .collect();
+        assert_eq!(got, [(100, 90_000, true), (101, 6, false), (102, 0, false)]);
+        assert_eq!(b.mr.read_vec(0, 90_000).unwrap(), data, "SEND");
+        assert_eq!(b.mr.read_vec(100_000, 6).unwrap(), b"inline");
+        assert_eq!(b.mr.read_vec(1_000_000, 90_000).unwrap(), data, "WRITE");
+        let mut back = a.mr.read_vec(2_000_000, 40_000).unwrap();
+        back.extend(a.mr.read_vec(3_000_000, 50_000).unwrap());
+        assert_eq!(back, data, "READ");
+        assert!(
+            b.scq.poll_one().unwrap().is_none(),
+            "nothing at the target's send CQ"
+        );
+    }
+}
+
+#[test]
+fn atomics_and_immediate_data_are_refused() {
+    let (a, b) = pair(MpaConfig::default(), |_| {});
+    let e =
+        a.qp.post_send(SendWr::new(
+            1,
+            SendOp::FetchAdd {
+                remote_addr: b.mr.addr(),
+                rkey: b.mr.rkey(),
+                add: 1,
+            },
+            vec![a.mr.sge(0, 8)],
+        ))
+        .unwrap_err();
+    assert!(e.to_string().contains("no atomic"), "{e}");
+    let e =
+        a.qp.post_send(SendWr::new(2, SendOp::SendWithImm(3), vec![]))
+            .unwrap_err();
+    assert!(e.to_string().contains("immediate"), "{e}");
+    assert!(a.qp.modify(&QpAttr::default(), None).is_err());
+}
+
+#[test]
+fn a_bad_stag_gets_a_terminate_and_both_qps_fail() {
+    let (a, b) = pair(MpaConfig::default(), |b| {
+        b.qp.post_recv(RecvWr {
+            wr_id: 9,
+            sgl: vec![b.mr.sge(0, 64)],
+        })
+        .unwrap();
+    });
+    a.qp.post_send(SendWr::new(
+        1,
+        SendOp::Write {
+            remote_addr: b.mr.addr(),
+            rkey: b.mr.rkey() ^ 0x5a5a,
+        },
+        vec![a.mr.sge(0, 64)],
+    ))
+    .unwrap();
+    assert_eq!(one(&a.scq).status, WcStatus::Success, "sent");
+    wait_state(&a.qp, QpState::Err);
+    wait_state(&b.qp, QpState::Err);
+    let sent =
+        b.qp.iwarp_stats()
+            .unwrap()
+            .terminate_sent
+            .expect("b's Terminate");
+    assert_eq!(
+        (sent.control.layer, sent.control.etype, sent.control.code),
+        (Layer::Ddp, 1, 0x00),
+        "DDP tagged buffer error, invalid STag"
+    );
+    let got =
+        a.qp.iwarp_stats()
+            .unwrap()
+            .terminate_received
+            .expect("a saw it");
+    assert_eq!(got.control, sent.control);
+    assert_eq!(one(&b.rcq).status, WcStatus::WrFlushErr);
+    assert!(
+        a.qp.post_send(SendWr::new(2, SendOp::Send, vec![]))
+            .is_err()
+    );
+}
+
+#[test]
+fn a_read_out_of_bounds_fails_with_rem_access_err() {
+    let (a, b) = pair(MpaConfig::default(), |_| {});
+    a.qp.post_send(SendWr::new(
+        1,
+        SendOp::Read {
+            remote_addr: b.mr.addr() + (8 << 20) - 10,
+            rkey: b.mr.rkey(),
+        },
+        vec![a.mr.sge(0, 100)],
+    ))
+    .unwrap();
+    let wc = one(&a.scq);
+    assert_eq!((wc.wr_id, wc.status), (1, WcStatus::RemAccessErr));
+    let t = b.qp.iwarp_stats().unwrap().terminate_sent.unwrap();
+    assert_eq!(
+        (t.control.layer, t.control.etype, t.control.code),
+        (Layer::Rdmap, 1, 0x01)
+    );
+    assert!(
+        t.rdma_header.is_some(),
+        "the Read Request goes back with it"
+    );
+}
+
+#[test]
+fn a_send_with_no_receive_terminates_the_connection() {
+    let (a, b) = pair(MpaConfig::default(), |_| {});
+    a.qp.post_send(SendWr::new(1, SendOp::Send, vec![a.mr.sge(0, 10)]))
+        .unwrap();
+    assert_eq!(one(&a.scq).status, WcStatus::Success);
+    wait_state(&b.qp, QpState::Err);
+    let t = b.qp.iwarp_stats().unwrap().terminate_sent.unwrap();
+    assert_eq!(
+        (t.control.layer, t.control.etype, t.control.code),
+        (Layer::Ddp, 2, 0x02)
+    );
+    wait_state(&a.qp, QpState::Err);
+}
+
+#[test]
+fn a_rejected_connection_is_an_error_on_both_sides() {
+    let server = end([127, 0, 0, 2]);
+    let listener = Listener::bind(&server.ctx, 0).unwrap();
+    let at = listener.local_addr();
+    let t = std::thread::spawn(move || {
+        let r = listener.accept(&server.qp, &MpaConfig::default(), |req| {
+            assert_eq!(req.private_data, b"let me in");
+            Decision::Reject(b"not today".to_vec())
+        });
+        (r, server)
+    });
+    let client = end([127, 0, 0, 1]);
+    let cfg = MpaConfig {
+        private_data: b"let me in".to_vec(),
+        ..MpaConfig::default()
+    };
+    let e = iwarp::connect(&client.qp, at, &cfg).unwrap_err();
+    match e {
+        ConnectError::Mpa(MpaError::Rejected { private_data }) => {
+            assert_eq!(private_data, b"not today")
+        }
+        e => panic!("{e}"),
+    }
+    let (r, server) = t.join().unwrap();
+    assert!(matches!(
+        r.unwrap_err(),
+        ConnectError::Mpa(MpaError::RejectedHere { .. })
+    ));
+    assert_eq!(client.qp.state(), QpState::Init);
+    assert_eq!(server.qp.state(), QpState::Init);
+    // A connection to where nobody listens is a TCP error, not a hang.
+    let e = iwarp::connect(
+        &client.qp,
+        "127.0.0.2:9".parse().unwrap(),
+        &MpaConfig::default(),
+    )
+    .unwrap_err();
+    assert!(matches!(e, ConnectError::Tcp { .. }), "{e}");
+}
+
+#[test]
+fn a_peer_that_closes_mid_transfer_flushes_everything() {
+    let (a, b) = pair(MpaConfig::default(), |_| {});
+    a.qp.post_recv(RecvWr {
+        wr_id: 77,
+        sgl: vec![a.mr.sge(0, 64)],
+    })
+    .unwrap();
+    for k in 0..6 {
+        a.qp.post_send(SendWr::new(
+            k,
+            SendOp::Write {
+                remote_addr: b.mr.addr(),
+                rkey: b.mr.rkey(),
+            },
+            vec![a.mr.sge(0, 8 << 20)],
+        ))
+        .unwrap();
+    }
+    a.qp.post_send(SendWr::new(
+        99,
+        SendOp::Read {
+            remote_addr: b.mr.addr(),
+            rkey: b.mr.rkey(),
+        },
+        vec![a.mr.sge(0, 64)],
+    ))
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(10));
+    drop(b);
+    let mut last = None;
+    for _ in 0..7 {
+        last = Some(one(&a.scq));
+    }
+    let last = last.unwrap();
+    assert_eq!((last.wr_id, last.status), (99, WcStatus::WrFlushErr));
+    let r = one(&a.rcq);
+    assert_eq!((r.wr_id, r.status), (77, WcStatus::WrFlushErr));
+    assert_eq!(a.qp.state(), QpState::Err);
+    assert!(
+        std::iter::from_fn(|| a.ctx.poll_async_event())
+            .any(|e| e == AsyncEvent::QpFatal { qpn: a.qp.qpn() }),
+        "a QP fatal event"
+    );
+}
