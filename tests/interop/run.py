@@ -89,7 +89,7 @@ class Guest:
         self.jobs = self.share / "jobs"
         self.jobs.mkdir()
         (self.share / "runner.sh").write_text(RUNNER)
-        self.env = dict(os.environ, SHARE=str(self.share), LINKS="rxe", **env)
+        self.env = dict(os.environ, SHARE=str(self.share), **{"LINKS": "rxe", **env})
 
     def vm(self, *args, check=True):
         return subprocess.run([str(self.harness / "vm.sh"), *args], env=self.env,
@@ -242,6 +242,38 @@ class Case:
         self.pcap = pcap
 
 
+def rping_result(out, role, count):
+    """rping's own lines: a client prints each echoed ping, a server each read."""
+    want = "ping data: rdma-ping-" if role == "client" else "server ping data: rdma-ping-"
+    lines = [l for l in out.splitlines() if l.startswith(want)]
+    got = [int(l[len(want):].split(":")[0]) for l in lines]
+    if got != list(range(count)):
+        return f"pings {got}, expected 0..{count - 1}"
+    if "data mismatch" in out:
+        return "data mismatch"
+    return None
+
+
+def siw_cases():
+    """rping against siw (rdma_cm over iWARP) in both roles."""
+    out = []
+
+    def rping(count, size, ours_extra=""):
+        def check(o, role, n=count):
+            return rping_result(o, role, n)
+        name = f"rping -C {count} -S {size}" + (f" {ours_extra}" if ours_extra else "")
+        out.append(Case(name, f"rping -v -V -C {count} -S {size}",
+                        f"rping -v -V -C {count} -S {size} {ours_extra}".strip(), check=check))
+
+    rping(10, 64)
+    rping(5, 1000)
+    rping(3, 65535)
+    # softrdma asking for CRC as initiator: siw's Reply grants it. With the
+    # CRC-required module, siw asks as initiator in every case above too.
+    rping(5, 200, "--crc")
+    return out
+
+
 def cases(mtu4200=False):
     out = []
     port = [20000]
@@ -333,6 +365,8 @@ def cases(mtu4200=False):
 def run_case(guest, case, port, tool_is_server, keep_going=True):
     """Runs one case in one role; returns None or what failed."""
     job = re.sub(r"[^A-Za-z0-9]+", "_", case.name) + ("_tsrv" if tool_is_server else "_tcli")
+    if case.ours.startswith("rping"):
+        return run_rping(guest, case, port, tool_is_server, job)
     ours = [str(REPO / "target/release/softrdma")] + case.ours.split() + ["-p", str(port)]
     pcap = Path(guest.share) / f"{job}.pcap"
     if case.pcap:
@@ -350,16 +384,18 @@ def run_case(guest, case, port, tool_is_server, keep_going=True):
                               + ours + [GUEST_IP], capture_output=True, text=True)
         rc, tout = guest.wait(job, case.timeout)
     else:
-        h = subprocess.Popen(["ip", "netns", "exec", NS, "timeout", str(case.timeout)] + ours
-                             + ["--bind", HOST_IP], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-        end = time.time() + 30
-        while not host_listening(port) and time.time() < end and h.poll() is None:
-            time.sleep(0.1)
-        guest.start(job, f"{tool} {HOST_IP}")
-        rc, tout = guest.wait(job, case.timeout)
-        hout, herr = h.communicate(timeout=case.timeout)
-        host = subprocess.CompletedProcess(h.args, h.returncode, hout, herr)
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            h = subprocess.Popen(["ip", "netns", "exec", NS, "timeout", str(case.timeout)] + ours
+                                 + ["--bind", HOST_IP], stdout=out, stderr=err, text=True)
+            end = time.time() + 30
+            while not host_listening(port) and time.time() < end and h.poll() is None:
+                time.sleep(0.1)
+            guest.start(job, f"{tool} {HOST_IP}")
+            rc, tout = guest.wait(job, case.timeout)
+            h.wait(timeout=case.timeout)
+            out.seek(0)
+            err.seek(0)
+            host = subprocess.CompletedProcess(h.args, h.returncode, out.read(), err.read())
     problems = []
     if rc != 0:
         problems.append(f"tool exit status {rc}")
@@ -377,13 +413,66 @@ def run_case(guest, case, port, tool_is_server, keep_going=True):
     return None
 
 
+def run_rping(guest, case, port, tool_is_server, job):
+    """rping's roles: -s -a OWN_ADDR on the server, -c -a SERVER on the client."""
+    bin_ = str(REPO / "target/release/softrdma")
+    ours = case.ours.split()
+    if tool_is_server:
+        guest.start(job, f"( {case.tool} -s -a {GUEST_IP} -p {port} ) & pid=$!; "
+                         f"for i in $(seq 1 50); do ss -ltnH | grep -q ':{port} ' && break; "
+                         f"sleep 0.1; done; : > {job}.listening; wait $pid")
+        if not guest.listening(job, 60):
+            rc, out = guest.wait(job, 5)
+            return f"rping did not listen (rc {rc}):\n{out}"
+        time.sleep(0.5)
+        host = subprocess.run(["ip", "netns", "exec", NS, "timeout", str(case.timeout), bin_]
+                              + ours + ["-c", "-a", GUEST_IP, "-p", str(port)],
+                              capture_output=True, text=True)
+        rc, tout = guest.wait(job, case.timeout)
+        roles = ("server", "client")
+    else:
+        # Files, not pipes: -v prints the ping data (up to 64 KiB a line),
+        # and a full pipe nobody reads would stall the server.
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            h = subprocess.Popen(["ip", "netns", "exec", NS, "timeout", str(case.timeout), bin_]
+                                 + ours + ["-s", "-a", HOST_IP, "-p", str(port)],
+                                 stdout=out, stderr=err, text=True)
+            end = time.time() + 30
+            while not host_listening(port) and time.time() < end and h.poll() is None:
+                time.sleep(0.1)
+            guest.start(job, f"{case.tool} -c -a {HOST_IP} -p {port}")
+            rc, tout = guest.wait(job, case.timeout)
+            h.wait(timeout=case.timeout)
+            out.seek(0)
+            err.seek(0)
+            host = subprocess.CompletedProcess(h.args, h.returncode, out.read(), err.read())
+        roles = ("client", "server")
+    problems = []
+    if rc != 0:
+        problems.append(f"rping exit status {rc}")
+    if host.returncode != 0:
+        problems.append(f"softrdma exit status {host.returncode}")
+    for (who, text), role in zip((("rping", tout), ("softrdma", host.stdout)), roles):
+        err = case.check(text, role)
+        if err:
+            problems.append(f"{who}: {err}")
+    if problems:
+        return "; ".join(problems) + f"\n--- rping:\n{tout}\n--- softrdma:\n{host.stdout}{host.stderr}"
+    return None
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="run the cases whose name matches this regular expression")
     ap.add_argument("--list", action="store_true", help="list the cases")
     ap.add_argument("--keep", action="store_true", help="leave the guests up")
     args = ap.parse_args()
-    variants = [("rxe1500", {}, cases()[0]), ("rxe4200", {"MTU": "4200"}, cases(True)[0])]
+    variants = [
+        ("rxe1500", {}, cases()[0]),
+        ("rxe4200", {"MTU": "4200"}, cases(True)[0]),
+        ("siw", {"LINKS": "siw"}, siw_cases()),
+        ("siwcrc", {"LINKS": "siw", "SIW_CRC": "1"}, siw_cases()),
+    ]
     if args.list:
         for v, _, cs in variants:
             for c in cs:
@@ -413,8 +502,8 @@ def main():
             for c in cs:
                 for tool_is_server in (True, False):
                     port += 1
-                    role = ("rxe server, softrdma client" if tool_is_server
-                            else "softrdma server, rxe client")
+                    role = ("Linux server, softrdma client" if tool_is_server
+                            else "softrdma server, Linux client")
                     t = time.time()
                     err = run_case(guest, c, port, tool_is_server)
                     status = "ok" if err is None else "FAIL"

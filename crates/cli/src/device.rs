@@ -79,16 +79,7 @@ pub fn choose(
         }
         (None, Some(b)) => by_addr(&all, b),
         (None, None) => match peer {
-            Some(p) => {
-                // The kernel's route to the peer names the source address.
-                let s = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).map_err(|e| e.to_string())?;
-                s.connect((p, 4791))
-                    .map_err(|e| format!("no route to {p}: {e}"))?;
-                match s.local_addr().map_err(|e| e.to_string())?.ip() {
-                    std::net::IpAddr::V4(a) => by_addr(&all, a),
-                    std::net::IpAddr::V6(_) => return Err(format!("no IPv4 route to {p}")),
-                }
-            }
+            Some(p) => by_addr(&all, route_to(p)?),
             None => {
                 let d = all.iter().find(|d| !d.loopback).ok_or(
                     "no non-loopback device: give -d DEVICE or --bind ADDRESS \
@@ -106,6 +97,17 @@ pub fn choose(
         gid,
     )?;
     Ok(chosen)
+}
+
+/// The local address the kernel's route to `peer` uses.
+pub fn route_to(peer: Ipv4Addr) -> Result<Ipv4Addr, String> {
+    let s = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).map_err(|e| e.to_string())?;
+    s.connect((peer, 4791))
+        .map_err(|e| format!("no route to {peer}: {e}"))?;
+    match s.local_addr().map_err(|e| e.to_string())?.ip() {
+        std::net::IpAddr::V4(a) => Ok(a),
+        std::net::IpAddr::V6(_) => Err(format!("no IPv4 route to {peer}")),
+    }
 }
 
 fn gid_text(g: &[u8; 16]) -> String {

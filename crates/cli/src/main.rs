@@ -10,6 +10,7 @@ mod demo;
 mod device;
 mod perf;
 mod ping;
+mod rping;
 
 /// RDMA verbs in Rust over RoCEv2, iWARP and shared memory.
 #[derive(Debug, Parser)]
@@ -50,6 +51,10 @@ enum Command {
     /// Without HOST, wait for a client. Blocking completion waits (no busy
     /// polling). --verify (both sides softrdma) checks the payload.
     Perf(perf::PerfArgs),
+    /// rdma-core's rping over iWARP (TCP, MPA): the client SENDs its buffer's
+    /// address, the server READs it, then WRITEs it back; compatible with
+    /// rping on Linux siw in both roles.
+    Rping(rping::RpingArgs),
     /// List the RoCEv2 devices (one per IPv4 address of each interface that
     /// is up, named roce_<netdev>) with their GID tables.
     Devices,
@@ -94,6 +99,7 @@ fn main() -> ExitCode {
         Command::Ping(args) => ping::run(&args),
         Command::Devices => device::list(),
         Command::Perf(args) => perf::run(&args),
+        Command::Rping(args) => rping::run(&args),
         Command::Demo { addr, busy_poll } => demo::run(&addr.to_string(), busy_poll),
         Command::Hostd {
             addr,

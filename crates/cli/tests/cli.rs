@@ -602,3 +602,67 @@ fn perf_duration_mode_and_ud_and_bidirectional_between_two_processes() {
         }
     }
 }
+
+#[test]
+fn rping_between_two_processes_over_iwarp() {
+    let bin = env!("CARGO_BIN_EXE_softrdma");
+    let server = Command::new(bin)
+        .args([
+            "rping",
+            "-s",
+            "-a",
+            "127.0.1.51",
+            "-p",
+            "19361",
+            "-S",
+            "5000",
+            "-v",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut client = None;
+    for _ in 0..50 {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let o = Command::new(bin)
+            .args([
+                "rping",
+                "-c",
+                "-a",
+                "127.0.1.51",
+                "-I",
+                "127.0.1.52",
+                "-p",
+                "19361",
+            ])
+            .args(["-C", "7", "-S", "5000", "-v", "-V", "--crc"])
+            .output()
+            .unwrap();
+        if String::from_utf8_lossy(&o.stderr).contains("refused") {
+            continue;
+        }
+        client = Some(o);
+        break;
+    }
+    let c = client.expect("the server listened");
+    let s = server.wait_with_output().unwrap();
+    assert!(c.status.success() && s.status.success(), "{c:?} {s:?}");
+    let pings: Vec<String> = stdout(&c)
+        .lines()
+        .filter_map(|l| l.strip_prefix("ping data: ").map(str::to_string))
+        .collect();
+    assert_eq!(pings.len(), 7);
+    for (k, p) in pings.iter().enumerate() {
+        assert!(p.starts_with(&format!("rdma-ping-{k}: ")), "{p}");
+        assert_eq!(p.len(), 4999, "the whole buffer but its NUL came back");
+    }
+    assert_eq!(
+        stdout(&s)
+            .lines()
+            .filter(|l| l.starts_with("server ping data: "))
+            .count(),
+        7
+    );
+    assert!(String::from_utf8_lossy(&s.stderr).contains("DISCONNECT"));
+}

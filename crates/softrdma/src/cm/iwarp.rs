@@ -7,6 +7,10 @@ use std::net::{SocketAddr, SocketAddrV4, TcpListener, TcpStream};
 use super::mpa::{self, Decision, MpaConfig, MpaError, MpaOutcome, MpaRequest};
 use crate::verbs::{Context, Qp, VerbsError};
 
+/// How long an initiator waits after the MPA Reply before its first FPDU
+/// (see [`connect`]).
+pub const FIRST_FPDU_DELAY: std::time::Duration = std::time::Duration::from_millis(20);
+
 /// Why a connection failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
@@ -40,6 +44,13 @@ pub fn connect(qp: &Qp, to: SocketAddrV4, cfg: &MpaConfig) -> Result<MpaOutcome,
     sock.connect(&SocketAddr::V4(to).into()).map_err(tcp)?;
     let mut stream: TcpStream = sock.into();
     let out = mpa::connect(&mut stream, cfg)?;
+    // Linux siw (6.1) sends its MPA Reply before it hooks the socket's
+    // data-ready callback to the QP; an FPDU arriving in between stays
+    // unread until more data comes, and a client waiting for an answer
+    // hangs. rdma_cm initiators are slower than that to post; so is this.
+    if out.rtr.is_none() {
+        std::thread::sleep(FIRST_FPDU_DELAY);
+    }
     qp.attach_iwarp(stream, &out)?;
     Ok(out)
 }

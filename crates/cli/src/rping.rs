@@ -1,0 +1,344 @@
+//! `softrdma rping`: rdma-core's `rping` over iWARP (its flags, its
+//! connection parameters and its per-iteration exchange), so that either
+//! side can be softrdma and the other `rping` on Linux siw.
+//!
+//! Per iteration: the client SENDs the address/rkey/size of its start
+//! buffer; the server RDMA READs it, SENDs "go ahead"; the client SENDs the
+//! address of its rdma buffer; the server RDMA WRITEs the data there and
+//! SENDs "go ahead"; the client validates (-V) and prints (-v).
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use softrdma::cm::iwarp::{self, Listener};
+use softrdma::cm::mpa::{CrcPolicy, Decision, MpaConfig};
+use softrdma::verbs::*;
+
+/// Options, spelled as rping spells them.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RpingArgs {
+    /// Be the server.
+    #[arg(
+        short = 's',
+        conflicts_with = "client",
+        required_unless_present = "client"
+    )]
+    pub server: bool,
+    /// Be the client.
+    #[arg(short = 'c')]
+    pub client: bool,
+    /// Server: the address to listen on; client: the server's address.
+    #[arg(short = 'a', value_name = "ADDR")]
+    pub addr: Ipv4Addr,
+    /// Client: the source address (default: the route to the server).
+    #[arg(short = 'I', value_name = "ADDR")]
+    pub source: Option<Ipv4Addr>,
+    /// Port (rdma_cm's TCP port space).
+    #[arg(short = 'p', default_value_t = 7174)]
+    pub port: u16,
+    /// Iterations (0: until interrupted).
+    #[arg(short = 'C', default_value_t = 0)]
+    pub count: u64,
+    /// Ping data size.
+    #[arg(short = 'S', default_value_t = 64)]
+    pub size: usize,
+    /// Print the ping data.
+    #[arg(short = 'v')]
+    pub verbose: bool,
+    /// Validate the ping data.
+    #[arg(short = 'V')]
+    pub validate: bool,
+    /// Debug prints.
+    #[arg(short = 'd')]
+    pub debug: bool,
+    /// Server: serve connections one after another until interrupted.
+    #[arg(short = 'P')]
+    pub persistent: bool,
+    /// Ask for MPA CRC32c (ours; a peer that asks for it gets it anyway).
+    #[arg(long)]
+    pub crc: bool,
+}
+
+/// rping's minimum: room for the message format and a number.
+const MIN_SIZE: usize = "2147483647".len() + 1 + "rdma-ping-%d: ".len() + 1;
+const INFO_LEN: usize = 16;
+const T: Duration = Duration::from_secs(30);
+
+pub fn run(a: &RpingArgs) -> ExitCode {
+    if !(MIN_SIZE..=65535).contains(&a.size) {
+        eprintln!(
+            "Invalid size {} (valid range is {MIN_SIZE} to 65535)",
+            a.size
+        );
+        return ExitCode::FAILURE;
+    }
+    let r = if a.server { server(a) } else { client(a) };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("softrdma rping: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn mpa_config(a: &RpingArgs) -> MpaConfig {
+    // rping's connection parameters: responder resources and initiator depth 1.
+    MpaConfig {
+        crc: if a.crc {
+            CrcPolicy::Required
+        } else {
+            CrcPolicy::IfAsked
+        },
+        ird: 1,
+        ord: 1,
+        ..MpaConfig::default()
+    }
+}
+
+/// The QP and buffers of one side: [0, 16) receive, [16, 32) send,
+/// then the start buffer and the rdma buffer.
+struct Side {
+    _ctx: Context,
+    _pd: Pd,
+    mr: Mr,
+    scq: Cq,
+    rcq: Cq,
+    qp: Qp,
+    size: usize,
+}
+
+const RECV: usize = 0;
+const SEND: usize = INFO_LEN;
+const START: usize = 2 * INFO_LEN;
+
+impl Side {
+    fn new(ip: Ipv4Addr, size: usize) -> Result<Side, String> {
+        let e = |e: VerbsError| e.to_string();
+        let ctx = Device::iwarp(ip).open().map_err(e)?;
+        let pd = ctx.alloc_pd().map_err(e)?;
+        let mr = pd.register(START + 2 * size, Access::ALL).map_err(e)?;
+        let scq = ctx.create_cq(32).map_err(e)?;
+        let rcq = ctx.create_cq(8).map_err(e)?;
+        let qp = pd
+            .create_qp(&QpInit::rc(&scq, &rcq).caps(QpCaps {
+                max_send_wr: 16,
+                max_recv_wr: 2,
+                max_send_sge: 1,
+                max_recv_sge: 1,
+                max_inline_data: 0,
+            }))
+            .map_err(e)?;
+        Ok(Side {
+            _ctx: ctx,
+            _pd: pd,
+            mr,
+            scq,
+            rcq,
+            qp,
+            size,
+        })
+    }
+
+    fn rdma(&self) -> usize {
+        START + self.size
+    }
+
+    fn post_recv(&self) -> Result<(), String> {
+        self.qp
+            .post_recv(RecvWr {
+                wr_id: 1,
+                sgl: vec![self.mr.sge(RECV, INFO_LEN as u32)],
+            })
+            .map_err(|e| e.to_string())
+    }
+
+    /// Waits for the next receive; `None` when the connection ended.
+    fn recv_info(&self) -> Result<Option<(u64, u32, u32)>, String> {
+        let wc = self
+            .rcq
+            .wait(T)
+            .map_err(|e| e.to_string())?
+            .ok_or("no message from the peer in 30 s")?;
+        if wc.status == WcStatus::WrFlushErr {
+            return Ok(None);
+        }
+        if wc.status != WcStatus::Success {
+            return Err(format!("receive failed: {}", wc.status));
+        }
+        let b = self
+            .mr
+            .read_vec(RECV, INFO_LEN)
+            .map_err(|e| e.to_string())?;
+        self.post_recv()?;
+        Ok(Some((
+            u64::from_be_bytes(b[0..8].try_into().expect("8 bytes")),
+            u32::from_be_bytes(b[8..12].try_into().expect("4 bytes")),
+            u32::from_be_bytes(b[12..16].try_into().expect("4 bytes")),
+        )))
+    }
+
+    fn post(&self, op: SendOp, at: usize, len: usize) -> Result<(), String> {
+        self.qp
+            .post_send(SendWr::new(0, op, vec![self.mr.sge(at, len as u32)]))
+            .map_err(|e| e.to_string())?;
+        let wc = self
+            .scq
+            .wait(T)
+            .map_err(|e| e.to_string())?
+            .ok_or("no send completion in 30 s")?;
+        if wc.status != WcStatus::Success {
+            return Err(format!("{:?} failed: {}", wc.opcode, wc.status));
+        }
+        Ok(())
+    }
+
+    /// SENDs rping's rdma_info for the buffer at `at`.
+    fn send_info(&self, at: usize) -> Result<(), String> {
+        let mut info = [0u8; INFO_LEN];
+        info[0..8].copy_from_slice(&(self.mr.addr() + at as u64).to_be_bytes());
+        info[8..12].copy_from_slice(&self.mr.rkey().to_be_bytes());
+        info[12..16].copy_from_slice(&(self.size as u32).to_be_bytes());
+        self.mr.write(SEND, &info).map_err(|e| e.to_string())?;
+        self.post(SendOp::Send, SEND, INFO_LEN)
+    }
+}
+
+fn server(a: &RpingArgs) -> Result<(), String> {
+    let e = |e: VerbsError| e.to_string();
+    let probe = Device::iwarp(a.addr).open().map_err(e)?;
+    let listener = Listener::bind(&probe, a.port).map_err(e)?;
+    loop {
+        let side = Side::new(a.addr, a.size)?;
+        side.post_recv()?;
+        listener
+            .accept(&side.qp, &mpa_config(a), |_| Decision::Accept)
+            .map_err(|e| e.to_string())?;
+        if a.debug {
+            eprintln!("accepting client connection request");
+        }
+        serve(a, &side)?;
+        eprintln!("server DISCONNECT EVENT...");
+        if !a.persistent {
+            return Ok(());
+        }
+    }
+}
+
+fn serve(a: &RpingArgs, s: &Side) -> Result<(), String> {
+    loop {
+        // The client's start buffer: READ it.
+        let Some((addr, rkey, len)) = s.recv_info()? else {
+            return Ok(());
+        };
+        if len as usize > s.size {
+            return Err(format!(
+                "the client's {len}-byte buffer does not fit this side's {} (-S)",
+                s.size
+            ));
+        }
+        s.post(
+            SendOp::Read {
+                remote_addr: addr,
+                rkey,
+            },
+            s.rdma(),
+            len as usize,
+        )?;
+        let data =
+            s.mr.read_vec(s.rdma(), len as usize)
+                .map_err(|e| e.to_string())?;
+        let text_len = data.iter().position(|&b| b == 0).unwrap_or(data.len());
+        if a.verbose {
+            println!(
+                "server ping data: {}",
+                String::from_utf8_lossy(&data[..text_len])
+            );
+        }
+        // "Go ahead" is the (zeroed) send buffer.
+        s.mr.write(SEND, &[0u8; INFO_LEN])
+            .map_err(|e| e.to_string())?;
+        s.post(SendOp::Send, SEND, INFO_LEN)?;
+        let Some((addr, rkey, _)) = s.recv_info()? else {
+            return Ok(());
+        };
+        // Echo the string and its NUL, as rping writes strlen + 1.
+        s.post(
+            SendOp::Write {
+                remote_addr: addr,
+                rkey,
+            },
+            s.rdma(),
+            (text_len + 1).min(len as usize),
+        )?;
+        s.post(SendOp::Send, SEND, INFO_LEN)?;
+    }
+}
+
+/// rping's ping data for iteration `ping`: "rdma-ping-N: " and letters from
+/// `start` up, wrapping 'z' to 'A'; NUL last.
+fn ping_data(ping: u64, start: u8, size: usize) -> Vec<u8> {
+    let mut buf = format!("rdma-ping-{ping}: ").into_bytes();
+    buf.truncate(size - 1);
+    let mut c = start;
+    while buf.len() < size {
+        buf.push(c);
+        c = if c >= 122 { 65 } else { c + 1 };
+    }
+    buf[size - 1] = 0;
+    buf
+}
+
+fn client(a: &RpingArgs) -> Result<(), String> {
+    let source = match a.source {
+        Some(s) => s,
+        None => crate::device::route_to(a.addr)?,
+    };
+    let side = Side::new(source, a.size)?;
+    side.post_recv()?;
+    iwarp::connect(&side.qp, SocketAddrV4::new(a.addr, a.port), &mpa_config(a))
+        .map_err(|e| e.to_string())?;
+    let mut start = 65u8;
+    let mut ping = 0u64;
+    while a.count == 0 || ping < a.count {
+        let data = ping_data(ping, start, a.size);
+        start = if start >= 122 { 65 } else { start + 1 };
+        side.mr.write(START, &data).map_err(|e| e.to_string())?;
+        side.send_info(START)?;
+        side.recv_info()?.ok_or("the server went away")?;
+        side.send_info(side.rdma())?;
+        side.recv_info()?.ok_or("the server went away")?;
+        let echoed = side
+            .mr
+            .read_vec(side.rdma(), a.size)
+            .map_err(|e| e.to_string())?;
+        if a.validate && echoed != data {
+            return Err("data mismatch!".into());
+        }
+        if a.verbose {
+            let n = echoed.iter().position(|&b| b == 0).unwrap_or(echoed.len());
+            println!("ping data: {}", String::from_utf8_lossy(&echoed[..n]));
+        }
+        ping += 1;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ping_data_is_rpings() {
+        // results/siw_rping.log: the first ping of 64 bytes.
+        let d = ping_data(0, 65, 64);
+        assert_eq!(
+            String::from_utf8_lossy(&d[..63]),
+            "rdma-ping-0: ABCDEFGHIJKLMNOPQRSTUVWXYZ[\\]^_`abcdefghijklmnopqr"
+        );
+        assert_eq!(d[63], 0);
+        let d = ping_data(1, 66, 64);
+        assert!(d.starts_with(b"rdma-ping-1: BCD"));
+    }
+}
