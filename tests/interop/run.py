@@ -271,6 +271,11 @@ def siw_cases():
     # softrdma asking for CRC as initiator: siw's Reply grants it. With the
     # CRC-required module, siw asks as initiator in every case above too.
     rping(5, 200, "--crc")
+    # The error case: a wrong rkey. softrdma as client advertises one (siw's
+    # READ fails, softrdma sends the Terminate); as server it WRITEs with one
+    # (siw sends the Terminate).
+    out.append(Case("rping error case: bad rkey", "rping -v -C 1 -S 64",
+                    "rping -C 1 -S 64 --bad-rkey", check=None))
     return out
 
 
@@ -413,6 +418,37 @@ def run_case(guest, case, port, tool_is_server, keep_going=True):
     return None
 
 
+def bad_rkey_problems(rc, tout, host, tool_is_server):
+    """Both sides fail, and the Terminate is the one the wrong STag earns."""
+    problems = []
+    if host.returncode in (0, 124):
+        problems.append(f"softrdma exit status {host.returncode}, expected a failure")
+    # rping exits 0 on a disconnect; what shows the failure is that no ping
+    # completed on its side.
+    if rc is None:
+        problems.append("rping did not end")
+    if re.search(r"^(server )?ping data: rdma-ping-0", tout, re.M):
+        problems.append("rping completed a ping despite the wrong rkey")
+    term = re.search(r"Terminate (sent|received): layer (\d+) type (\d+) code (0x[0-9a-f]+)",
+                     host.stderr)
+    if not term:
+        problems.append("no Terminate reported by softrdma")
+        return problems
+    way, layer, etype, code = term.group(1), int(term.group(2)), int(term.group(3)), \
+        int(term.group(4), 16)
+    if tool_is_server:
+        # siw READs softrdma's start buffer with the wrong STag: softrdma's
+        # responder answers DDP tagged buffer error "invalid STag".
+        if (way, layer, etype, code) != ("sent", 1, 1, 0x00):
+            problems.append(f"softrdma's Terminate: {term.group(0)}")
+    else:
+        # softrdma WRITEs with the wrong STag: siw's Terminate names a tagged
+        # buffer (DDP) or remote protection (RDMAP) error.
+        if way != "received" or (layer, etype) not in ((1, 1), (0, 1)):
+            problems.append(f"siw's Terminate: {term.group(0)}")
+    return problems
+
+
 def run_rping(guest, case, port, tool_is_server, job):
     """rping's roles: -s -a OWN_ADDR on the server, -c -a SERVER on the client."""
     bin_ = str(REPO / "target/release/softrdma")
@@ -448,6 +484,11 @@ def run_rping(guest, case, port, tool_is_server, job):
             host = subprocess.CompletedProcess(h.args, h.returncode, out.read(), err.read())
         roles = ("client", "server")
     problems = []
+    if "--bad-rkey" in case.ours:
+        problems = bad_rkey_problems(rc, tout, host, tool_is_server)
+        if problems:
+            return "; ".join(problems) + f"\n--- rping:\n{tout}\n--- softrdma:\n{host.stdout}{host.stderr}"
+        return None
     if rc != 0:
         problems.append(f"rping exit status {rc}")
     if host.returncode != 0:

@@ -58,6 +58,11 @@ pub struct RpingArgs {
     /// Ask for MPA CRC32c (ours; a peer that asks for it gets it anyway).
     #[arg(long)]
     pub crc: bool,
+    /// Fault injection for the interop suite's error case: a client
+    /// advertises a wrong rkey for its start buffer (the peer's READ fails),
+    /// a server WRITEs with a wrong rkey. Prints the Terminates and fails.
+    #[arg(long, hide = true)]
+    pub bad_rkey: bool,
 }
 
 /// rping's minimum: room for the message format and a number.
@@ -194,11 +199,17 @@ impl Side {
         Ok(())
     }
 
-    /// SENDs rping's rdma_info for the buffer at `at`.
-    fn send_info(&self, at: usize) -> Result<(), String> {
+    /// SENDs rping's rdma_info for the buffer at `at` (with a wrong rkey
+    /// when `bad`).
+    fn send_info(&self, at: usize, bad: bool) -> Result<(), String> {
         let mut info = [0u8; INFO_LEN];
         info[0..8].copy_from_slice(&(self.mr.addr() + at as u64).to_be_bytes());
-        info[8..12].copy_from_slice(&self.mr.rkey().to_be_bytes());
+        let rkey = if bad {
+            self.mr.rkey() ^ 0x00ff_ff00
+        } else {
+            self.mr.rkey()
+        };
+        info[8..12].copy_from_slice(&rkey.to_be_bytes());
         info[12..16].copy_from_slice(&(self.size as u32).to_be_bytes());
         self.mr.write(SEND, &info).map_err(|e| e.to_string())?;
         self.post(SendOp::Send, SEND, INFO_LEN)
@@ -264,6 +275,7 @@ fn serve(a: &RpingArgs, s: &Side) -> Result<(), String> {
             return Ok(());
         };
         // Echo the string and its NUL, as rping writes strlen + 1.
+        let rkey = if a.bad_rkey { rkey ^ 0x00ff_ff00 } else { rkey };
         s.post(
             SendOp::Write {
                 remote_addr: addr,
@@ -272,7 +284,36 @@ fn serve(a: &RpingArgs, s: &Side) -> Result<(), String> {
             s.rdma(),
             (text_len + 1).min(len as usize),
         )?;
-        s.post(SendOp::Send, SEND, INFO_LEN)?;
+        if let Err(e) = s.post(SendOp::Send, SEND, INFO_LEN) {
+            report_terminates(s);
+            return Err(e);
+        }
+        if a.bad_rkey {
+            // The peer's Terminate is on its way: wait for the stream to end.
+            let _ = s.recv_info();
+            report_terminates(s);
+            return Err("the peer terminated the connection".into());
+        }
+    }
+}
+
+/// Prints the Terminates of the connection (the error case's evidence).
+fn report_terminates(s: &Side) {
+    let Some(st) = s.qp.iwarp_stats() else { return };
+    for (what, t) in [
+        ("sent", st.terminate_sent),
+        ("received", st.terminate_received),
+    ] {
+        if let Some(t) = t {
+            eprintln!(
+                "Terminate {what}: layer {} type {} code {:#04x} ({}), {:?} layout",
+                t.control.layer.code(),
+                t.control.etype,
+                t.control.code,
+                t.control.description(),
+                t.encoding
+            );
+        }
     }
 }
 
@@ -305,9 +346,12 @@ fn client(a: &RpingArgs) -> Result<(), String> {
         let data = ping_data(ping, start, a.size);
         start = if start >= 122 { 65 } else { start + 1 };
         side.mr.write(START, &data).map_err(|e| e.to_string())?;
-        side.send_info(START)?;
-        side.recv_info()?.ok_or("the server went away")?;
-        side.send_info(side.rdma())?;
+        side.send_info(START, a.bad_rkey)?;
+        if side.recv_info()?.is_none() {
+            report_terminates(&side);
+            return Err("the server went away".into());
+        }
+        side.send_info(side.rdma(), false)?;
         side.recv_info()?.ok_or("the server went away")?;
         let echoed = side
             .mr

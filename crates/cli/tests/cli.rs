@@ -666,3 +666,50 @@ fn rping_between_two_processes_over_iwarp() {
     );
     assert!(String::from_utf8_lossy(&s.stderr).contains("DISCONNECT"));
 }
+
+#[test]
+fn rping_with_a_wrong_rkey_fails_with_the_terminate_reported() {
+    let bin = env!("CARGO_BIN_EXE_softrdma");
+    let server = Command::new(bin)
+        .args(["rping", "-s", "-a", "127.0.1.53", "-p", "19362"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut client = None;
+    for _ in 0..50 {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let o = Command::new(bin)
+            .args([
+                "rping",
+                "-c",
+                "-a",
+                "127.0.1.53",
+                "-I",
+                "127.0.1.54",
+                "-p",
+                "19362",
+            ])
+            .args(["-C", "1", "--bad-rkey"])
+            .output()
+            .unwrap();
+        if String::from_utf8_lossy(&o.stderr).contains("refused") {
+            continue;
+        }
+        client = Some(o);
+        break;
+    }
+    let c = client.expect("the server listened");
+    let s = server.wait_with_output().unwrap();
+    assert!(!c.status.success() && !s.status.success());
+    // The client's responder refused the server's READ with the wrong STag.
+    assert!(
+        String::from_utf8_lossy(&c.stderr)
+            .contains("Terminate sent: layer 1 type 1 code 0x00 (DDP tagged: invalid STag)"),
+        "{c:?}"
+    );
+    assert!(
+        String::from_utf8_lossy(&s.stderr).contains("remote access error"),
+        "{s:?}"
+    );
+}
