@@ -94,7 +94,7 @@ impl TcpQp {
             .name("softrdma-iwarp-rx".into())
             .spawn(move || receive_loop(&a))?;
         let tx = std::thread::Builder::new()
-            .name("softrdma-iwarp-tx".into())
+            .name(TX_NAME.into())
             .spawn(move || transmit_loop(&b))?;
         Ok(TcpQp {
             shared,
@@ -122,12 +122,26 @@ impl TcpQp {
 
 impl Drop for TcpQp {
     fn drop(&mut self) {
+        // Let the transmit thread send what is queued (a Terminate above all)
+        // before the socket goes; a peer that does not read gets 2 s.
         self.shared.close();
+        let t0 = std::time::Instant::now();
+        while self
+            .threads
+            .iter()
+            .any(|t| t.thread().name() == Some(TX_NAME) && !t.is_finished())
+            && t0.elapsed() < std::time::Duration::from_secs(2)
+        {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let _ = self.shared.stream.shutdown(Shutdown::Both);
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
     }
 }
+
+const TX_NAME: &str = "softrdma-iwarp-tx";
 
 impl Shared {
     fn kick(&self) {
@@ -135,9 +149,9 @@ impl Shared {
         self.tx_wake.notify_one();
     }
 
+    /// Asks the threads to end (the transmit thread sends what is queued first).
     fn close(&self) {
         self.closed.store(true, Ordering::Release);
-        let _ = self.stream.shutdown(Shutdown::Both);
         self.kick();
     }
 
@@ -145,7 +159,9 @@ impl Shared {
     fn lost(&self) {
         self.engine.lock().expect("QP lock").connection_lost();
         self.drain();
-        self.close();
+        self.closed.store(true, Ordering::Release);
+        let _ = self.stream.shutdown(Shutdown::Both);
+        self.kick();
     }
 
     /// Moves completions and events out of the engine.
