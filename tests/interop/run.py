@@ -367,6 +367,41 @@ def cases(mtu4200=False):
     return out, p
 
 
+def guest_server(guest, job, cmd, port, give_up_after=None):
+    """Starts `cmd` in the guest and waits until it listens on `port` (or,
+    with `give_up_after` seconds, until then: kernel listeners of rdma_cm may
+    not show). Returns None or what failed."""
+    if give_up_after is None:
+        wait = f"while ! ss -ltnH | grep -q ':{port} '; do sleep 0.1; done"
+    else:
+        wait = (f"for i in $(seq 1 {int(give_up_after * 10)}); do "
+                f"ss -ltnH | grep -q ':{port} ' && break; sleep 0.1; done")
+    guest.start(job, f"( {cmd} ) & pid=$!; {wait}; : > {job}.listening; wait $pid")
+    if not guest.listening(job, 60):
+        rc, out = guest.wait(job, 5)
+        return f"the tool did not listen (rc {rc}):\n{out}"
+    return None
+
+
+def host_server(guest, job, cmd, port, client, timeout):
+    """Runs `cmd` on the host, then `client` in the guest once the host
+    listens on `port`; returns (guest status, guest output, host result).
+    Host output goes to files, not pipes: a verbose server (rping -v prints
+    up to 64 KiB a line) would stall on a full pipe nobody reads."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        h = subprocess.Popen(["ip", "netns", "exec", NS, "timeout", str(timeout)] + cmd,
+                             stdout=out, stderr=err, text=True)
+        end = time.time() + 30
+        while not host_listening(port) and time.time() < end and h.poll() is None:
+            time.sleep(0.1)
+        guest.start(job, client)
+        rc, tout = guest.wait(job, timeout)
+        h.wait(timeout=timeout)
+        out.seek(0)
+        err.seek(0)
+        return rc, tout, subprocess.CompletedProcess(h.args, h.returncode, out.read(), err.read())
+
+
 def run_case(guest, case, port, tool_is_server, keep_going=True):
     """Runs one case in one role; returns None or what failed."""
     job = re.sub(r"[^A-Za-z0-9]+", "_", case.name) + ("_tsrv" if tool_is_server else "_tcli")
@@ -378,29 +413,16 @@ def run_case(guest, case, port, tool_is_server, keep_going=True):
         ours += ["--pcap", str(pcap)]
     tool = f"{case.tool} -p {port}"
     if tool_is_server:
-        # Mark when the tool listens, so that the host client does not race it.
-        guest.start(job, f"( {tool} ) & pid=$!; "
-                         f"while ! ss -ltnH | grep -q ':{port} '; do sleep 0.1; done; "
-                         f": > {job}.listening; wait $pid")
-        if not guest.listening(job, 60):
-            rc, out = guest.wait(job, 5)
-            return f"the tool did not listen (rc {rc}):\n{out}"
+        # The host client starts once the tool listens, so it does not race it.
+        err = guest_server(guest, job, tool, port)
+        if err:
+            return err
         host = subprocess.run(["ip", "netns", "exec", NS, "timeout", str(case.timeout)]
                               + ours + [GUEST_IP], capture_output=True, text=True)
         rc, tout = guest.wait(job, case.timeout)
     else:
-        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-            h = subprocess.Popen(["ip", "netns", "exec", NS, "timeout", str(case.timeout)] + ours
-                                 + ["--bind", HOST_IP], stdout=out, stderr=err, text=True)
-            end = time.time() + 30
-            while not host_listening(port) and time.time() < end and h.poll() is None:
-                time.sleep(0.1)
-            guest.start(job, f"{tool} {HOST_IP}")
-            rc, tout = guest.wait(job, case.timeout)
-            h.wait(timeout=case.timeout)
-            out.seek(0)
-            err.seek(0)
-            host = subprocess.CompletedProcess(h.args, h.returncode, out.read(), err.read())
+        rc, tout, host = host_server(guest, job, ours + ["--bind", HOST_IP], port,
+                                     f"{tool} {HOST_IP}", case.timeout)
     problems = []
     if rc != 0:
         problems.append(f"tool exit status {rc}")
@@ -454,12 +476,10 @@ def run_rping(guest, case, port, tool_is_server, job):
     bin_ = str(REPO / "target/release/softrdma")
     ours = case.ours.split()
     if tool_is_server:
-        guest.start(job, f"( {case.tool} -s -a {GUEST_IP} -p {port} ) & pid=$!; "
-                         f"for i in $(seq 1 50); do ss -ltnH | grep -q ':{port} ' && break; "
-                         f"sleep 0.1; done; : > {job}.listening; wait $pid")
-        if not guest.listening(job, 60):
-            rc, out = guest.wait(job, 5)
-            return f"rping did not listen (rc {rc}):\n{out}"
+        err = guest_server(guest, job, f"{case.tool} -s -a {GUEST_IP} -p {port}", port,
+                           give_up_after=5)
+        if err:
+            return err
         time.sleep(0.5)
         host = subprocess.run(["ip", "netns", "exec", NS, "timeout", str(case.timeout), bin_]
                               + ours + ["-c", "-a", GUEST_IP, "-p", str(port)],
@@ -467,21 +487,9 @@ def run_rping(guest, case, port, tool_is_server, job):
         rc, tout = guest.wait(job, case.timeout)
         roles = ("server", "client")
     else:
-        # Files, not pipes: -v prints the ping data (up to 64 KiB a line),
-        # and a full pipe nobody reads would stall the server.
-        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-            h = subprocess.Popen(["ip", "netns", "exec", NS, "timeout", str(case.timeout), bin_]
-                                 + ours + ["-s", "-a", HOST_IP, "-p", str(port)],
-                                 stdout=out, stderr=err, text=True)
-            end = time.time() + 30
-            while not host_listening(port) and time.time() < end and h.poll() is None:
-                time.sleep(0.1)
-            guest.start(job, f"{case.tool} -c -a {HOST_IP} -p {port}")
-            rc, tout = guest.wait(job, case.timeout)
-            h.wait(timeout=case.timeout)
-            out.seek(0)
-            err.seek(0)
-            host = subprocess.CompletedProcess(h.args, h.returncode, out.read(), err.read())
+        rc, tout, host = host_server(guest, job, [bin_] + ours + ["-s", "-a", HOST_IP, "-p",
+                                                             str(port)], port,
+                                     f"{case.tool} -c -a {HOST_IP} -p {port}", case.timeout)
         roles = ("client", "server")
     problems = []
     if "--bad-rkey" in case.ours:

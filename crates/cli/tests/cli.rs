@@ -245,34 +245,38 @@ fn tool_pair(
     client_ip: &str,
     tcp: &str,
 ) -> (Output, Output) {
+    let server: Vec<&str> = [sub, server_args, &["--bind", server_ip, "-p", tcp]].concat();
+    let client: Vec<&str> = [
+        sub,
+        client_args,
+        &["--bind", client_ip, "-p", tcp, server_ip],
+    ]
+    .concat();
+    spawn_pair(&server, &client)
+}
+
+/// Starts `softrdma SERVER...`, then runs `softrdma CLIENT...` until it finds
+/// the server listening; both outputs.
+fn spawn_pair(server: &[&str], client: &[&str]) -> (Output, Output) {
     let bin = env!("CARGO_BIN_EXE_softrdma");
     let server = Command::new(bin)
-        .args(sub)
-        .args(server_args)
-        .args(["--bind", server_ip, "-p", tcp])
+        .args(server)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let mut client = None;
+    let mut out = None;
     for _ in 0..50 {
         std::thread::sleep(std::time::Duration::from_millis(100));
-        let o = Command::new(bin)
-            .args(sub)
-            .args(client_args)
-            .args(["--bind", client_ip, "-p", tcp, server_ip])
-            .output()
-            .unwrap();
-        if String::from_utf8_lossy(&o.stderr)
-            .to_lowercase()
-            .contains("couldn't connect")
-        {
+        let o = Command::new(bin).args(client).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).to_lowercase();
+        if err.contains("couldn't connect") || err.contains("refused") {
             continue;
         }
-        client = Some(o);
+        out = Some(o);
         break;
     }
-    let client = client.expect("the server listened");
+    let client = out.expect("the server listened");
     let server = server.wait_with_output().unwrap();
     (server, client)
 }
@@ -605,9 +609,8 @@ fn perf_duration_mode_and_ud_and_bidirectional_between_two_processes() {
 
 #[test]
 fn rping_between_two_processes_over_iwarp() {
-    let bin = env!("CARGO_BIN_EXE_softrdma");
-    let server = Command::new(bin)
-        .args([
+    let (s, c) = spawn_pair(
+        &[
             "rping",
             "-s",
             "-a",
@@ -617,36 +620,25 @@ fn rping_between_two_processes_over_iwarp() {
             "-S",
             "5000",
             "-v",
-        ])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut client = None;
-    for _ in 0..50 {
-        std::thread::sleep(std::time::Duration::from_millis(100));
-        let o = Command::new(bin)
-            .args([
-                "rping",
-                "-c",
-                "-a",
-                "127.0.1.51",
-                "-I",
-                "127.0.1.52",
-                "-p",
-                "19361",
-            ])
-            .args(["-C", "7", "-S", "5000", "-v", "-V", "--crc"])
-            .output()
-            .unwrap();
-        if String::from_utf8_lossy(&o.stderr).contains("refused") {
-            continue;
-        }
-        client = Some(o);
-        break;
-    }
-    let c = client.expect("the server listened");
-    let s = server.wait_with_output().unwrap();
+        ],
+        &[
+            "rping",
+            "-c",
+            "-a",
+            "127.0.1.51",
+            "-I",
+            "127.0.1.52",
+            "-p",
+            "19361",
+            "-C",
+            "7",
+            "-S",
+            "5000",
+            "-v",
+            "-V",
+            "--crc",
+        ],
+    );
     assert!(c.status.success() && s.status.success(), "{c:?} {s:?}");
     let pings: Vec<String> = stdout(&c)
         .lines()
@@ -669,38 +661,22 @@ fn rping_between_two_processes_over_iwarp() {
 
 #[test]
 fn rping_with_a_wrong_rkey_fails_with_the_terminate_reported() {
-    let bin = env!("CARGO_BIN_EXE_softrdma");
-    let server = Command::new(bin)
-        .args(["rping", "-s", "-a", "127.0.1.53", "-p", "19362"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut client = None;
-    for _ in 0..50 {
-        std::thread::sleep(std::time::Duration::from_millis(100));
-        let o = Command::new(bin)
-            .args([
-                "rping",
-                "-c",
-                "-a",
-                "127.0.1.53",
-                "-I",
-                "127.0.1.54",
-                "-p",
-                "19362",
-            ])
-            .args(["-C", "1", "--bad-rkey"])
-            .output()
-            .unwrap();
-        if String::from_utf8_lossy(&o.stderr).contains("refused") {
-            continue;
-        }
-        client = Some(o);
-        break;
-    }
-    let c = client.expect("the server listened");
-    let s = server.wait_with_output().unwrap();
+    let (s, c) = spawn_pair(
+        &["rping", "-s", "-a", "127.0.1.53", "-p", "19362"],
+        &[
+            "rping",
+            "-c",
+            "-a",
+            "127.0.1.53",
+            "-I",
+            "127.0.1.54",
+            "-p",
+            "19362",
+            "-C",
+            "1",
+            "--bad-rkey",
+        ],
+    );
     assert!(!c.status.success() && !s.status.success());
     // The client's responder refused the server's READ with the wrong STag.
     assert!(

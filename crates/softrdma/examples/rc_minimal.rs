@@ -59,36 +59,24 @@ fn client(server_ip: &str, ip: &str) -> std::result::Result<(), VerbsError> {
     // RDMA WRITE 13 bytes into the server's region (its rkey and address came
     // in the exchange).
     mr.write(0, b"hello, server")?;
-    qp.post_send(SendWr {
-        wr_id: 1,
-        op: SendOp::Write {
+    qp.post_send(SendWr::new(
+        1,
+        SendOp::Write {
             remote_addr: remote.va,
             rkey: remote.rkey,
         },
-        sgl: vec![mr.sge(0, 13)],
-        flags: SendFlags {
-            signaled: true,
-            ..SendFlags::default()
-        },
-        ud: None,
-        inline_data: vec![],
-    })?;
+        vec![mr.sge(0, 13)],
+    ))?;
     // RDMA READ them back into another part of our buffer. Completions come in
     // posting order, so the READ sees the WRITE.
-    qp.post_send(SendWr {
-        wr_id: 2,
-        op: SendOp::Read {
+    qp.post_send(SendWr::new(
+        2,
+        SendOp::Read {
             remote_addr: remote.va,
             rkey: remote.rkey,
         },
-        sgl: vec![mr.sge(1024, 13)],
-        flags: SendFlags {
-            signaled: true,
-            ..SendFlags::default()
-        },
-        ud: None,
-        inline_data: vec![],
-    })?;
+        vec![mr.sge(1024, 13)],
+    ))?;
     for _ in 0..2 {
         let wc = cq.wait(Duration::from_secs(5))?.expect("a completion");
         println!(

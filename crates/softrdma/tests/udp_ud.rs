@@ -16,34 +16,7 @@ fn ud_qp(pd: &Pd, cq: &Cq, qkey: u32) -> Qp {
 
 fn ud_qp2(pd: &Pd, scq: &Cq, rcq: &Cq, qkey: u32) -> Qp {
     let qp = pd.create_qp(&QpInit::ud(scq, rcq)).unwrap();
-    qp.modify(
-        &QpAttr {
-            state: Some(QpState::Init),
-            pkey_index: Some(0),
-            port: Some(1),
-            qkey: Some(qkey),
-            ..QpAttr::default()
-        },
-        None,
-    )
-    .unwrap();
-    qp.modify(
-        &QpAttr {
-            state: Some(QpState::Rtr),
-            ..QpAttr::default()
-        },
-        None,
-    )
-    .unwrap();
-    qp.modify(
-        &QpAttr {
-            state: Some(QpState::Rts),
-            sq_psn: Some(0),
-            ..QpAttr::default()
-        },
-        None,
-    )
-    .unwrap();
+    softrdma::cm::ready_ud(&qp, qkey, 0).unwrap();
     qp
 }
 

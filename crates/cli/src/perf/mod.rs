@@ -378,6 +378,14 @@ fn pattern(offset: usize) -> u8 {
     (offset.wrapping_mul(31) ^ (offset >> 8)) as u8
 }
 
+/// The first byte of `got` (read from `offset` of an area) that is not the
+/// pattern.
+fn mismatch(got: &[u8], offset: usize) -> Option<usize> {
+    got.iter()
+        .enumerate()
+        .position(|(j, &b)| b != pattern(offset + j))
+}
+
 fn run_inner(a: &PerfArgs) -> Result<(), String> {
     let mut cfg = config(a)?;
     let verb = cfg.test.verb();
@@ -493,7 +501,7 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
             }
             let ip = Ipv4Addr::new(r.gid[12], r.gid[13], r.gid[14], r.gid[15]);
             if cfg.ud {
-                ud_connect(qp, mine[i].psn)?;
+                cm::ready_ud(qp, QKEY, mine[i].psn).map_err(|e| e.to_string())?;
                 ahs.push(
                     pd.create_ah(AhAttr {
                         addr: SocketAddrV4::new(ip, 4791),
@@ -733,31 +741,6 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
             oob.close(&my0)
         }
     }
-}
-
-/// A UD QP from RESET to RTS with perftest's Q_Key.
-fn ud_connect(qp: &Qp, psn: u32) -> Result<(), String> {
-    for attr in [
-        QpAttr {
-            state: Some(QpState::Init),
-            pkey_index: Some(0),
-            port: Some(1),
-            qkey: Some(QKEY),
-            ..QpAttr::default()
-        },
-        QpAttr {
-            state: Some(QpState::Rtr),
-            ..QpAttr::default()
-        },
-        QpAttr {
-            state: Some(QpState::Rts),
-            sq_psn: Some(psn),
-            ..QpAttr::default()
-        },
-    ] {
-        qp.modify(&attr, None).map_err(|e| e.to_string())?;
-    }
-    Ok(())
 }
 
 fn mtu_enum(m: Mtu) -> u8 {
@@ -1390,7 +1373,7 @@ fn check_target(s: &Setup, verb: Verb) -> Result<(), String> {
             let got =
                 s.mr.read_vec(base + o + grh, size as usize)
                     .map_err(|e| e.to_string())?;
-            if let Some(j) = (0..got.len()).find(|&j| got[j] != pattern(o + j)) {
+            if let Some(j) = mismatch(&got, o) {
                 return Err(format!(
                     "--verify: QP {i}, byte {} of the message at offset {o} is {:#04x}, \
                      expected {:#04x} (does the peer run with --verify?)",
@@ -1410,7 +1393,7 @@ fn check_target(s: &Setup, verb: Verb) -> Result<(), String> {
 fn check_lat(s: &Setup, at: usize, skip: usize) -> Result<(), String> {
     let size = *s.cfg.sizes.last().expect("a size") as usize;
     let got = s.mr.read_vec(at + skip, size).map_err(|e| e.to_string())?;
-    if let Some(j) = (0..size).find(|&j| got[j] != pattern(j)) {
+    if let Some(j) = mismatch(&got, 0) {
         return Err(format!(
             "--verify: byte {j} of the last message is {:#04x}, expected {:#04x} \
              (does the peer run with --verify?)",
@@ -1430,7 +1413,7 @@ fn check_read(s: &Setup) -> Result<(), String> {
             let got =
                 s.mr.read_vec(s.local(i) + o, size as usize)
                     .map_err(|e| e.to_string())?;
-            if let Some(j) = (0..got.len()).find(|&j| got[j] != pattern(o + j)) {
+            if let Some(j) = mismatch(&got, o) {
                 return Err(format!(
                     "--verify: QP {i}, byte {j} read at offset {o} is {:#04x}, expected \
                      {:#04x} (does the peer run with --verify?)",

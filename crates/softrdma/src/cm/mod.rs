@@ -174,6 +174,33 @@ impl Default for RcOptions {
     }
 }
 
+/// Brings a UD QP from RESET to RTS with Q_Key `qkey` (port 1, P_Key
+/// index 0), sending from `sq_psn`: all a UD QP needs, since its peers are
+/// named per send.
+pub fn ready_ud(qp: &Qp, qkey: u32, sq_psn: u32) -> Result<()> {
+    for attr in [
+        QpAttr {
+            state: Some(QpState::Init),
+            pkey_index: Some(0),
+            port: Some(1),
+            qkey: Some(qkey),
+            ..QpAttr::default()
+        },
+        QpAttr {
+            state: Some(QpState::Rtr),
+            ..QpAttr::default()
+        },
+        QpAttr {
+            state: Some(QpState::Rts),
+            sq_psn: Some(sq_psn),
+            ..QpAttr::default()
+        },
+    ] {
+        qp.modify(&attr, None)?;
+    }
+    Ok(())
+}
+
 /// Brings `qp` from RESET to RTS towards the peer described by `remote`.
 pub fn connect(qp: &Qp, local: &ConnInfo, remote: &ConnInfo, o: &RcOptions) -> Result<()> {
     qp.modify(

@@ -122,8 +122,15 @@ impl TcpQp {
 
 impl Drop for TcpQp {
     fn drop(&mut self) {
-        // Let the transmit thread send what is queued (a Terminate above all)
-        // before the socket goes; a peer that does not read gets 2 s.
+        // A destroyed QP flushes its work at once; only a Terminate it owes
+        // the peer still goes out (the transmit thread gets 2 s for it)
+        // before the socket closes.
+        self.shared
+            .engine
+            .lock()
+            .expect("QP lock")
+            .connection_lost();
+        self.shared.drain();
         self.shared.close();
         let t0 = std::time::Instant::now();
         while self
@@ -283,8 +290,9 @@ fn write_all_vectored(mut stream: &TcpStream, mut iov: &mut [IoSlice<'_>]) -> io
 
 fn receive_loop(s: &Shared) {
     let mut control = Vec::new();
+    let mut pieces = Vec::new();
     loop {
-        match receive_one(s, &mut control) {
+        match receive_one(s, &mut control, &mut pieces) {
             Ok(()) => {}
             Err(_) => {
                 // Closed, reset, or framing the stream cannot recover from.
@@ -301,7 +309,7 @@ fn receive_loop(s: &Shared) {
 }
 
 /// Reads, places and hands one FPDU to the engine.
-fn receive_one(s: &Shared, control: &mut Vec<u8>) -> io::Result<()> {
+fn receive_one(s: &Shared, control: &mut Vec<u8>, pieces: &mut Vec<Segment>) -> io::Result<()> {
     let mut stream = &s.stream;
     let mut crc = Crc32c::default();
     let mut len = [0u8; 2];
@@ -334,12 +342,12 @@ fn receive_one(s: &Shared, control: &mut Vec<u8>) -> io::Result<()> {
         s.engine
             .lock()
             .expect("QP lock")
-            .accept_header(&hdr[..hlen], payload_len, &mrs)
+            .accept_header(&hdr[..hlen], payload_len, &mrs, pieces)
     };
     control.clear();
     match placement {
-        Placement::Data(pieces) => {
-            for p in &pieces {
+        Placement::Data => {
+            for p in pieces.iter() {
                 let mut at = 0;
                 while at < p.len() {
                     let n = p.read_from_fd(at, p.len() - at, s.stream.as_fd())?;

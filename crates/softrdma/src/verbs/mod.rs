@@ -215,12 +215,7 @@ impl Device {
             } else {
                 1500
             });
-        let gids = vec![
-            netdev
-                .and_then(|d| d.mac)
-                .map_or([0; 16], crate::provider::netdev::link_local_gid),
-            softrdma_wire::grh::ipv4_mapped(self.addr.ip().octets()),
-        ];
+        let gids = gid_table(netdev.and_then(|d| d.mac), *self.addr.ip());
         Ok(Context {
             inner: Arc::new(ContextInner {
                 dev,
@@ -337,15 +332,21 @@ impl DeviceInfo {
     }
 }
 
+/// A device's GID table, laid out as rxe's: the IPv6 link-local GID from
+/// the interface's MAC (zero without one), then the IPv4-mapped address.
+fn gid_table(mac: Option<[u8; 6]>, ip: Ipv4Addr) -> Vec<[u8; 16]> {
+    vec![
+        mac.map_or([0; 16], crate::provider::netdev::link_local_gid),
+        softrdma_wire::grh::ipv4_mapped(ip.octets()),
+    ]
+}
+
 /// The RoCEv2 devices of this host, in interface order.
 pub fn devices() -> Result<Vec<DeviceInfo>> {
     let netdevs = crate::provider::netdev::interfaces()
         .map_err(io_err("cannot list the network interfaces"))?;
     let mut out = Vec::new();
     for d in netdevs {
-        let ll = d
-            .mac
-            .map_or([0; 16], crate::provider::netdev::link_local_gid);
         for (n, &ip) in d.ipv4.iter().enumerate() {
             out.push(DeviceInfo {
                 name: if n == 0 {
@@ -356,7 +357,7 @@ pub fn devices() -> Result<Vec<DeviceInfo>> {
                 netdev: d.name.clone(),
                 addr: ip,
                 link_mtu: d.mtu,
-                gids: vec![ll, softrdma_wire::grh::ipv4_mapped(ip.octets())],
+                gids: gid_table(d.mac, ip),
                 loopback: d.loopback,
             });
         }

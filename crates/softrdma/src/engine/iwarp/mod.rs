@@ -87,9 +87,9 @@ pub struct Transmit {
 /// Where an inbound segment's payload goes.
 #[derive(Debug)]
 pub enum Placement {
-    /// Straight into these region pieces, in order (they add up to the
-    /// payload length).
-    Data(Vec<Segment>),
+    /// Straight into the region pieces `accept_header` filled in, in order
+    /// (they add up to the payload length).
+    Data,
     /// Into a buffer the provider hands back to `segment_done` (Read
     /// Requests and Terminates: small control messages).
     Control,
@@ -716,7 +716,14 @@ impl IwarpQp {
     /// The DDP header (14 bytes tagged, 18 untagged, from the start of the
     /// ULPDU) of the next inbound segment, whose payload (everything after
     /// the DDP header) is `payload_len` bytes: where it goes.
-    pub fn accept_header(&mut self, hdr: &[u8], payload_len: usize, mrs: &MrTable) -> Placement {
+    pub fn accept_header(
+        &mut self,
+        hdr: &[u8],
+        payload_len: usize,
+        mrs: &MrTable,
+        pieces: &mut Vec<Segment>,
+    ) -> Placement {
+        pieces.clear();
         self.stats.fpdus_received += 1;
         self.rx = Some(RxSeg::Failed);
         self.rx_payload_len = payload_len;
@@ -761,7 +768,8 @@ impl IwarpQp {
                 ) {
                     Ok(s) => {
                         self.rx = Some(RxSeg::Write);
-                        Placement::Data(vec![s])
+                        pieces.push(s);
+                        Placement::Data
                     }
                     Err(e) => {
                         let (layer, etype, code) = tagged_error(&e);
@@ -780,13 +788,12 @@ impl IwarpQp {
                     self.terminate(Layer::Ddp, 1, 0x01, hdr, None);
                     return Placement::Discard;
                 }
-                let mut pieces = Vec::new();
-                push_pieces(&r.segs, off, payload_len, &mut pieces);
+                push_pieces(&r.segs, off, payload_len, pieces);
                 self.rx = Some(RxSeg::ReadResponse {
                     last: d.last,
                     len: payload_len,
                 });
-                Placement::Data(pieces)
+                Placement::Data
             }
             (
                 Opcode::Send | Opcode::SendSe | Opcode::SendInvalidate | Opcode::SendSeInvalidate,
@@ -845,12 +852,11 @@ impl IwarpQp {
                     self.terminate(Layer::Ddp, 2, 0x05, hdr, None);
                     return Placement::Discard;
                 }
-                let mut pieces = Vec::new();
                 push_pieces(
                     r.segs.as_deref().unwrap_or(&[]),
                     message_offset as usize,
                     payload_len,
-                    &mut pieces,
+                    pieces,
                 );
                 let invalidate = matches!(op, Opcode::SendInvalidate | Opcode::SendSeInvalidate)
                     .then_some(rsvd_ulp_word);
@@ -860,7 +866,7 @@ impl IwarpQp {
                     solicited: matches!(op, Opcode::SendSe | Opcode::SendSeInvalidate),
                     invalidate,
                 });
-                Placement::Data(pieces)
+                Placement::Data
             }
             (Opcode::ReadRequest, ddp::Placement::Untagged { queue, msn, .. }) => {
                 if queue != QN_READ_REQUEST || msn != self.recv_read_msn {

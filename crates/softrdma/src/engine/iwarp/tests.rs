@@ -116,8 +116,12 @@ impl Pair {
             };
             let payload = &ulpdu[hlen..];
             let mut control = Vec::new();
-            match r.qp.accept_header(&ulpdu[..hlen], payload.len(), &r.mrs) {
-                Placement::Data(pieces) => {
+            let mut pieces = Vec::new();
+            match r
+                .qp
+                .accept_header(&ulpdu[..hlen], payload.len(), &r.mrs, &mut pieces)
+            {
+                Placement::Data => {
                     assert_eq!(pieces.iter().map(|p| p.len()).sum::<usize>(), payload.len());
                     let mut off = 0;
                     for p in pieces {
@@ -586,7 +590,7 @@ fn garbage_headers_terminate_instead_of_panicking() {
         let mut q = Pair::new();
         let r = &mut q.s[1];
         assert!(matches!(
-            r.qp.accept_header(&hdr, 0, &r.mrs),
+            r.qp.accept_header(&hdr, 0, &r.mrs, &mut Vec::new()),
             Placement::Discard
         ));
         r.qp.segment_done(&[], true, &r.mrs);
@@ -596,7 +600,7 @@ fn garbage_headers_terminate_instead_of_panicking() {
     // Short and empty headers too.
     let r = &mut p.s[1];
     assert!(matches!(
-        r.qp.accept_header(&[0x80], 0, &r.mrs),
+        r.qp.accept_header(&[0x80], 0, &r.mrs, &mut Vec::new()),
         Placement::Discard
     ));
     r.qp.segment_done(&[], true, &r.mrs);

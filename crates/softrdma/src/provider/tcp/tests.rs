@@ -20,7 +20,6 @@ const T: Duration = Duration::from_secs(10);
 struct End {
     qp: TcpQp,
     mem: Arc<RegionMemory>,
-    mrs: Arc<RwLock<MrTable>>,
     scq: Cq,
     rcq: Cq,
     lkey: u32,
@@ -54,7 +53,7 @@ fn end(i: u32, stream: TcpStream, crc: bool) -> End {
     let qp = TcpQp::start(
         stream,
         engine,
-        mrs.clone(),
+        mrs,
         crc,
         scq.inner.clone(),
         rcq.inner.clone(),
@@ -64,7 +63,6 @@ fn end(i: u32, stream: TcpStream, crc: bool) -> End {
     End {
         qp,
         mem,
-        mrs,
         scq,
         rcq,
         lkey,
@@ -160,7 +158,7 @@ fn send_write_and_read_over_tcp_with_and_without_crc() {
         assert_eq!(got, data, "WRITE");
         a.mem.read(2_000_000, &mut got);
         assert_eq!(got, data, "READ");
-        // At most a loopback MSS each (64 KiB), so several per message.
+        // At most a loopback MSS each (32741 here), so several per message.
         assert!(a.qp.with_engine(|q| q.stats().fpdus_sent) >= 11);
     }
 }
@@ -226,8 +224,10 @@ fn a_peer_that_vanishes_mid_transfer_flushes_and_never_hangs() {
         vec![sge(&a, 0, 64)],
     ))
     .unwrap();
-    // The target goes away while 32 MiB are on their way.
-    std::thread::sleep(Duration::from_millis(20));
+    // The target goes away while 32 MiB are on their way, so the READ
+    // queued behind them cannot have been answered (with a longer wait,
+    // loopback sometimes finished it all first).
+    std::thread::sleep(Duration::from_millis(1));
     drop(b);
     let mut statuses = Vec::new();
     while statuses.len() < 9 {
@@ -239,5 +239,4 @@ fn a_peer_that_vanishes_mid_transfer_flushes_and_never_hangs() {
     let r = one(&a.rcq);
     assert_eq!((r.wr_id, r.status), (50, WcStatus::WrFlushErr));
     assert_eq!(a.qp.with_engine(|q| q.state()), crate::engine::QpState::Err);
-    let _ = a.mrs.read().unwrap().len();
 }
