@@ -271,12 +271,59 @@ def siw_cases():
     # softrdma asking for CRC as initiator: siw's Reply grants it. With the
     # CRC-required module, siw asks as initiator in every case above too.
     rping(5, 200, "--crc")
+    # perftest over rdma_cm (-R): a control connection carrying the exchange,
+    # then the data connections. send_bw on iWARP runs on receive credits
+    # (few receives and many messages make them matter).
+    out.append(perf_case("write-bw", 65536, 20, rdma_cm=True))
+    out.append(perf_case("write-bw", 5000, 50, "-q 2", rdma_cm=True))
+    out.append(perf_case("read-bw", 65536, 20, rdma_cm=True))
+    out.append(perf_case("read-bw", 1000000, 5, rdma_cm=True))
+    out.append(perf_case("send-bw", 3000, 50, rdma_cm=True))
+    out.append(perf_case("send-bw", 1024, 300, "-r 16", rdma_cm=True))
+    out.append(perf_case("write-lat", 64, 100, rdma_cm=True))
+    out.append(perf_case("read-lat", 64, 100, rdma_cm=True))
+    out.append(perf_case("send-lat", 64, 100, rdma_cm=True))
     # The error case: a wrong rkey. softrdma as client advertises one (siw's
     # READ fails, softrdma sends the Terminate); as server it WRITEs with one
     # (siw sends the Terminate).
     out.append(Case("rping error case: bad rkey", "rping -v -C 1 -S 64",
                     "rping -C 1 -S 64 --bad-rkey", check=None))
     return out
+
+
+def perf_case(test, size, iters, extra="", pcap=False, sizes=None, rdma_cm=False):
+    """A perftest case; with `rdma_cm`, over iWARP (-R: the device is the one
+    rdma_cm resolves, so no -d or -x)."""
+    tool = f"ib_{test.replace('-', '_')}"
+    flags = (f"-n {iters}" if iters else "") + (f" -s {size}" if size else "") \
+        + (f" {extra}" if extra else "")
+    flags = flags.strip()
+    shown = size or 8
+    qps = re.search(r"-q (\d+)", extra)
+    # perftest's BW rows count the iterations of all QPs.
+    # (-D: however many fit in the duration.)
+    rows_iters = iters * (int(qps.group(1)) if qps else 1) if iters else None
+
+    def check(out, role, test=test, size=shown, iters=iters, rows_iters=rows_iters):
+        if test in ("read-lat", "atomic-lat") and role == "server":
+            # perftest's READ/atomic latency server prints no table.
+            return None if "Waiting for client" in out or "address" in out else "no output"
+        want = sizes or [size]
+        if test.endswith("lat") and iters is None:
+            return lat_duration_result(out, want)
+        if test.endswith("lat"):
+            return lat_result(out, want, iters)
+        if role == "server" and test != "send-bw":
+            # A BW server prints the client's report: its last size only.
+            want = want[-1:]
+        return bw_result(out, want, rows_iters)
+
+    if rdma_cm:
+        return Case(f"{tool} -R {flags}", f"{tool} -R -F {flags}",
+                    f"perf {test} -R -F {flags}", check=check, timeout=120)
+    return Case(f"{tool} {flags}", f"{tool} -d rxe0 -x 1 -F {flags}",
+                f"perf {test} -x 1 -F {flags}", check=check, pcap=pcap,
+                timeout=300 if sizes else 120)
 
 
 def cases(mtu4200=False):
@@ -295,34 +342,8 @@ def cases(mtu4200=False):
             out.append(Case(f"{kind}_pingpong s={size} n={iters} {extra}".strip(), *c,
                             check=lambda o, role, s=size, n=iters: pingpong_result(o, s, n)))
 
-    def perf(test, size, iters, extra="", pcap=False, sizes=None):
-        tool = f"ib_{test.replace('-', '_')}"
-        flags = (f"-n {iters}" if iters else "") + (f" -s {size}" if size else "") \
-            + (f" {extra}" if extra else "")
-        flags = flags.strip()
-        shown = size or 8
-        qps = re.search(r"-q (\d+)", extra)
-        # perftest's BW rows count the iterations of all QPs.
-        # (-D: however many fit in the duration.)
-        rows_iters = iters * (int(qps.group(1)) if qps else 1) if iters else None
-
-        def check(out, role, test=test, size=shown, iters=iters, rows_iters=rows_iters):
-            if test in ("read-lat", "atomic-lat") and role == "server":
-                # perftest's READ/atomic latency server prints no table.
-                return None if "Waiting for client" in out or "address" in out else "no output"
-            want = sizes or [size]
-            if test.endswith("lat") and iters is None:
-                return lat_duration_result(out, want)
-            if test.endswith("lat"):
-                return lat_result(out, want, iters)
-            if role == "server" and test != "send-bw":
-                # A BW server prints the client's report: its last size only.
-                want = want[-1:]
-            return bw_result(out, want, rows_iters)
-
-        out.append(Case(f"{tool} {flags}", f"{tool} -d rxe0 -x 1 -F {flags}",
-                        f"perf {test} -x 1 -F {flags}", check=check, pcap=pcap,
-                        timeout=300 if sizes else 120))
+    def perf(*a, **k):
+        out.append(perf_case(*a, **k))
 
     if mtu4200:
         ping("rc", 8192, 20, "-m 4096 -c")
@@ -414,9 +435,13 @@ def run_case(guest, case, port, tool_is_server, keep_going=True):
     tool = f"{case.tool} -p {port}"
     if tool_is_server:
         # The host client starts once the tool listens, so it does not race it.
-        err = guest_server(guest, job, tool, port)
+        # (rdma_cm's listener is the kernel's: give it a moment.)
+        rdma_cm = " -R " in case.tool
+        err = guest_server(guest, job, tool, port, give_up_after=5 if rdma_cm else None)
         if err:
             return err
+        if rdma_cm:
+            time.sleep(0.5)
         host = subprocess.run(["ip", "netns", "exec", NS, "timeout", str(case.timeout)]
                               + ours + [GUEST_IP], capture_output=True, text=True)
         rc, tout = guest.wait(job, case.timeout)

@@ -517,6 +517,59 @@ fn perf_runs_every_test_between_two_processes_with_verified_payload() {
 }
 
 #[test]
+fn perf_over_iwarp_with_rdma_cm_between_two_processes() {
+    // -R: a control connection for the exchange, then the data QPs, all
+    // through one MPA listener. send-bw with 6 receives and 300 messages
+    // only passes if the sender keeps to the receiver's credits (iWARP has
+    // no RNR: one SEND too many ends the connection).
+    for (k, (test, extra)) in [
+        ("write-bw", vec!["-s", "5000", "-q", "2", "--verify"]),
+        ("read-bw", vec!["-s", "70000", "--verify"]),
+        (
+            "send-bw",
+            vec!["-s", "3000", "-r", "6", "-n", "300", "--verify"],
+        ),
+        ("write-lat", vec!["-s", "100"]),
+        ("send-lat", vec!["-s", "100", "--verify"]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut args = vec![test, "-R"];
+        if !extra.contains(&"-n") {
+            args.extend(["-n", "50"]);
+        }
+        args.extend(extra);
+        let tcp = (19370 + k).to_string();
+        let (s, c) = tool_pair(&["perf"], &args, &args, "127.0.1.33", "127.0.1.34", &tcp);
+        for (who, o) in [("server", &s), ("client", &c)] {
+            assert!(
+                o.status.success(),
+                "{test} {who}: {}{}",
+                stdout(o),
+                String::from_utf8_lossy(&o.stderr)
+            );
+            assert!(stdout(o).contains("Data ex. method : rdma_cm"), "{test}");
+        }
+        let n: f64 = args[args.iter().position(|a| *a == "-n").unwrap() + 1]
+            .parse()
+            .unwrap();
+        let qps = if args.contains(&"-q") { 2.0 } else { 1.0 };
+        let rows = perf_rows(&c);
+        assert_eq!(rows.len(), 1, "{test}: {}", stdout(&c));
+        assert_eq!(rows[0][1], n * qps, "{test}");
+        if args.contains(&"--verify") {
+            let checked = if test.starts_with("read") { &c } else { &s };
+            assert!(
+                stdout(checked).contains("Payload check (--verify): OK"),
+                "{test}: {}",
+                stdout(checked)
+            );
+        }
+    }
+}
+
+#[test]
 fn perf_refuses_bad_flags_as_perftest_does() {
     let bin = env!("CARGO_BIN_EXE_softrdma");
     for (args, msg) in [
@@ -547,6 +600,13 @@ fn perf_refuses_bad_flags_as_perftest_does() {
         (
             vec!["perf", "write-bw", "-d", "roce_lo", "-x", "0"],
             "IPv6 link-local",
+        ),
+        (vec!["perf", "atomic-bw", "-R"], "no atomics"),
+        (vec!["perf", "send-bw", "-R", "-c", "UD"], "iWARP has no UD"),
+        (vec!["perf", "send-bw", "-R", "-b"], "not implemented"),
+        (
+            vec!["perf", "write-bw", "-R", "--pcap", "/tmp/x.pcap"],
+            "not -R",
         ),
     ] {
         let o = Command::new(bin).args(&args).output().unwrap();

@@ -12,10 +12,12 @@ use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use softrdma::cm::iwarp::{self, ConnectError, Listener};
+use softrdma::cm::mpa::{Decision, MpaConfig};
 use softrdma::cm::{self, ConnInfo, RcOptions};
 use softrdma::verbs::*;
 
-use oob::{Key, Oob, Report};
+use oob::{Control, Key, Oob, Report};
 use report::*;
 
 /// The tests, by perftest's names too.
@@ -148,6 +150,11 @@ pub struct PerfArgs {
     /// Write what this side sends and receives to a pcap file.
     #[arg(long, value_name = "FILE")]
     pub pcap: Option<std::path::PathBuf>,
+    /// Connect with rdma_cm, as perftest's -R: over iWARP (MPA on the TCP
+    /// port), the exchange on a control QP. rdma_cm over RoCE (IB CM) is not
+    /// implemented.
+    #[arg(short = 'R', long = "rdma_cm")]
+    pub rdma_cm: bool,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -187,6 +194,8 @@ struct Config {
     verify: bool,
     duplex: bool,
     ud: bool,
+    /// rdma_cm mode (iWARP).
+    cm: bool,
 }
 
 fn config(a: &PerfArgs) -> Result<Config, String> {
@@ -235,6 +244,30 @@ fn config(a: &PerfArgs) -> Result<Config, String> {
              move no payload worth checking)"
                 .into(),
         );
+    }
+    if a.rdma_cm {
+        if verb == Verb::Atomic {
+            return Err(
+                " -R runs over iWARP, which has no atomics (run the atomic tests \
+                        without -R, over RoCEv2)"
+                    .into(),
+            );
+        }
+        if ud {
+            return Err(
+                " -R with -c UD: iWARP has no UD (rdma_cm's UD mode is not implemented)".into(),
+            );
+        }
+        if a.bidir && verb == Verb::Send {
+            return Err(
+                " -R with -b on send-bw is not implemented (iWARP's receive credits \
+                        run one way here)"
+                    .into(),
+            );
+        }
+        if a.shared_port || a.pcap.is_some() {
+            return Err(" --shared-port and --pcap are for RoCEv2, not -R (iWARP)".into());
+        }
     }
     if a.duration.is_some() && a.all {
         return Err("Duration mode currently doesn't support running on all sizes.".into());
@@ -310,6 +343,7 @@ fn config(a: &PerfArgs) -> Result<Config, String> {
         verify: a.verify,
         duplex: a.bidir,
         ud,
+        cm: a.rdma_cm,
     })
 }
 
@@ -340,6 +374,42 @@ struct Setup {
     rem: Vec<Key>,
     /// UD: the address handle of each QP's peer.
     ahs: Vec<Ah>,
+    /// send-bw over iWARP: the receive credits.
+    credit: Option<Credit>,
+}
+
+/// iWARP has no RNR: a SEND finding no receive ends the connection. So
+/// perftest's send_bw on iWARP keeps each sender within the receives its
+/// peer has posted: every `every` receives, the receiver RDMA WRITEs its
+/// count of receives (a u32 in host order, as perftest's) into the sender's
+/// credit area, and the sender keeps fewer than rx_depth messages beyond it.
+struct Credit {
+    /// Per QP: the credit this side receives (its key's rkey and vaddr).
+    mr: Mr,
+    every: u64,
+}
+
+impl Credit {
+    fn new(pd: &Pd, qps: usize, rx_depth: u32) -> Result<Credit, String> {
+        let mr = pd
+            .register(4 * qps, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+            .map_err(|e| e.to_string())?;
+        Ok(Credit {
+            mr,
+            every: u64::from(rx_depth / 3).max(1),
+        })
+    }
+
+    fn addr(&self, i: usize) -> u64 {
+        self.mr.addr() + 4 * i as u64
+    }
+
+    /// Receives the peer has counted on QP `i`.
+    fn received(&self, i: usize) -> u64 {
+        let mut b = [0u8; 4];
+        let _ = self.mr.read(4 * i, &mut b);
+        u64::from(u32::from_le_bytes(b))
+    }
 }
 
 /// UD receive buffers start with the 40-byte GRH area.
@@ -394,36 +464,62 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
         None => None,
     };
     let chosen = crate::device::choose(a.dev.as_deref(), a.gid, a.bind, peer_ip)?;
-    let mut dev = chosen.device(4791);
-    if a.shared_port {
-        dev = dev.shared_port(true);
+    let ctx = if cfg.cm {
+        Device::iwarp(chosen.addr).open()
+    } else {
+        let mut dev = chosen.device(4791);
+        if a.shared_port {
+            dev = dev.shared_port(true);
+        }
+        if let Some(p) = &a.pcap {
+            dev = dev.pcap(p);
+        }
+        dev.open()
     }
-    if let Some(p) = &a.pcap {
-        dev = dev.pcap(p);
-    }
-    let ctx = dev.open().map_err(|e| e.to_string())?;
+    .map_err(|e| e.to_string())?;
     let port = ctx.query_port();
-    let gid = port.gids[a.gid];
+    let gid = *port
+        .gids
+        .get(a.gid)
+        .ok_or(format!("-x {}: the device has no such GID index", a.gid))?;
     let mtu = match a.mtu {
         Some(m) => Mtu::from_bytes(m).ok_or(format!(
             "-m {m}: the MTU must be 256, 512, 1024, 2048 or 4096"
         ))?,
         None => port.active_mtu,
     };
-    let stream = match peer_ip {
-        Some(ip) => TcpStream::connect((ip, a.port))
-            .map_err(|e| format!("Couldn't connect to {ip}:{}: {e}", a.port))?,
-        None => {
-            let at = a.bind.map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), IpAddr::V4);
-            let l = TcpListener::bind((at, a.port))
-                .map_err(|e| format!("couldn't listen on port {}: {e}", a.port))?;
-            println!(
-                "\n************************************\n* Waiting for client to connect... *\n************************************"
-            );
-            l.accept().map_err(|e| format!("accept: {e}"))?.0
+    let mut listener = None;
+    let mut oob = if cfg.cm {
+        // perftest's control connection: no READs, so IRD = ORD = 0.
+        let control = Control::new(&ctx)?;
+        match peer_ip {
+            Some(ip) => {
+                iwarp::connect(&control.qp, SocketAddrV4::new(ip, a.port), &mpa_config(0))
+                    .map_err(|e| format!("rdma_cm connection to {ip}:{}: {e}", a.port))?;
+            }
+            None => {
+                let l = Listener::bind(&ctx, a.port).map_err(|e| e.to_string())?;
+                println!("{WAITING}");
+                l.accept(&control.qp, &mpa_config(0), |_| Decision::Accept)
+                    .map_err(|e| format!("rdma_cm connection: {e}"))?;
+                listener = Some(l);
+            }
         }
+        Oob::control(control, cfg.client)
+    } else {
+        let stream = match peer_ip {
+            Some(ip) => TcpStream::connect((ip, a.port))
+                .map_err(|e| format!("Couldn't connect to {ip}:{}: {e}", a.port))?,
+            None => {
+                let at = a.bind.map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), IpAddr::V4);
+                let l = TcpListener::bind((at, a.port))
+                    .map_err(|e| format!("couldn't listen on port {}: {e}", a.port))?;
+                println!("{WAITING}");
+                l.accept().map_err(|e| format!("accept: {e}"))?.0
+            }
+        };
+        Oob::new(stream, cfg.client)
     };
-    let mut oob = Oob::new(stream, cfg.client);
     let (cycle, cache_line, mtu_enum) = oob.preamble(PAGE, CACHE_LINE, mtu_enum(mtu))?;
     let mtu = enum_mtu(mtu_enum);
     let (cycle, cache_line) = (cycle as usize, cache_line as usize);
@@ -452,6 +548,11 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
         .register(2 * cfg.qps * half, access)
         .map_err(|e| e.to_string())?;
     fill(&mr, &cfg, half)?;
+    let credit = if cfg.cm && cfg.test == Test::SendBw {
+        Some(Credit::new(&pd, cfg.qps, cfg.rx_depth)?)
+    } else {
+        None
+    };
     let scq = ctx
         .create_cq((cfg.tx_depth as usize * cfg.qps).max(2))
         .map_err(|e| e.to_string())?;
@@ -472,26 +573,60 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
                 max_recv_wr: cfg.rx_depth,
                 max_send_sge: 1,
                 max_recv_sge: 1,
-                max_inline_data: cfg.inline,
+                // Credits go inline (the value as it was when posted).
+                max_inline_data: if credit.is_some() {
+                    cfg.inline.max(4)
+                } else {
+                    cfg.inline
+                },
             }))
             .map_err(|e| e.to_string())?;
+        let (rkey, vaddr) = match (&credit, verb) {
+            (Some(c), _) => (c.mr.rkey(), c.addr(i)),
+            (None, Verb::Send) => (0, mr.addr() + ((cfg.qps + i) * half) as u64),
+            (None, _) => (mr.rkey(), mr.addr() + ((cfg.qps + i) * half) as u64),
+        };
         mine.push(Key {
             lid: 0,
             out_reads: u16::from(cfg.out_reads),
             qpn: qp.qpn(),
             psn: getrandom::u32().map_err(|e| e.to_string())? & 0xff_ffff,
-            rkey: if verb == Verb::Send { 0 } else { mr.rkey() },
-            vaddr: mr.addr() + ((cfg.qps + i) * half) as u64,
+            rkey,
+            vaddr,
             gid,
             srqn: 0,
         });
         qps.push(qp);
+    }
+    if cfg.cm {
+        // perftest's rdma_cm connection step: a handshake (with empty keys)
+        // on each side of connecting the data QPs through the listener.
+        oob.key(&Key::default())?;
+        let mpa = mpa_config(if verb == Verb::Read {
+            u16::from(cfg.out_reads)
+        } else {
+            0
+        });
+        for qp in &qps {
+            match (peer_ip, &listener) {
+                (Some(ip), _) => connect_data_qp(qp, SocketAddrV4::new(ip, a.port), &mpa)?,
+                (None, Some(l)) => {
+                    l.accept(qp, &mpa, |_| Decision::Accept)
+                        .map_err(|e| format!("rdma_cm connection: {e}"))?;
+                }
+                (None, None) => unreachable!("an rdma_cm server listens"),
+            }
+        }
+        oob.key(&Key::default())?;
     }
     for k in &mine {
         print_addr("local", k, verb);
     }
     let connect = |rem: &[Key]| -> Result<Vec<Ah>, String> {
         let mut ahs = Vec::new();
+        if cfg.cm {
+            return Ok(ahs); // connected by rdma_cm
+        }
         for (i, qp) in qps.iter().enumerate() {
             let r = &rem[i];
             if r.gid[..12] != [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff] {
@@ -587,6 +722,7 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
         cache_line,
         rem,
         ahs,
+        credit,
     };
     let my0 = mine[0];
     match (cfg.test, cfg.client) {
@@ -743,6 +879,37 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
     }
 }
 
+const WAITING: &str = "\n************************************\n* Waiting for client to connect... *\n************************************";
+
+/// rdma_cm's MPA parameters for perftest's connections: IRD and ORD are its
+/// outstanding reads on a READ test's data connections, else 0.
+fn mpa_config(reads: u16) -> MpaConfig {
+    MpaConfig {
+        ird: reads,
+        ord: reads,
+        ..MpaConfig::default()
+    }
+}
+
+/// Connects a data QP; perftest's server listens again for these only
+/// after a handshake, so a refused connection is retried (10 times, 100 ms
+/// apart, as perftest's client does).
+fn connect_data_qp(qp: &Qp, to: SocketAddrV4, mpa: &MpaConfig) -> Result<(), String> {
+    let mut tries = 0;
+    loop {
+        match iwarp::connect(qp, to, mpa) {
+            Ok(_) => return Ok(()),
+            Err(ConnectError::Tcp { source, .. })
+                if source.kind() == std::io::ErrorKind::ConnectionRefused && tries < 9 =>
+            {
+                tries += 1;
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => return Err(format!("rdma_cm connection to {to}: {e}")),
+        }
+    }
+}
+
 fn mtu_enum(m: Mtu) -> u8 {
     match m.bytes() {
         256 => 1,
@@ -806,7 +973,11 @@ fn print_header(cfg: &Config, a: &PerfArgs, dev: &str, mtu: Mtu) {
     println!("{RESULT_LINE}");
     println!("                    {name} {atomic}{kind} Test");
     println!(" Dual-port       : OFF\t\tDevice         : {dev}");
-    println!(" Number of qps   : {}\t\tTransport type : IB", cfg.qps);
+    println!(
+        " Number of qps   : {}\t\tTransport type : {}",
+        cfg.qps,
+        if cfg.cm { "IW" } else { "IB" }
+    );
     println!(
         " Connection type : {}\t\tUsing SRQ      : OFF",
         if cfg.ud { "UD" } else { "RC" }
@@ -830,8 +1001,13 @@ fn print_header(cfg: &Config, a: &PerfArgs, dev: &str, mtu: Mtu) {
     } else {
         println!(" Max inline data : {}[B]", cfg.inline);
     }
-    println!(" rdma_cm QPs\t : OFF");
-    println!(" Data ex. method : Ethernet");
+    if cfg.cm {
+        println!(" rdma_cm QPs\t : ON");
+        println!(" Data ex. method : rdma_cm");
+    } else {
+        println!(" rdma_cm QPs\t : OFF");
+        println!(" Data ex. method : Ethernet");
+    }
     println!("{RESULT_LINE}");
 }
 
@@ -1038,8 +1214,15 @@ fn bw_client(s: &Setup, size: u64) -> Result<Report, String> {
         if clock.is_some_and(|c| c.over()) {
             break;
         }
+        let mut starved = false;
         for i in 0..q {
             while scnt[i] < n && scnt[i] - ccnt[i] < u64::from(cfg.tx_depth) {
+                if let Some(c) = &s.credit
+                    && (scnt[i] + 1).saturating_sub(c.received(i)) >= u64::from(cfg.rx_depth)
+                {
+                    starved = true;
+                    break;
+                }
                 let k = scnt[i];
                 let signaled = k % cq_mod == cq_mod - 1 || k == n - 1;
                 if k.is_multiple_of(cq_mod) && clock.is_none() {
@@ -1054,7 +1237,19 @@ fn bw_client(s: &Setup, size: u64) -> Result<Report, String> {
         if (0..q).all(|i| ccnt[i] >= n) {
             break;
         }
-        if !reap_until(&s.scq, &mut wcs, clock.map(|c| c.end))? {
+        if starved {
+            // Credits arrive as RDMA WRITEs, which complete nothing here
+            // (and unsignaled sends may be all that is in flight): look
+            // again shortly.
+            wcs.clear();
+            let mut got = [WorkCompletion::new(0, WcStatus::Success, WcOpcode::Send, 0); 64];
+            let n = s.scq.poll(&mut got).map_err(|e| e.to_string())?;
+            wcs.extend_from_slice(&got[..n]);
+            if n == 0 {
+                std::thread::sleep(Duration::from_micros(20));
+                continue;
+            }
+        } else if !reap_until(&s.scq, &mut wcs, clock.map(|c| c.end))? {
             break;
         }
         let now = Instant::now();
@@ -1160,6 +1355,8 @@ fn send_bw_server(s: &Setup, size: u64, first_rx: Option<&AtomicBool>) -> Result
     let clock = Window::new(cfg);
     let n = if clock.is_some() { u64::MAX } else { cfg.iters };
     let mut posted = vec![u64::from(cfg.rx_depth).min(n); q];
+    let mut received = vec![0u64; q];
+    let mut grants_in_flight = 0u32;
     let mut sampled = 0u64;
     let mut got = 0u64;
     let mut first = None;
@@ -1184,6 +1381,7 @@ fn send_bw_server(s: &Setup, size: u64, first_rx: Option<&AtomicBool>) -> Result
             }
             got += 1;
             let i = (wc.wr_id >> 40) as usize;
+            received[i] += 1;
             if posted[i] < n {
                 let k = posted[i];
                 s.qps[i]
@@ -1195,6 +1393,11 @@ fn send_bw_server(s: &Setup, size: u64, first_rx: Option<&AtomicBool>) -> Result
                     })
                     .map_err(|e| e.to_string())?;
                 posted[i] += 1;
+            }
+            if let Some(c) = &s.credit
+                && (received[i] % u64::from(cfg.rx_depth)).is_multiple_of(c.every)
+            {
+                grant(s, i, received[i], &mut grants_in_flight)?;
             }
         }
     }
@@ -1212,6 +1415,44 @@ fn send_bw_server(s: &Setup, size: u64, first_rx: Option<&AtomicBool>) -> Result
         bw_avg: bw_unit((msgs * size) as f64 / secs, cfg.gbits),
         msg_rate: msgs as f64 / secs / 1e6,
     })
+}
+
+/// Sends the peer the credit of QP `i`: an RDMA WRITE of `count` into its
+/// credit area, inline (so that later counts cannot tear it). At most
+/// tx_depth of these are in flight.
+fn grant(s: &Setup, i: usize, count: u64, in_flight: &mut u32) -> Result<(), String> {
+    let mut done = [WorkCompletion::new(0, WcStatus::Success, WcOpcode::Send, 0); 16];
+    loop {
+        let n = if *in_flight >= s.cfg.tx_depth {
+            match wait_one(&s.scq, None, "server")? {
+                Some(_) => 1,
+                None => 0,
+            }
+        } else {
+            let n = s.scq.poll(&mut done).map_err(|e| e.to_string())?;
+            if let Some(wc) = done[..n].iter().find(|w| w.status != WcStatus::Success) {
+                return Err(completion_error(wc, "server"));
+            }
+            n
+        };
+        *in_flight -= n as u32;
+        if *in_flight < s.cfg.tx_depth {
+            break;
+        }
+    }
+    let r = &s.rem[i];
+    let wr = SendWr::new(
+        u64::MAX,
+        SendOp::Write {
+            remote_addr: r.vaddr,
+            rkey: r.rkey,
+        },
+        vec![],
+    )
+    .inline(&(count as u32).to_le_bytes());
+    s.qps[i].post_send(wr).map_err(|e| e.to_string())?;
+    *in_flight += 1;
+    Ok(())
 }
 
 /// READ or atomic latency: one at a time; returns the post times.

@@ -1,9 +1,13 @@
-//! perftest's out-of-band exchange over TCP (no rdma_cm): fixed-size
-//! messages, each a lock-step swap (the client writes first, the server
-//! reads first); see `../shared/TOOLS-PROTOCOLS.md` section 2.
+//! perftest's out-of-band exchange: fixed-size messages, each a lock-step
+//! swap (the client writes first, the server reads first), over TCP or, in
+//! rdma_cm mode (`-R`), as SENDs on a control QP with binary key records;
+//! see `../shared/TOOLS-PROTOCOLS.md` sections 2.1 and 2.4.
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
+use std::time::Duration;
+
+use softrdma::verbs::*;
 
 /// The version perftest 4.5 reports (its package version); peers older than
 /// 5.70 are refused, as perftest refuses them.
@@ -11,9 +15,11 @@ pub const VERSION: &str = "6.06";
 const OLDEST_PEER: f64 = 5.70;
 /// A key message: `KEY_PRINT_FMT_GID` and its NUL.
 pub const KEY_LEN: usize = 108;
+/// A key record in rdma_cm mode: perftest's `struct pingpong_dest`.
+pub const RECORD_LEN: usize = 56;
 
 /// One side's QP, as a key message carries it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Key {
     pub lid: u16,
     pub out_reads: u16,
@@ -70,6 +76,43 @@ impl Key {
     }
 }
 
+impl Key {
+    /// The binary record (`struct pingpong_dest`, fields big-endian; the
+    /// padding before `vaddr` and the GID index are zero).
+    pub fn encode_record(&self) -> [u8; RECORD_LEN] {
+        let mut r = [0u8; RECORD_LEN];
+        let words = [
+            u32::from(self.lid),
+            u32::from(self.out_reads),
+            self.qpn,
+            self.psn,
+            self.rkey,
+        ];
+        for (i, w) in words.iter().enumerate() {
+            r[4 * i..4 * i + 4].copy_from_slice(&w.to_be_bytes());
+        }
+        r[24..32].copy_from_slice(&self.vaddr.to_be_bytes());
+        r[32..48].copy_from_slice(&self.gid);
+        r[48..52].copy_from_slice(&self.srqn.to_be_bytes());
+        r
+    }
+
+    pub fn parse_record(r: &[u8; RECORD_LEN]) -> Key {
+        let word = |i: usize| u32::from_be_bytes(r[4 * i..4 * i + 4].try_into().expect("4 bytes"));
+        Key {
+            // perftest reads LID and OUT_READS as ints; they fit 16 bits.
+            lid: word(0) as u16,
+            out_reads: word(1) as u16,
+            qpn: word(2),
+            psn: word(3),
+            rkey: word(4),
+            vaddr: u64::from_be_bytes(r[24..32].try_into().expect("8 bytes")),
+            gid: r[32..48].try_into().expect("16 bytes"),
+            srqn: u32::from_be_bytes(r[48..52].try_into().expect("4 bytes")),
+        }
+    }
+}
+
 /// The bandwidth report a client sends after a BW test.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Report {
@@ -80,11 +123,138 @@ pub struct Report {
     pub msg_rate: f64,
 }
 
-/// The TCP connection of the exchange.
+/// The connection the exchange runs on.
 #[derive(Debug)]
 pub struct Oob {
-    stream: TcpStream,
+    link: Link,
     client: bool,
+}
+
+#[derive(Debug)]
+enum Link {
+    Tcp(TcpStream),
+    Cm(Box<Control>),
+}
+
+/// rdma_cm mode's control QP (perftest's "comm" context): one message at a
+/// time each way, at most [`CONTROL_MSG`] bytes (the peer posts receives of
+/// a key record's size).
+#[derive(Debug)]
+pub struct Control {
+    pub qp: Qp,
+    mr: Mr,
+    scq: Cq,
+    rcq: Cq,
+    _pd: Pd,
+}
+
+const CONTROL_MSG: usize = 64;
+/// Receives kept posted: one would do in lock step; two spare a race with a
+/// repost.
+const CONTROL_RECVS: usize = 2;
+const SEND_AT: usize = CONTROL_RECVS * CONTROL_MSG;
+
+impl Control {
+    /// A control QP on `ctx` (an iWARP device) with its receives posted,
+    /// ready to be connected.
+    pub fn new(ctx: &Context) -> Result<Control, String> {
+        let e = |e: VerbsError| e.to_string();
+        let pd = ctx.alloc_pd().map_err(e)?;
+        let mr = pd
+            .register(SEND_AT + CONTROL_MSG, Access::LOCAL_WRITE)
+            .map_err(e)?;
+        let scq = ctx.create_cq(4).map_err(e)?;
+        let rcq = ctx.create_cq(2 * CONTROL_RECVS).map_err(e)?;
+        let qp = pd
+            .create_qp(&QpInit::rc(&scq, &rcq).caps(QpCaps {
+                max_send_wr: 2,
+                max_recv_wr: CONTROL_RECVS as u32,
+                max_send_sge: 1,
+                max_recv_sge: 1,
+                max_inline_data: 0,
+            }))
+            .map_err(e)?;
+        let c = Control {
+            qp,
+            mr,
+            scq,
+            rcq,
+            _pd: pd,
+        };
+        for slot in 0..CONTROL_RECVS {
+            c.post_recv(slot)?;
+        }
+        Ok(c)
+    }
+
+    fn post_recv(&self, slot: usize) -> Result<(), String> {
+        self.qp
+            .post_recv(RecvWr {
+                wr_id: slot as u64,
+                sgl: vec![self.mr.sge(slot * CONTROL_MSG, CONTROL_MSG as u32)],
+            })
+            .map_err(|e| format!("out-of-band exchange: {e}"))
+    }
+
+    fn send(&self, msg: &[u8]) -> io::Result<()> {
+        let io = |e: String| io::Error::other(e);
+        self.mr.write(SEND_AT, msg).map_err(|e| io(e.to_string()))?;
+        self.qp
+            .post_send(SendWr::new(
+                0,
+                SendOp::Send,
+                vec![self.mr.sge(SEND_AT, msg.len() as u32)],
+            ))
+            .map_err(|e| io(e.to_string()))?;
+        let wc = self
+            .scq
+            .wait(Duration::from_secs(60))
+            .map_err(|e| io(e.to_string()))?
+            .ok_or_else(|| io("no send completion in 60 s".into()))?;
+        if wc.status != WcStatus::Success {
+            return Err(io(format!("SEND on the control QP: {}", wc.status)));
+        }
+        Ok(())
+    }
+
+    /// Waits for the peer's next message (as long as the connection
+    /// lives: a lost connection flushes the receive).
+    fn recv(&self, out: &mut [u8]) -> io::Result<()> {
+        let io = |e: String| io::Error::other(e);
+        let wc = loop {
+            match self.rcq.wait(Duration::from_secs(3600)) {
+                Ok(Some(wc)) => break wc,
+                Ok(None) => {}
+                Err(e) => return Err(io(e.to_string())),
+            }
+        };
+        match wc.status {
+            WcStatus::Success => {}
+            WcStatus::WrFlushErr => {
+                return Err(io::Error::new(
+                    io::ErrorKind::ConnectionAborted,
+                    "the peer closed the control connection",
+                ));
+            }
+            s => return Err(io(format!("receive on the control QP: {s}"))),
+        }
+        if (wc.byte_len as usize) < out.len() {
+            return Err(io(format!(
+                "a {}-byte message where {} were expected",
+                wc.byte_len,
+                out.len()
+            )));
+        }
+        let slot = wc.wr_id as usize;
+        self.mr
+            .read(slot * CONTROL_MSG, out)
+            .map_err(|e| io(e.to_string()))?;
+        // After the last message the peer may be gone already, and the QP
+        // with it: a receive that cannot be posted shows at the next
+        // exchange, if there is one.
+        let _ = self.post_recv(slot);
+        Ok(())
+    }
 }
 
 fn ctx(what: &'static str) -> impl Fn(io::Error) -> String {
@@ -94,18 +264,40 @@ fn ctx(what: &'static str) -> impl Fn(io::Error) -> String {
 impl Oob {
     pub fn new(stream: TcpStream, client: bool) -> Oob {
         let _ = stream.set_nodelay(true);
-        Oob { stream, client }
+        Oob {
+            link: Link::Tcp(stream),
+            client,
+        }
+    }
+
+    /// rdma_cm mode: the exchange runs on a connected control QP.
+    pub fn control(control: Control, client: bool) -> Oob {
+        Oob {
+            link: Link::Cm(Box::new(control)),
+            client,
+        }
     }
 
     /// One lock-step swap of `mine` for as many bytes of the peer's.
     fn xchg(&mut self, mine: &[u8], theirs: &mut [u8]) -> io::Result<()> {
-        // perftest reads each message with one read(): one write each.
-        if self.client {
-            self.stream.write_all(mine)?;
-            self.stream.read_exact(theirs)
-        } else {
-            self.stream.read_exact(theirs)?;
-            self.stream.write_all(mine)
+        match &mut self.link {
+            // perftest reads each message with one read(): one write each.
+            Link::Tcp(stream) if self.client => {
+                stream.write_all(mine)?;
+                stream.read_exact(theirs)
+            }
+            Link::Tcp(stream) => {
+                stream.read_exact(theirs)?;
+                stream.write_all(mine)
+            }
+            Link::Cm(c) if self.client => {
+                c.send(mine)?;
+                c.recv(theirs)
+            }
+            Link::Cm(c) => {
+                c.recv(theirs)?;
+                c.send(mine)
+            }
         }
     }
 
@@ -156,6 +348,12 @@ impl Oob {
 
     /// A key handshake: sends `mine`, returns the peer's.
     pub fn key(&mut self, mine: &Key) -> Result<Key, String> {
+        if matches!(self.link, Link::Cm(_)) {
+            let mut theirs = [0u8; RECORD_LEN];
+            self.xchg(&mine.encode_record(), &mut theirs)
+                .map_err(ctx("key record"))?;
+            return Ok(Key::parse_record(&theirs));
+        }
         let mut theirs = [0u8; KEY_LEN];
         self.xchg(&mine.encode(), &mut theirs)
             .map_err(ctx("key message"))?;
@@ -188,21 +386,31 @@ impl Oob {
 
     /// Waits (at most `limit`) for the peer to close the connection: for
     /// write-lat, which ends without a closing exchange, so that this side's
-    /// QP stays up to acknowledge the peer's last WRITE.
-    pub fn linger(mut self, limit: std::time::Duration) {
-        // Half-close first: a softrdma peer lingering too sees the end.
-        let _ = self.stream.shutdown(std::net::Shutdown::Write);
-        let _ = self.stream.set_read_timeout(Some(limit));
-        let mut buf = [0u8; 64];
-        while matches!(self.stream.read(&mut buf), Ok(n) if n > 0) {}
+    /// QP stays up to acknowledge the peer's last WRITE (over RoCE).
+    pub fn linger(self, limit: Duration) {
+        match self.link {
+            Link::Tcp(mut stream) => {
+                // Half-close first: a softrdma peer lingering too sees the end.
+                let _ = stream.shutdown(std::net::Shutdown::Write);
+                let _ = stream.set_read_timeout(Some(limit));
+                let mut buf = [0u8; 64];
+                while matches!(stream.read(&mut buf), Ok(n) if n > 0) {}
+            }
+            // TCP delivers what this side wrote even after it closes (its
+            // last WRITE has completed, so it is in the socket): no need to
+            // stay.
+            Link::Cm(_) => {}
+        }
     }
 
-    /// perftest's close: a last key handshake, then "done" (which nobody
-    /// reads: the peer may already have closed, so errors after the
-    /// handshake are not failures).
+    /// perftest's close: a last key handshake, then (on TCP) "done", which
+    /// nobody reads: the peer may already have closed, so errors after the
+    /// handshake are not failures. rdma_cm mode just disconnects.
     pub fn close(mut self, mine: &Key) -> Result<(), String> {
         self.key(mine)?;
-        let _ = self.stream.write_all(b"done\0");
+        if let Link::Tcp(stream) = &mut self.link {
+            let _ = stream.write_all(b"done\0");
+        }
         Ok(())
     }
 }
@@ -233,6 +441,25 @@ mod tests {
             }
         );
         assert_eq!(k.encode(), bytes);
+    }
+
+    #[test]
+    fn key_record_is_perftests() {
+        // siw_write_bw.pcap frame 32, after the 20-byte MPA/DDP/RDMAP header.
+        let mut r = [0u8; RECORD_LEN];
+        r[4..8].copy_from_slice(&1u32.to_be_bytes());
+        r[8..12].copy_from_slice(&2u32.to_be_bytes());
+        r[12..16].copy_from_slice(&0x00d6_53e8u32.to_be_bytes());
+        r[16..20].copy_from_slice(&0xba2e_d400u32.to_be_bytes());
+        r[24..32].copy_from_slice(&0x0000_7f02_a2a2_8000u64.to_be_bytes());
+        r[32..38].copy_from_slice(&[0x52, 0x54, 0x0a, 0x63, 0x00, 0x03]);
+        let k = Key::parse_record(&r);
+        assert_eq!(
+            (k.out_reads, k.qpn, k.psn, k.rkey, k.vaddr),
+            (1, 2, 0x00d6_53e8, 0xba2e_d400, 0x7f02_a2a2_8000)
+        );
+        assert_eq!(k.gid[..6], [0x52, 0x54, 0x0a, 0x63, 0x00, 0x03]);
+        assert_eq!(k.encode_record(), r);
     }
 
     #[test]
