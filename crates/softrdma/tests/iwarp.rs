@@ -1,6 +1,7 @@
 //! iWARP through the verbs on loopback TCP: every operation with CRC on and
-//! off, the errors and their Terminates, a rejected connection, and a peer
-//! that goes away mid-transfer.
+//! off, SEND with invalidate and local invalidate, the errors and their
+//! Terminates, a rejected connection, and a peer that goes away
+//! mid-transfer.
 
 use std::net::Ipv4Addr;
 use std::time::Duration;
@@ -14,7 +15,7 @@ const T: Duration = Duration::from_secs(10);
 
 struct End {
     ctx: Context,
-    _pd: Pd,
+    pd: Pd,
     mr: Mr,
     scq: Cq,
     rcq: Cq,
@@ -38,7 +39,7 @@ fn end(ip: [u8; 4]) -> End {
         .unwrap();
     End {
         ctx,
-        _pd: pd,
+        pd,
         mr,
         scq,
         rcq,
@@ -215,6 +216,157 @@ fn a_bad_stag_gets_a_terminate_and_both_qps_fail() {
         a.qp.post_send(SendWr::new(2, SendOp::Send, vec![]))
             .is_err()
     );
+}
+
+/// A WRITE of 16 bytes from `a` to `rkey` at the start of `target`.
+fn write_to(a: &End, target: &Mr, rkey: u32, wr_id: u64) {
+    a.qp.post_send(SendWr::new(
+        wr_id,
+        SendOp::Write {
+            remote_addr: target.addr(),
+            rkey,
+        },
+        vec![a.mr.sge(0, 16)],
+    ))
+    .unwrap();
+}
+
+#[test]
+fn send_with_invalidate_revokes_the_named_stag_and_only_it() {
+    let (a, b) = pair(MpaConfig::default(), |b| {
+        b.qp.post_recv(RecvWr {
+            wr_id: 7,
+            sgl: vec![b.mr.sge(0, 64)],
+        })
+        .unwrap();
+    });
+    let target = b.pd.register(4096, Access::ALL).unwrap();
+    a.mr.write(0, b"sixteen bytes..!").unwrap();
+    write_to(&a, &target, target.rkey(), 1);
+    assert_eq!(one(&a.scq).status, WcStatus::Success);
+    a.qp.post_send(
+        SendWr::new(2, SendOp::SendWithInv(target.rkey()), vec![a.mr.sge(0, 5)]).solicited(),
+    )
+    .unwrap();
+    let wc = one(&a.scq);
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.opcode),
+        (2, WcStatus::Success, WcOpcode::Send)
+    );
+    let wc = one(&b.rcq);
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.byte_len),
+        (7, WcStatus::Success, 5)
+    );
+    assert_eq!(wc.invalidated_rkey, Some(target.rkey()));
+    assert!(wc.solicited);
+    assert_eq!(target.read_vec(0, 16).unwrap(), b"sixteen bytes..!");
+    // The other region still takes WRITEs; the invalidated STag does not.
+    write_to(&a, &b.mr, b.mr.rkey(), 3);
+    assert_eq!(one(&a.scq).status, WcStatus::Success);
+    write_to(&a, &target, target.rkey(), 4);
+    assert_eq!(one(&a.scq).status, WcStatus::Success, "handed to TCP");
+    wait_state(&b.qp, QpState::Err);
+    let t = b.qp.iwarp_stats().unwrap().terminate_sent.unwrap();
+    assert_eq!(
+        (t.control.layer, t.control.etype, t.control.code),
+        (Layer::Ddp, 1, 0x00),
+        "invalid STag"
+    );
+}
+
+#[test]
+fn send_with_invalidate_of_a_stag_not_the_receivers_terminates() {
+    let (a, b) = pair(MpaConfig::default(), |b| {
+        b.qp.post_recv(RecvWr {
+            wr_id: 7,
+            sgl: vec![b.mr.sge(0, 64)],
+        })
+        .unwrap();
+    });
+    // An rkey of another PD of the receiver's, then no rkey at all.
+    let other_pd = b.ctx.alloc_pd().unwrap();
+    let foreign = other_pd.register(4096, Access::ALL).unwrap();
+    a.qp.post_send(SendWr::new(1, SendOp::SendWithInv(foreign.rkey()), vec![]))
+        .unwrap();
+    let wc = one(&b.rcq);
+    assert_eq!((wc.wr_id, wc.status), (7, WcStatus::RemInvReqErr));
+    wait_state(&b.qp, QpState::Err);
+    let t = b.qp.iwarp_stats().unwrap().terminate_sent.unwrap();
+    assert_eq!(
+        (t.control.layer, t.control.etype, t.control.code),
+        (Layer::Rdmap, 1, 0x09),
+        "a protection error: STag cannot be invalidated"
+    );
+    wait_state(&a.qp, QpState::Err);
+    assert_eq!(
+        a.qp.iwarp_stats()
+            .unwrap()
+            .terminate_received
+            .unwrap()
+            .control,
+        t.control
+    );
+
+    let (a, b) = pair(MpaConfig::default(), |b| {
+        b.qp.post_recv(RecvWr {
+            wr_id: 8,
+            sgl: vec![b.mr.sge(0, 64)],
+        })
+        .unwrap();
+    });
+    a.qp.post_send(SendWr::new(1, SendOp::SendWithInv(0x00de_ad00), vec![]))
+        .unwrap();
+    assert_eq!(one(&b.rcq).status, WcStatus::RemInvReqErr);
+    wait_state(&b.qp, QpState::Err);
+    let t = b.qp.iwarp_stats().unwrap().terminate_sent.unwrap();
+    assert_eq!(
+        (t.control.layer, t.control.etype, t.control.code),
+        (Layer::Rdmap, 2, 0x09),
+        "an operation error: no such STag"
+    );
+}
+
+#[test]
+fn local_invalidate_revokes_this_sides_stag_in_queue_order() {
+    let (a, b) = pair(MpaConfig::default(), |_| {});
+    let target = b.pd.register(4096, Access::ALL).unwrap();
+    // Queued behind a WRITE of b's own: the invalidate comes after it.
+    b.qp.post_send(SendWr::new(
+        1,
+        SendOp::Write {
+            remote_addr: a.mr.addr(),
+            rkey: a.mr.rkey(),
+        },
+        vec![b.mr.sge(0, 1 << 20)],
+    ))
+    .unwrap();
+    b.qp.post_send(SendWr::new(2, SendOp::LocalInv(target.rkey()), vec![]))
+        .unwrap();
+    let first = one(&b.scq);
+    let second = one(&b.scq);
+    assert_eq!((first.wr_id, first.status), (1, WcStatus::Success));
+    assert_eq!(
+        (second.wr_id, second.status, second.opcode),
+        (2, WcStatus::Success, WcOpcode::LocalInv)
+    );
+    write_to(&a, &target, target.rkey(), 3);
+    assert_eq!(one(&a.scq).status, WcStatus::Success, "handed to TCP");
+    wait_state(&b.qp, QpState::Err);
+    let t = b.qp.iwarp_stats().unwrap().terminate_sent.unwrap();
+    assert_eq!((t.control.layer, t.control.code), (Layer::Ddp, 0x00));
+}
+
+#[test]
+fn local_invalidate_of_a_key_not_this_pds_is_a_local_error() {
+    let (_a, b) = pair(MpaConfig::default(), |_| {});
+    let other_pd = b.ctx.alloc_pd().unwrap();
+    let foreign = other_pd.register(4096, Access::ALL).unwrap();
+    b.qp.post_send(SendWr::new(1, SendOp::LocalInv(foreign.rkey()), vec![]))
+        .unwrap();
+    let wc = one(&b.scq);
+    assert_eq!((wc.wr_id, wc.status), (1, WcStatus::LocProtErr));
+    wait_state(&b.qp, QpState::Err);
 }
 
 #[test]

@@ -655,6 +655,9 @@ fn check_end(sim: &Sim, sides: &[Side; 2], mems: &[Arc<RegionMemory>]) -> Result
                     }
                     cas_total += 1;
                 }
+                SendOp::SendWithInv(_) | SendOp::LocalInv(_) => {
+                    return Err("the simulation posts no iWARP-only operations".into());
+                }
             }
         }
         if r != peer_recvs.len() {

@@ -93,6 +93,7 @@ fn cq_capacity_and_overrun_is_an_error() {
         src_qp: 0,
         grh: false,
         solicited: false,
+        invalidated_rkey: None,
     }; 8];
     assert_eq!(small.poll(&mut wcs), Err(CqError::Overrun(2)));
 }

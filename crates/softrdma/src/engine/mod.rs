@@ -98,13 +98,20 @@ pub enum SendOp {
         /// Addend.
         add: u64,
     },
+    /// SEND with invalidate (iWARP): the message also invalidates the
+    /// peer's STag (rkey) `0` when it arrives.
+    SendWithInv(u32),
+    /// Local invalidate (iWARP): this side's rkey `0` stops working for
+    /// remote access, in send queue order. No message goes out.
+    LocalInv(u32),
 }
 
 impl SendOp {
     /// The work completion opcode this operation reports.
     pub fn wc_opcode(&self) -> WcOpcode {
         match self {
-            SendOp::Send | SendOp::SendWithImm(_) => WcOpcode::Send,
+            SendOp::Send | SendOp::SendWithImm(_) | SendOp::SendWithInv(_) => WcOpcode::Send,
+            SendOp::LocalInv(_) => WcOpcode::LocalInv,
             SendOp::Write { .. } | SendOp::WriteWithImm { .. } => WcOpcode::RdmaWrite,
             SendOp::Read { .. } => WcOpcode::RdmaRead,
             SendOp::CompareSwap { .. } => WcOpcode::CompareSwap,
@@ -299,6 +306,8 @@ pub enum WcOpcode {
     Recv,
     /// A receive consumed by an RDMA WRITE with immediate.
     RecvRdmaWithImm,
+    /// A local invalidate.
+    LocalInv,
 }
 
 /// A work completion.
@@ -322,6 +331,8 @@ pub struct WorkCompletion {
     pub grh: bool,
     /// The sender asked for a solicited event.
     pub solicited: bool,
+    /// The STag the message invalidated here (SEND with invalidate).
+    pub invalidated_rkey: Option<u32>,
 }
 
 /// Asynchronous events a QP raises (`ibv_get_async_event`).
@@ -347,6 +358,7 @@ impl WorkCompletion {
             src_qp: 0,
             grh: false,
             solicited: false,
+            invalidated_rkey: None,
         }
     }
 }

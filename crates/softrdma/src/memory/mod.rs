@@ -324,6 +324,15 @@ impl MrTable {
         }
     }
 
+    /// Whether `rkey` is a remote key (distinct from its lkey) of a region
+    /// of `pd`: one that SEND with invalidate or local invalidate may
+    /// invalidate.
+    pub fn can_invalidate(&self, pd: PdId, rkey: u32) -> bool {
+        self.regions
+            .get(&rkey)
+            .is_some_and(|r| r.rkey == rkey && r.lkey != rkey && r.pd == pd)
+    }
+
     /// Removes the region with this lkey; later accesses with its keys fail.
     pub fn remove(&mut self, lkey: u32) -> Option<Arc<Region>> {
         let r = self.regions.get(&lkey).filter(|r| r.lkey == lkey)?.clone();

@@ -175,6 +175,22 @@ impl Shared {
     fn drain(&self) {
         let mut signal = [false; 2];
         let mut qp = self.engine.lock().expect("QP lock");
+        // Invalidations first, so that nobody sees the completion of a SEND
+        // with invalidate or a local invalidate while the STag still works.
+        // (The MR table lock comes before the QP's: take it without the QP.)
+        loop {
+            let invalidated: Vec<u32> = std::iter::from_fn(|| qp.poll_invalidated()).collect();
+            if invalidated.is_empty() {
+                break;
+            }
+            drop(qp);
+            let mut mrs = self.mrs.write().expect("MR table lock");
+            for stag in invalidated {
+                mrs.invalidate_remote(stag);
+            }
+            drop(mrs);
+            qp = self.engine.lock().expect("QP lock");
+        }
         while let Some((kind, wc)) = qp.poll_completion() {
             match kind {
                 CqKind::Send => signal[0] |= self.send_cq.push(wc),
@@ -188,15 +204,7 @@ impl Shared {
                 QpEvent::LastWqeReached => AsyncEvent::QpLastWqeReached { qpn },
             });
         }
-        let invalidated: Vec<u32> = std::iter::from_fn(|| qp.poll_invalidated()).collect();
         drop(qp);
-        if !invalidated.is_empty() {
-            // SEND with invalidate: the named STags stop working here.
-            let mut mrs = self.mrs.write().expect("MR table lock");
-            for stag in invalidated {
-                mrs.invalidate_remote(stag);
-            }
-        }
         if signal[0] {
             self.send_cq.signal();
         }

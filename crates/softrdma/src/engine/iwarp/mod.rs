@@ -309,7 +309,11 @@ impl IwarpQp {
             return Err(PostError::BadState(QpState::Err));
         }
         match wr.op {
-            SendOp::Send | SendOp::Write { .. } | SendOp::Read { .. } => {}
+            SendOp::Send
+            | SendOp::SendWithInv(_)
+            | SendOp::LocalInv(_)
+            | SendOp::Write { .. }
+            | SendOp::Read { .. } => {}
             SendOp::SendWithImm(_) | SendOp::WriteWithImm { .. } => {
                 return Err(PostError::Unsupported(
                     "iWARP has no immediate data (RDMAP carries none)",
@@ -589,6 +593,22 @@ impl IwarpQp {
         pieces: &mut Vec<Segment>,
     ) -> Option<Transmit> {
         let pd = self.pd;
+        while let Some(SendOp::LocalInv(rkey)) = self.sq.front().map(|e| e.wr.op) {
+            let e = self.sq.pop_front().expect("front");
+            if !mrs.can_invalidate(pd, rkey) {
+                // Not an rkey of this PD: a local error ends the stream, as
+                // any local error does (siw).
+                self.complete(e.seq, WcStatus::LocProtErr);
+                self.fail(None);
+                return None;
+            }
+            // The provider applies it before it delivers this completion.
+            self.invalidated.push_back(rkey);
+            self.complete(e.seq, WcStatus::Success);
+            if !self.sq_ready() {
+                return None;
+            }
+        }
         let e = self.sq.front_mut()?;
         if e.segs.is_none() && !e.wr.flags.inline {
             // Resolve the local buffers once, when the WQE starts.
@@ -617,7 +637,7 @@ impl IwarpQp {
                     e.msn = self.read_msn;
                     self.read_msn = self.read_msn.wrapping_add(1);
                 }
-                SendOp::Send => {
+                SendOp::Send | SendOp::SendWithInv(_) => {
                     e.msn = self.send_msn;
                     self.send_msn = self.send_msn.wrapping_add(1);
                 }
@@ -625,7 +645,7 @@ impl IwarpQp {
             }
         } else if e.wr.flags.inline && e.segs.is_none() {
             e.segs = Some(Vec::new());
-            if let SendOp::Send = e.wr.op {
+            if let SendOp::Send | SendOp::SendWithInv(_) = e.wr.op {
                 e.msn = self.send_msn;
                 self.send_msn = self.send_msn.wrapping_add(1);
             }
@@ -680,14 +700,15 @@ impl IwarpQp {
                 let room = self.cfg.max_ulpdu - ddp::UNTAGGED_HEADER_LEN;
                 let n = (e.len - e.sent).min(room);
                 let last = e.sent + n == e.len;
-                let op = if e.wr.flags.solicited {
-                    Opcode::SendSe
-                } else {
-                    Opcode::Send
+                let (op, inv) = match (e.wr.op, e.wr.flags.solicited) {
+                    (SendOp::SendWithInv(stag), false) => (Opcode::SendInvalidate, stag),
+                    (SendOp::SendWithInv(stag), true) => (Opcode::SendSeInvalidate, stag),
+                    (_, false) => (Opcode::Send, 0),
+                    (_, true) => (Opcode::SendSe, 0),
                 };
                 let at = 2 + ddp::UNTAGGED_HEADER_LEN;
                 Self::take_payload(e, n, buf, at, pieces);
-                Self::untagged_header(buf, op, QN_SEND, e.msn, e.sent as u32, last, 0);
+                Self::untagged_header(buf, op, QN_SEND, e.msn, e.sent as u32, last, inv);
                 e.sent += n;
                 let inline = if e.wr.flags.inline { n } else { 0 };
                 self.after_segment(last);
@@ -941,10 +962,20 @@ impl IwarpQp {
                     );
                     wc.byte_len = end as u32;
                     wc.solicited = solicited;
-                    self.completions.push_back((CqKind::Recv, wc));
                     if let Some(stag) = invalidate {
+                        if !mrs.can_invalidate(self.pd, stag) {
+                            // As siw: another PD's STag is a protection
+                            // error, an unknown one an operation error.
+                            let etype = if mrs.key_in_use(stag) { 1 } else { 2 };
+                            wc.status = WcStatus::RemInvReqErr;
+                            self.completions.push_back((CqKind::Recv, wc));
+                            self.terminate(Layer::Rdmap, etype, 0x09, &[], None);
+                            return;
+                        }
+                        wc.invalidated_rkey = Some(stag);
                         self.invalidated.push_back(stag);
                     }
+                    self.completions.push_back((CqKind::Recv, wc));
                 }
             }
             RxSeg::ReadRequest => {

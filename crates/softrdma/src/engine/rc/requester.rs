@@ -90,6 +90,12 @@ impl RcQp {
             }
             _ => {}
         }
+        if matches!(wr.op, SendOp::SendWithInv(_) | SendOp::LocalInv(_)) {
+            return Err(PostError::Unsupported(
+                "SEND with invalidate and local invalidate are not implemented over RoCEv2 \
+                 (they are on iWARP)",
+            ));
+        }
         if wr.sgl.len() > self.caps.max_send_sge as usize {
             return Err(PostError::TooManySges {
                 given: wr.sgl.len(),
