@@ -7,7 +7,7 @@ use std::net::Ipv4Addr;
 use std::time::Duration;
 
 use softrdma::cm::iwarp::{self, ConnectError, Listener};
-use softrdma::cm::mpa::{CrcPolicy, Decision, MpaConfig, MpaError};
+use softrdma::cm::mpa::{CrcPolicy, Decision, MpaConfig, MpaError, Rtr};
 use softrdma::verbs::*;
 use softrdma::wire::rdmap::Layer;
 
@@ -367,6 +367,78 @@ fn local_invalidate_of_a_key_not_this_pds_is_a_local_error() {
     let wc = one(&b.scq);
     assert_eq!((wc.wr_id, wc.status), (1, WcStatus::LocProtErr));
     wait_state(&b.qp, QpState::Err);
+}
+
+#[test]
+fn peer_to_peer_mode_sends_and_awaits_the_rtr_message() {
+    for rtr in [Rtr::Write, Rtr::Read] {
+        let p2p = MpaConfig {
+            p2p: vec![rtr],
+            ..MpaConfig::default()
+        };
+        let server = end([127, 0, 0, 2]);
+        let listener = Listener::bind(&server.ctx, 0).unwrap();
+        let at = listener.local_addr();
+        let cfg = p2p.clone();
+        let t = std::thread::spawn(move || {
+            let out = listener
+                .accept(&server.qp, &cfg, |_| Decision::Accept)
+                .unwrap();
+            assert_eq!(out.rtr, Some(rtr));
+            // Posted at once: the responder holds it until the RTR is in.
+            server.mr.write(0, b"after the RTR").unwrap();
+            server
+                .qp
+                .post_send(SendWr::new(1, SendOp::Send, vec![server.mr.sge(0, 13)]))
+                .unwrap();
+            server
+        });
+        let client = end([127, 0, 0, 1]);
+        client
+            .qp
+            .post_recv(RecvWr {
+                wr_id: 5,
+                sgl: vec![client.mr.sge(0, 64)],
+            })
+            .unwrap();
+        let out = iwarp::connect(&client.qp, at, &p2p).unwrap();
+        assert_eq!(out.rtr, Some(rtr));
+        let server = t.join().unwrap();
+        let wc = one(&client.rcq);
+        assert_eq!(
+            (wc.wr_id, wc.status, wc.byte_len),
+            (5, WcStatus::Success, 13)
+        );
+        assert_eq!(client.mr.read_vec(0, 13).unwrap(), b"after the RTR");
+        assert_eq!(one(&server.scq).status, WcStatus::Success);
+        // The client's only FPDU so far is the RTR; a READ RTR was answered.
+        let (c, s) = (
+            client.qp.iwarp_stats().unwrap().fpdus,
+            server.qp.iwarp_stats().unwrap().fpdus,
+        );
+        let answer = u64::from(rtr == Rtr::Read);
+        assert_eq!((c.fpdus_sent, s.fpdus_received), (1, 1), "{rtr:?}");
+        assert_eq!(
+            (s.fpdus_sent, c.fpdus_received),
+            (1 + answer, 1 + answer),
+            "{rtr:?}"
+        );
+        // And the connection goes on: a READ each way.
+        for (from, to) in [(&client, &server), (&server, &client)] {
+            from.qp
+                .post_send(SendWr::new(
+                    2,
+                    SendOp::Read {
+                        remote_addr: to.mr.addr(),
+                        rkey: to.mr.rkey(),
+                    },
+                    vec![from.mr.sge(4096, 13)],
+                ))
+                .unwrap();
+            assert_eq!(one(&from.scq).status, WcStatus::Success, "{rtr:?}");
+            assert_eq!(from.mr.read_vec(4096, 13).unwrap(), b"after the RTR");
+        }
+    }
 }
 
 #[test]

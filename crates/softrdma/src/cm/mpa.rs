@@ -27,14 +27,7 @@ pub enum CrcPolicy {
     Required,
 }
 
-/// The zero-length message that ends a peer-to-peer establishment.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Rtr {
-    /// A zero-length RDMA WRITE.
-    Write,
-    /// A zero-length RDMA READ (answered by a zero-length READ Response).
-    Read,
-}
+pub use crate::engine::iwarp::Rtr;
 
 /// This side's offer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -86,6 +79,8 @@ pub struct MpaOutcome {
     pub ird: u16,
     /// Peer-to-peer mode and its RTR message, if negotiated.
     pub rtr: Option<Rtr>,
+    /// This side sent the MPA Request (and so sends the RTR message).
+    pub initiator: bool,
     /// The peer's private data (after the IRD/ORD block).
     pub peer_private_data: Vec<u8>,
 }
@@ -264,6 +259,7 @@ pub fn connect(stream: &mut TcpStream, cfg: &MpaConfig) -> Result<MpaOutcome, Mp
         ord: peer.map_or(cfg.ord, |p| cfg.ord.min(p.ird)),
         ird: cfg.ird,
         rtr,
+        initiator: true,
         peer_private_data: pd,
     })
 }
@@ -356,6 +352,7 @@ pub fn accept(
         ord: peer.map_or(cfg.ord, |p| cfg.ord.min(p.ird)),
         ird: cfg.ird,
         rtr,
+        initiator: false,
         peer_private_data: request.private_data,
     })
 }

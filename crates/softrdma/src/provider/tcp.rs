@@ -96,6 +96,10 @@ impl TcpQp {
         let tx = std::thread::Builder::new()
             .name(TX_NAME.into())
             .spawn(move || transmit_loop(&b))?;
+        // A peer-to-peer initiator's RTR message goes first, unasked.
+        if shared.engine.lock().expect("QP lock").wants_transmit() {
+            shared.kick();
+        }
         Ok(TcpQp {
             shared,
             threads: vec![rx, tx],

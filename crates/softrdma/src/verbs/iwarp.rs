@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use super::cq::CqInner;
 use super::{Pd, Provider, Qp, QpInit, QpKind, QpType, Result, VerbsError};
 use crate::cm::mpa::MpaOutcome;
-use crate::engine::iwarp::{IwarpConfig, IwarpQp, IwarpStats};
+use crate::engine::iwarp::{IwarpConfig, IwarpQp, IwarpStats, P2p};
 use crate::engine::rc::QpCaps;
 use crate::engine::{PostError, QpState, RecvWr, SendWr};
 use crate::provider::tcp::{TcpQp, max_ulpdu_for};
@@ -146,6 +146,13 @@ impl Qp {
             ird: mpa.ird.max(1),
             ord: mpa.ord.max(1),
             terminate_encoding: TermEncoding::Rfc,
+            p2p: mpa.rtr.map(|r| {
+                if mpa.initiator {
+                    P2p::Send(r)
+                } else {
+                    P2p::Await(r)
+                }
+            }),
         };
         let mut engine = IwarpQp::new(slot.qpn, slot.pd, slot.caps, cfg);
         // Receives posted before the connection are in place before its

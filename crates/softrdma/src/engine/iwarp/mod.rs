@@ -57,6 +57,28 @@ pub struct IwarpConfig {
     pub ord: u16,
     /// How to lay out the Terminates this side sends.
     pub terminate_encoding: TermEncoding,
+    /// Peer-to-peer mode (RFC 6581), if negotiated.
+    pub p2p: Option<P2p>,
+}
+
+/// The zero-length message that ends a peer-to-peer establishment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rtr {
+    /// A zero-length RDMA WRITE.
+    Write,
+    /// A zero-length RDMA READ (answered by a zero-length READ Response).
+    Read,
+}
+
+/// A side's part in a peer-to-peer establishment: the initiator sends the
+/// RTR message as its first FPDU; the responder sends nothing before it
+/// has the RTR.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum P2p {
+    /// Initiator.
+    Send(Rtr),
+    /// Responder.
+    Await(Rtr),
 }
 
 impl Default for IwarpConfig {
@@ -67,6 +89,7 @@ impl Default for IwarpConfig {
             ird: 1,
             ord: 1,
             terminate_encoding: TermEncoding::Rfc,
+            p2p: None,
         }
     }
 }
@@ -160,7 +183,8 @@ struct OutRead {
 struct InRead {
     sink_stag: u32,
     sink_to: u64,
-    src: Segment,
+    /// None for a zero-length READ (whose STag is not checked).
+    src: Option<Segment>,
     sent: usize,
 }
 
@@ -225,6 +249,11 @@ pub struct IwarpQp {
     peer_terminate: Option<TerminateRepr>,
     /// STags invalidated by SEND with invalidate (the provider applies them).
     invalidated: VecDeque<u32>,
+    /// Peer-to-peer: the RTR message still to send, the one still awaited,
+    /// and whether the READ Response to this side's RTR READ is due.
+    rtr_to_send: Option<Rtr>,
+    rtr_awaited: Option<Rtr>,
+    rtr_response_due: bool,
     stats: IwarpStats,
 }
 
@@ -265,6 +294,15 @@ impl IwarpQp {
             events: VecDeque::new(),
             peer_terminate: None,
             invalidated: VecDeque::new(),
+            rtr_to_send: match cfg.p2p {
+                Some(P2p::Send(r)) => Some(r),
+                _ => None,
+            },
+            rtr_awaited: match cfg.p2p {
+                Some(P2p::Await(r)) => Some(r),
+                _ => None,
+            },
+            rtr_response_due: false,
             stats: IwarpStats::default(),
         }
     }
@@ -468,7 +506,10 @@ impl IwarpQp {
     pub fn wants_transmit(&self) -> bool {
         match self.state {
             State::Error => self.terminate.is_some() && !self.terminate_sent,
-            State::Rts => !self.irq.is_empty() || self.sq_ready(),
+            State::Rts => {
+                self.rtr_to_send.is_some()
+                    || (self.rtr_awaited.is_none() && (!self.irq.is_empty() || self.sq_ready()))
+            }
         }
     }
 
@@ -501,6 +542,12 @@ impl IwarpQp {
             self.stats.terminates_sent += 1;
             return Some(self.emit_terminate(&t, buf));
         }
+        if let Some(rtr) = self.rtr_to_send.take() {
+            return Some(self.emit_rtr(rtr, buf));
+        }
+        if self.rtr_awaited.is_some() {
+            return None; // RFC 6581: nothing before the peer's RTR
+        }
         if let Some(t) = self.transmit_read_response(buf, pieces) {
             return Some(t);
         }
@@ -508,6 +555,33 @@ impl IwarpQp {
             return None;
         }
         self.transmit_sq(mrs, buf, pieces)
+    }
+
+    fn emit_rtr(&mut self, rtr: Rtr, buf: &mut [u8]) -> Transmit {
+        match rtr {
+            Rtr::Write => {
+                Self::tagged_header(buf, Opcode::Write, 0, 0, true);
+                self.finish(buf, 2 + ddp::TAGGED_HEADER_LEN, 0)
+            }
+            Rtr::Read => {
+                let msn = self.read_msn;
+                self.read_msn = self.read_msn.wrapping_add(1);
+                self.rtr_response_due = true;
+                Self::untagged_header(buf, Opcode::ReadRequest, QN_READ_REQUEST, msn, 0, true, 0);
+                let at = 2 + ddp::UNTAGGED_HEADER_LEN;
+                ReadRequestRepr {
+                    sink_stag: 0,
+                    sink_offset: 0,
+                    size: 0,
+                    source_stag: 0,
+                    source_offset: 0,
+                }
+                .emit(&mut ReadRequest::new_unchecked(
+                    &mut buf[at..at + rdmap::READ_REQUEST_LEN],
+                ));
+                self.finish(buf, at + rdmap::READ_REQUEST_LEN, 0)
+            }
+        }
     }
 
     fn untagged_header(
@@ -571,11 +645,14 @@ impl IwarpQp {
     ) -> Option<Transmit> {
         let room = self.cfg.max_ulpdu - ddp::TAGGED_HEADER_LEN;
         let r = self.irq.front_mut()?;
-        let n = (r.src.len() - r.sent).min(room);
-        let last = r.sent + n == r.src.len();
+        let len = r.src.as_ref().map_or(0, Segment::len);
+        let n = (len - r.sent).min(room);
+        let last = r.sent + n == len;
         let to = r.sink_to.wrapping_add(r.sent as u64);
-        if n > 0 {
-            pieces.push(r.src.slice(r.sent, n).expect("inside the source"));
+        if let Some(src) = &r.src
+            && n > 0
+        {
+            pieces.push(src.slice(r.sent, n).expect("inside the source"));
         }
         let stag = r.sink_stag;
         r.sent += n;
@@ -778,7 +855,34 @@ impl IwarpQp {
                 return Placement::Discard;
             }
         };
+        if let Some(want) = self.rtr_awaited {
+            let rtr = match want {
+                Rtr::Write => op == Opcode::Write && payload_len == 0 && d.last,
+                Rtr::Read => op == Opcode::ReadRequest,
+            };
+            if !rtr {
+                // Not the RTR message agreed on.
+                self.terminate(Layer::Llp, 0, 0x07, hdr, None);
+                return Placement::Discard;
+            }
+            self.rtr_awaited = None;
+        }
         match (op, d.placement) {
+            // A zero-length WRITE places nothing: its STag is not checked
+            // (RFC 6581's RTR is one).
+            (Opcode::Write, ddp::Placement::Tagged { .. }) if payload_len == 0 => {
+                self.rx = Some(RxSeg::Write);
+                Placement::Data
+            }
+            (Opcode::ReadResponse, ddp::Placement::Tagged { .. }) if self.rtr_response_due => {
+                self.rtr_response_due = false;
+                if payload_len != 0 || !d.last {
+                    self.terminate(Layer::Ddp, 1, 0x01, hdr, None);
+                    return Placement::Discard;
+                }
+                self.rx = Some(RxSeg::Write);
+                Placement::Data
+            }
             (Opcode::Write, ddp::Placement::Tagged { stag, offset }) => {
                 match mrs.remote(
                     self.pd,
@@ -992,6 +1096,16 @@ impl IwarpQp {
                     self.terminate(Layer::Rdmap, 2, 0x07, &[], None);
                     return;
                 }
+                if req.size == 0 {
+                    // Nothing to read: the STag is not checked.
+                    self.irq.push_back(InRead {
+                        sink_stag: req.sink_stag,
+                        sink_to: req.sink_offset,
+                        src: None,
+                        sent: 0,
+                    });
+                    return;
+                }
                 match mrs.remote(
                     self.pd,
                     req.source_stag,
@@ -1002,7 +1116,7 @@ impl IwarpQp {
                     Ok(src) => self.irq.push_back(InRead {
                         sink_stag: req.sink_stag,
                         sink_to: req.sink_offset,
-                        src,
+                        src: Some(src),
                         sent: 0,
                     }),
                     Err(e) => {

@@ -606,3 +606,64 @@ fn garbage_headers_terminate_instead_of_panicking() {
     r.qp.segment_done(&[], true, &r.mrs);
     assert_eq!(r.qp.state(), QpState::Err);
 }
+
+#[test]
+fn a_p2p_responder_holds_its_sends_until_the_rtr_and_refuses_another_first_message() {
+    let responder = IwarpConfig {
+        p2p: Some(P2p::Await(Rtr::Write)),
+        ..IwarpConfig::default()
+    };
+    let mut p = Pair {
+        s: [
+            side(0, Access::ALL, IwarpConfig::default()),
+            side(1, Access::ALL, responder),
+        ],
+        crc: true,
+        wire: [Vec::new(), Vec::new()],
+    };
+    p.recv(0, 1, vec![sge(0, 0, 64)]);
+    p.post(1, SendWr::new(1, SendOp::Send, vec![]).inline(b"early"));
+    p.transmit(1);
+    assert!(p.wire[1].is_empty(), "nothing before the RTR");
+    assert!(!p.s[1].qp.wants_transmit());
+    // An initiator that is not in peer-to-peer mode sends a SEND first.
+    p.recv(1, 2, vec![sge(1, 0, 64)]);
+    p.post(0, SendWr::new(2, SendOp::Send, vec![]).inline(b"hi"));
+    p.run();
+    let t = p.s[1].qp.own_terminate().expect("the responder terminates");
+    assert_eq!(
+        (t.control.layer, t.control.etype, t.control.code),
+        (Layer::Llp, 0, 0x07),
+        "no matching RTR"
+    );
+    assert_eq!(p.statuses(1, CqKind::Send), [(1, WcStatus::WrFlushErr)]);
+}
+
+#[test]
+fn zero_length_writes_and_reads_do_not_check_the_stag() {
+    let mut p = Pair::new();
+    for (id, op) in [
+        (
+            1,
+            SendOp::Write {
+                remote_addr: 0,
+                rkey: 0xdead_0000,
+            },
+        ),
+        (
+            2,
+            SendOp::Read {
+                remote_addr: 0,
+                rkey: 0xdead_0000,
+            },
+        ),
+    ] {
+        p.post(0, SendWr::new(id, op, vec![]));
+    }
+    p.run();
+    assert_eq!(
+        p.statuses(0, CqKind::Send),
+        [(1, WcStatus::Success), (2, WcStatus::Success)]
+    );
+    assert!(p.s[1].qp.own_terminate().is_none());
+}
