@@ -142,7 +142,7 @@ impl Qp {
             ));
         }
         let cfg = IwarpConfig {
-            max_ulpdu: max_ulpdu_for(&stream),
+            max_ulpdu: fpdu_override().unwrap_or_else(|| max_ulpdu_for(&stream)),
             ird: mpa.ird.max(1),
             ord: mpa.ord.max(1),
             terminate_encoding: TermEncoding::Rfc,
@@ -176,5 +176,16 @@ impl Qp {
         *slot.conn.lock().expect("conn lock") = Some(conn);
         *used = true;
         Ok(())
+    }
+}
+
+/// `SOFTRDMA_IWARP_ULPDU`: the largest ULPDU to send, instead of one that
+/// fits the TCP MSS (what siw expects); `max` is MPA's limit. For measuring
+/// larger FPDUs between softrdma ends (docs/iwarp.md).
+fn fpdu_override() -> Option<usize> {
+    let v = std::env::var("SOFTRDMA_IWARP_ULPDU").ok()?;
+    match v.as_str() {
+        "max" => Some(usize::from(u16::MAX)),
+        n => n.parse().ok(),
     }
 }
