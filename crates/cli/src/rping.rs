@@ -55,6 +55,13 @@ pub struct RpingArgs {
     /// Server: serve connections one after another until interrupted.
     #[arg(short = 'P')]
     pub persistent: bool,
+    /// IP type of service of the connection (decimal or 0x hex).
+    #[arg(short = 't', value_name = "TOS", value_parser = parse_tos)]
+    pub tos: Option<u8>,
+    /// Self-created QP (rping creates its QP itself instead of through
+    /// rdma_cm; so does this one always: accepted, no effect on the wire).
+    #[arg(short = 'q')]
+    pub self_created_qp: bool,
     /// Ask for MPA CRC32c (ours; a peer that asks for it gets it anyway).
     #[arg(long)]
     pub crc: bool,
@@ -88,6 +95,14 @@ pub fn run(a: &RpingArgs) -> ExitCode {
     }
 }
 
+fn parse_tos(s: &str) -> Result<u8, String> {
+    let v = match s.strip_prefix("0x") {
+        Some(h) => u8::from_str_radix(h, 16),
+        None => s.parse(),
+    };
+    v.map_err(|_| format!("{s:?}: a type of service is 0 to 255"))
+}
+
 fn mpa_config(a: &RpingArgs) -> MpaConfig {
     // rping's connection parameters: responder resources and initiator depth 1.
     MpaConfig {
@@ -98,6 +113,7 @@ fn mpa_config(a: &RpingArgs) -> MpaConfig {
         },
         ird: 1,
         ord: 1,
+        tos: a.tos,
         ..MpaConfig::default()
     }
 }

@@ -697,6 +697,9 @@ fn rping_between_two_processes_over_iwarp() {
             "-v",
             "-V",
             "--crc",
+            "-t",
+            "0x20",
+            "-q",
         ],
     );
     assert!(c.status.success() && s.status.success(), "{c:?} {s:?}");

@@ -41,6 +41,9 @@ pub fn connect(qp: &Qp, to: SocketAddrV4, cfg: &MpaConfig) -> Result<MpaOutcome,
     let sock =
         socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).map_err(tcp)?;
     sock.bind(&SocketAddr::V4(local).into()).map_err(tcp)?;
+    if let Some(tos) = cfg.tos {
+        sock.set_tos_v4(u32::from(tos)).map_err(tcp)?;
+    }
     sock.connect(&SocketAddr::V4(to).into()).map_err(tcp)?;
     let mut stream: TcpStream = sock.into();
     let out = mpa::connect(&mut stream, cfg)?;
@@ -102,6 +105,16 @@ impl Listener {
                 .unwrap_or(SocketAddr::V4(self.local_addr())),
             source,
         })?;
+        if let Some(tos) = cfg.tos {
+            socket2::SockRef::from(&stream)
+                .set_tos_v4(u32::from(tos))
+                .map_err(|source| ConnectError::Tcp {
+                    to: stream
+                        .peer_addr()
+                        .unwrap_or(SocketAddr::V4(self.local_addr())),
+                    source,
+                })?;
+        }
         let out = mpa::accept(&mut stream, cfg, decide)?;
         qp.attach_iwarp(stream, &out)?;
         Ok(out)

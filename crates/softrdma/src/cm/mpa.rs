@@ -47,6 +47,9 @@ pub struct MpaConfig {
     pub private_data: Vec<u8>,
     /// How long to wait for the peer's frame.
     pub timeout: Duration,
+    /// IP type of service of the TCP connection (rdma_cm's
+    /// RDMA_OPTION_ID_TOS); None leaves the system's.
+    pub tos: Option<u8>,
 }
 
 impl Default for MpaConfig {
@@ -60,6 +63,7 @@ impl Default for MpaConfig {
             p2p: Vec::new(),
             private_data: Vec::new(),
             timeout: Duration::from_secs(10),
+            tos: None,
         }
     }
 }
