@@ -14,6 +14,7 @@
 
 pub mod iwarp;
 pub mod mpa;
+pub mod shm;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddrV4, TcpStream};

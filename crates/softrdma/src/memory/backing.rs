@@ -28,6 +28,20 @@ enum Owner {
     Alloc(Layout),
     /// A caller's vector, given back with `into_vec`.
     Vec { capacity: usize },
+    /// Memory a provider mapped (shared memory): `keeper` unmaps it when
+    /// dropped, after this memory is gone.
+    Keeper { _alive: Keeper },
+}
+
+/// Whatever keeps shared memory mapped.
+struct Keeper {
+    _mapping: Box<dyn std::any::Any + Send + Sync>,
+}
+
+impl std::fmt::Debug for Keeper {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Keeper")
+    }
 }
 
 // SAFETY: the allocation is owned by the RegionMemory and only reached through
@@ -64,6 +78,56 @@ impl RegionMemory {
         }
     }
 
+    /// Memory that `keeper` keeps mapped: a provider's shared mapping.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `len` bytes, page aligned,
+    /// for as long as `keeper` lives, and reached by this process only
+    /// through this `RegionMemory` (other processes may share it: their
+    /// accesses are their race, as a peer's DMA is).
+    pub unsafe fn from_raw_parts(
+        ptr: NonNull<u8>,
+        len: usize,
+        keeper: Box<dyn std::any::Any + Send + Sync>,
+    ) -> RegionMemory {
+        RegionMemory {
+            ptr,
+            len,
+            owner: Owner::Keeper {
+                _alive: Keeper { _mapping: keeper },
+            },
+        }
+    }
+
+    /// Copies `len` bytes from `src` at `src_offset` to `self` at `offset`:
+    /// the one copy of a shared-memory transfer.
+    pub fn copy_from(&self, offset: usize, src: &RegionMemory, src_offset: usize, len: usize) {
+        self.check(offset, len);
+        src.check(src_offset, len);
+        // SAFETY: both ranges are inside their allocations (checked). They may
+        // overlap (one memory, or two mappings of the same pages): `copy` is
+        // memmove; bytes written concurrently by a peer are unspecified, as
+        // with DMA.
+        unsafe {
+            std::ptr::copy(
+                src.ptr.as_ptr().add(src_offset),
+                self.ptr.as_ptr().add(offset),
+                len,
+            )
+        };
+    }
+
+    /// Atomic load (sequentially consistent) of the host-order word at
+    /// `offset`: shared rings' counters and flags.
+    pub fn load(&self, offset: usize) -> u64 {
+        self.word(offset).load(Ordering::SeqCst)
+    }
+
+    /// Atomic store (sequentially consistent) of the host-order word at `offset`.
+    pub fn store(&self, offset: usize, value: u64) {
+        self.word(offset).store(value, Ordering::SeqCst)
+    }
+
     /// Gives a caller's buffer back, or `None` for memory allocated here.
     pub fn into_vec(self) -> Option<Vec<u8>> {
         let this = std::mem::ManuallyDrop::new(self);
@@ -76,6 +140,12 @@ impl RegionMemory {
             Owner::Alloc(layout) => {
                 // SAFETY: allocated in `zeroed` with this layout; not freed elsewhere.
                 unsafe { alloc::dealloc(this.ptr.as_ptr(), layout) };
+                None
+            }
+            Owner::Keeper { .. } => {
+                // SAFETY: read out of the ManuallyDrop exactly once, so the
+                // keeper is dropped (and unmaps) once.
+                drop(unsafe { std::ptr::read(&this.owner) });
                 None
             }
         }
@@ -211,6 +281,8 @@ impl Drop for RegionMemory {
                 let v = unsafe { Vec::from_raw_parts(self.ptr.as_ptr(), self.len, capacity) };
                 drop(v);
             }
+            // The keeper field drops after this and unmaps.
+            Owner::Keeper { .. } => {}
         }
     }
 }

@@ -250,6 +250,21 @@ impl Segment {
         assert!(at + out.len() <= self.len, "read past the segment");
         self.region.memory.read(self.offset + at, out);
     }
+    /// Copies `len` bytes from `src` (at `src_at`) into this segment at `at`:
+    /// region to region, the one copy of a shared-memory transfer.
+    ///
+    /// # Panics
+    /// If either range reaches past its segment.
+    pub fn copy_from(&self, at: usize, src: &Segment, src_at: usize, len: usize) {
+        assert!(at + len <= self.len, "write past the segment");
+        assert!(src_at + len <= src.len, "read past the segment");
+        self.region.memory.copy_from(
+            self.offset + at,
+            &src.region.memory,
+            src.offset + src_at,
+            len,
+        );
+    }
     /// Atomic compare-and-swap of the 8-byte word at the start of the segment
     /// (in host byte order, as rxe and NICs keep it); returns the old value.
     pub fn compare_swap(&self, compare: u64, swap: u64) -> u64 {

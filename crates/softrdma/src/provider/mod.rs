@@ -4,5 +4,6 @@
 pub mod hostd;
 pub mod netdev;
 mod pcap;
+pub(crate) mod shm;
 pub mod tcp;
 pub mod udp;

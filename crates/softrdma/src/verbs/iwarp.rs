@@ -100,16 +100,7 @@ impl Pd {
                 "shared receive queues are not supported on iWARP devices yet".into(),
             ));
         }
-        let qpn = {
-            let mut next = self.ctx.inner.next_qpn.lock().expect("QPN lock");
-            let q = *next;
-            *next = if q >= *self.ctx.inner.qpn_range.end() {
-                *self.ctx.inner.qpn_range.start()
-            } else {
-                q + 1
-            };
-            q
-        };
+        let qpn = self.ctx.inner.next_qpn();
         Ok(Qp {
             ctx: self.ctx.clone(),
             kind: QpKind::Iwarp(Arc::new(IwarpSlot {

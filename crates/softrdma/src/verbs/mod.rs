@@ -17,6 +17,7 @@
 pub(crate) mod cq;
 pub(crate) mod events;
 mod iwarp;
+mod shm;
 
 pub use iwarp::IwarpQpStats;
 
@@ -94,6 +95,7 @@ pub struct Device {
     shared_port: Option<bool>,
     pcap: Option<std::path::PathBuf>,
     iwarp: bool,
+    shm: bool,
 }
 
 impl Device {
@@ -113,6 +115,7 @@ impl Device {
             shared_port: None,
             pcap: None,
             iwarp: false,
+            shm: false,
         }
     }
 
@@ -122,6 +125,16 @@ impl Device {
         Device {
             iwarp: true,
             ..Device::udp(SocketAddrV4::new(ip, 0).into())
+        }
+    }
+
+    /// The shared-memory device: RC QPs between processes of this host,
+    /// connected by [`crate::cm::shm`]; WRITE, READ and atomics go straight
+    /// into the peer's memory (docs/shm.md).
+    pub fn shm() -> Device {
+        Device {
+            shm: true,
+            ..Device::udp(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 0).into())
         }
     }
 
@@ -184,7 +197,19 @@ impl Device {
                 "a shared address needs a port (4791), not 0".into(),
             ));
         }
-        let (dev, slot) = if self.iwarp {
+        let (dev, slot) = if self.shm {
+            let events = EventQueue::new().map_err(io_err("cannot open a shm device"))?;
+            let events = Arc::new(events);
+            events.push(AsyncEvent::PortActive);
+            (
+                Provider::Shm(ShmDeviceSlot {
+                    mrs: Arc::new(RwLock::new(MrTable::new())),
+                    events,
+                    shm: Arc::new(crate::provider::shm::ShmDevice::default()),
+                }),
+                0,
+            )
+        } else if self.iwarp {
             let events = EventQueue::new().map_err(io_err("cannot open an iWARP device"))?;
             let events = Arc::new(events);
             events.push(AsyncEvent::PortActive);
@@ -239,6 +264,16 @@ enum Provider {
     Udp(UdpDevice),
     /// iWARP over TCP.
     Iwarp(IwarpDevice),
+    /// Shared memory.
+    Shm(ShmDeviceSlot),
+}
+
+/// A shared-memory device.
+#[derive(Debug)]
+pub(crate) struct ShmDeviceSlot {
+    pub(crate) mrs: Arc<RwLock<MrTable>>,
+    pub(crate) events: Arc<EventQueue>,
+    pub(crate) shm: Arc<crate::provider::shm::ShmDevice>,
 }
 
 /// An iWARP device: an IPv4 address; each QP brings its TCP connection.
@@ -250,10 +285,23 @@ pub(crate) struct IwarpDevice {
 }
 
 impl ContextInner {
+    /// The next QPN of the device's range (iWARP and shm QPs: no table).
+    fn next_qpn(&self) -> u32 {
+        let mut next = self.next_qpn.lock().expect("QPN lock");
+        let q = *next;
+        *next = if q >= *self.qpn_range.end() {
+            *self.qpn_range.start()
+        } else {
+            q + 1
+        };
+        q
+    }
+
     fn mrs(&self) -> &Arc<RwLock<MrTable>> {
         match &self.dev {
             Provider::Udp(d) => &d.shared.mrs,
             Provider::Iwarp(d) => &d.mrs,
+            Provider::Shm(d) => &d.mrs,
         }
     }
 
@@ -261,6 +309,7 @@ impl ContextInner {
         match &self.dev {
             Provider::Udp(d) => &d.shared.events,
             Provider::Iwarp(d) => &d.events,
+            Provider::Shm(d) => &d.events,
         }
     }
 
@@ -269,6 +318,9 @@ impl ContextInner {
             Provider::Udp(d) => Ok(d),
             Provider::Iwarp(_) => Err(VerbsError::Invalid(format!(
                 "{what} is for RoCEv2 devices; this one is iWARP"
+            ))),
+            Provider::Shm(_) => Err(VerbsError::Invalid(format!(
+                "{what} is for RoCEv2 devices; this one is shared memory"
             ))),
         }
     }
@@ -403,7 +455,13 @@ impl Context {
         match &self.inner.dev {
             Provider::Udp(d) => d.local_addr(),
             Provider::Iwarp(d) => SocketAddrV4::new(d.addr, 0),
+            Provider::Shm(_) => SocketAddrV4::new(Ipv4Addr::LOCALHOST, 0),
         }
+    }
+
+    /// Whether this is a shared-memory device.
+    pub fn is_shm(&self) -> bool {
+        matches!(self.inner.dev, Provider::Shm(_))
     }
 
     /// Whether this is an iWARP device.
@@ -415,7 +473,10 @@ impl Context {
     pub fn query_port(&self) -> PortAttr {
         let a = self.local_addr();
         PortAttr {
-            state: if self.inner.udp("").is_ok_and(|d| d.shared.port_up()) || self.is_iwarp() {
+            state: if self.inner.udp("").is_ok_and(|d| d.shared.port_up())
+                || self.is_iwarp()
+                || self.is_shm()
+            {
                 PortState::Active
             } else {
                 PortState::Down
@@ -598,6 +659,24 @@ impl Pd {
     /// Registers `len` bytes of zeroed, page-aligned memory the library allocates.
     pub fn register(&self, len: usize, access: Access) -> Result<Mr> {
         Self::check_access(access)?;
+        if let Provider::Shm(d) = &self.ctx.inner.dev {
+            // Shared memory that peers map.
+            let (memory, fd) = d.shm.allocate(len).map_err(|e| VerbsError::Io {
+                what: format!("cannot allocate a {len}-byte shared region"),
+                source: e,
+            })?;
+            let mr = self.insert(memory, access)?;
+            d.shm.registered(crate::provider::shm::SharedRegion {
+                pd: self.id,
+                lkey: mr.lkey(),
+                rkey: mr.rkey(),
+                iova: mr.addr(),
+                len,
+                access,
+                fd,
+            });
+            return Ok(mr);
+        }
         let memory = RegionMemory::zeroed(len)
             .ok_or_else(|| VerbsError::Invalid(format!("cannot allocate a {len}-byte region")))?;
         self.insert(memory, access)
@@ -606,6 +685,11 @@ impl Pd {
     /// Registers a buffer the caller provides; [`Mr::deregister`] gives it back.
     pub fn register_vec(&self, buf: Vec<u8>, access: Access) -> Result<Mr> {
         Self::check_access(access)?;
+        if let Provider::Shm(_) = &self.ctx.inner.dev {
+            return Err(VerbsError::Invalid(
+                "a shm region must be shared memory: allocate it with Pd::register".into(),
+            ));
+        }
         self.insert(RegionMemory::from_vec(buf), access)
     }
 
@@ -627,6 +711,9 @@ impl Pd {
         }
         if let Provider::Iwarp(_) = &self.ctx.inner.dev {
             return self.create_iwarp_qp(init);
+        }
+        if let Provider::Shm(_) = &self.ctx.inner.dev {
+            return self.create_shm_qp(init);
         }
         let shared = &self.ctx.inner.udp("a QP")?.shared;
         let mut qps = shared.qps.write().expect("QP table lock");
@@ -856,6 +943,10 @@ impl Mr {
 
 impl Drop for Mr {
     fn drop(&mut self) {
+        if let Provider::Shm(d) = &self.ctx.inner.dev {
+            // Peers let go of it first: no access with its keys after this.
+            d.shm.deregistered(self.region.lkey);
+        }
         self.ctx
             .inner
             .mrs()
@@ -942,6 +1033,7 @@ pub struct Qp {
 enum QpKind {
     Roce(Arc<QpSlot>),
     Iwarp(Arc<iwarp::IwarpSlot>),
+    Shm(Arc<shm::ShmSlot>),
 }
 
 impl Qp {
@@ -950,6 +1042,7 @@ impl Qp {
         match &self.kind {
             QpKind::Roce(s) => s.qpn,
             QpKind::Iwarp(s) => s.qpn,
+            QpKind::Shm(s) => s.qpn,
         }
     }
 
@@ -964,6 +1057,9 @@ impl Qp {
             QpKind::Iwarp(_) => Err(VerbsError::Invalid(format!(
                 "{what}: an iWARP QP is brought up by cm::iwarp (connect or accept), \
                  which runs the MPA exchange"
+            ))),
+            QpKind::Shm(_) => Err(VerbsError::Invalid(format!(
+                "{what}: a shm QP is brought up by cm::shm (connect or accept)"
             ))),
         }
     }
@@ -1011,6 +1107,10 @@ impl Qp {
                 state: Some(s.state()),
                 ..QpAttr::default()
             },
+            QpKind::Shm(s) => QpAttr {
+                state: Some(s.state()),
+                ..QpAttr::default()
+            },
         }
     }
 
@@ -1019,6 +1119,7 @@ impl Qp {
         match &self.kind {
             QpKind::Roce(s) => s.engine.lock().expect("QP lock").state(),
             QpKind::Iwarp(s) => s.state(),
+            QpKind::Shm(s) => s.state(),
         }
     }
 
@@ -1048,7 +1149,7 @@ impl Qp {
     pub fn iwarp_stats(&self) -> Option<iwarp::IwarpQpStats> {
         match &self.kind {
             QpKind::Iwarp(s) => Some(s.stats()),
-            QpKind::Roce(_) => None,
+            QpKind::Roce(_) | QpKind::Shm(_) => None,
         }
     }
 
@@ -1061,6 +1162,7 @@ impl Qp {
                 self.kick(slot);
             }
             QpKind::Iwarp(s) => s.post_send(wr)?,
+            QpKind::Shm(s) => s.post_send(wr)?,
         }
         Ok(())
     }
@@ -1074,6 +1176,7 @@ impl Qp {
                 self.kick(slot);
             }
             QpKind::Iwarp(s) => s.post_recv(wr)?,
+            QpKind::Shm(s) => s.post_recv(wr)?,
         }
         Ok(())
     }
@@ -1082,7 +1185,7 @@ impl Qp {
     pub(crate) fn iwarp_slot(&self) -> Option<&Arc<iwarp::IwarpSlot>> {
         match &self.kind {
             QpKind::Iwarp(s) => Some(s),
-            QpKind::Roce(_) => None,
+            QpKind::Roce(_) | QpKind::Shm(_) => None,
         }
     }
 }

@@ -1,0 +1,88 @@
+//! Connecting shared-memory QPs: a Unix seqpacket socket in the abstract
+//! namespace, named by the listener (`softrdma-shm/NAME`); the provider then
+//! exchanges the inboxes and regions over it ([`crate::provider::shm`]) and
+//! keeps it to see the peer go.
+
+use std::os::fd::OwnedFd;
+use std::time::Duration;
+
+use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+
+use crate::verbs::{Context, Qp, Result, VerbsError};
+
+/// How long either side waits for the other's part of the exchange.
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+fn address(name: &str) -> Result<SocketAddrUnix> {
+    if name.is_empty() || name.len() > 90 {
+        return Err(VerbsError::Invalid(
+            "a shm listener's name is 1 to 90 bytes".into(),
+        ));
+    }
+    SocketAddrUnix::new_abstract_name(format!("softrdma-shm/{name}").as_bytes())
+        .map_err(|e| io_err(format!("the name {name:?}"), e.into()))
+}
+
+fn io_err(what: String, source: std::io::Error) -> VerbsError {
+    VerbsError::Io { what, source }
+}
+
+fn socket() -> Result<OwnedFd> {
+    rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )
+    .map_err(|e| io_err("a Unix socket".into(), e.into()))
+}
+
+/// Connects `qp` (of a shm device, not yet connected) to the listener
+/// `name` on this host.
+pub fn connect(qp: &Qp, name: &str) -> Result<()> {
+    let addr = address(name)?;
+    let sock = socket()?;
+    rustix::net::connect(&sock, &addr)
+        .map_err(|e| io_err(format!("no shm listener {name:?} on this host"), e.into()))?;
+    qp.attach_shm(sock, TIMEOUT)
+}
+
+/// A listener for shm connections.
+#[derive(Debug)]
+pub struct Listener {
+    sock: OwnedFd,
+    name: String,
+}
+
+impl Listener {
+    /// Listens under `name` (an abstract Unix socket: gone with the
+    /// listener, nothing in the file system).
+    pub fn bind(ctx: &Context, name: &str) -> Result<Listener> {
+        if !ctx.is_shm() {
+            return Err(VerbsError::Invalid(
+                "a shm listener needs a shared-memory device (Device::shm)".into(),
+            ));
+        }
+        let addr = address(name)?;
+        let sock = socket()?;
+        rustix::net::bind(&sock, &addr)
+            .map_err(|e| io_err(format!("cannot listen as {name:?}"), e.into()))?;
+        rustix::net::listen(&sock, 64).map_err(|e| io_err("listen".into(), e.into()))?;
+        Ok(Listener {
+            sock,
+            name: name.to_string(),
+        })
+    }
+
+    /// The name it listens under.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Takes the next connection for `qp`.
+    pub fn accept(&self, qp: &Qp) -> Result<()> {
+        let sock = rustix::net::accept_with(&self.sock, SocketFlags::CLOEXEC)
+            .map_err(|e| io_err(format!("accepting on {:?}", self.name), e.into()))?;
+        qp.attach_shm(sock, TIMEOUT)
+    }
+}

@@ -1,0 +1,1030 @@
+//! The shared-memory provider: RC queue pairs between processes of one host,
+//! with no wire. Every memory region of a shm device lives in a sealed memfd
+//! ([`mapping`]); a connected peer maps the regions of the QP's protection
+//! domain, so that
+//!
+//! - RDMA WRITE and READ are one copy between the initiator's region and the
+//!   target's, made by the initiator's thread; the target does nothing;
+//! - atomics are CPU atomics on the shared word (atomic against every other
+//!   initiator and the target itself);
+//! - SEND and WRITE with immediate take the receiver's next posted receive
+//!   from a ring in shared memory (the receiver's "inbox"), copy the payload
+//!   once, straight into the receive buffer, and put the completion on a
+//!   second ring of the inbox; the receiver's progress thread, woken by an
+//!   eventfd, moves it to its CQ.
+//!
+//! The connection is a Unix seqpacket socket: both sides send their inbox
+//! memfd and eventfd, then their regions, and keep the socket for regions
+//! registered or deregistered later. A peer that dies closes it: the QP goes
+//! to ERR, its work is flushed and the peer's mappings are dropped.
+//!
+//! Rights are checked by the initiator on every operation (remote rights on
+//! the target region, local write on a receive buffer). Between processes of
+//! one user on one host that is the protection there is: the peer's memory is
+//! mapped here.
+
+pub(crate) mod mapping;
+#[cfg(test)]
+mod tests;
+
+use std::collections::VecDeque;
+use std::io::{self, IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, RwLock, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use rustix::event::{EventfdFlags, PollFd, PollFlags, eventfd};
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags, Shutdown,
+};
+
+use crate::engine::rc::QpCaps;
+use crate::engine::{
+    PostError, QpState, RecvWr, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
+};
+use crate::memory::{Access, AccessError, MrTable, PdId, Region, RegionMemory, Segment};
+use crate::verbs::cq::CqInner;
+use crate::verbs::events::{AsyncEvent, EventQueue};
+
+/// Most SGEs of a receive in the ring (the verbs allow up to this many).
+pub(crate) const MAX_RECV_SGE: usize = 7;
+const VERSION: u32 = 1;
+
+// The inbox: counters on their own cache lines, then the receive ring (the
+// owner posts, the peer takes), then the completion ring (the peer puts, the
+// owner drains). Counters only grow; a slot is `count % slots`.
+const RQ_HEAD: usize = 0;
+const RQ_TAIL: usize = 64;
+const CQ_HEAD: usize = 128;
+const CQ_TAIL: usize = 192;
+/// Set by a peer whose SEND found no receive: the owner's next post wakes it.
+const PEER_WAITING: usize = 256;
+const RINGS: usize = 4096;
+const RQ_SLOT: usize = 128;
+const CQ_SLOT: usize = 32;
+
+/// The peer's regions are kept in a table of their own under this PD.
+const PEER_PD: PdId = 0;
+
+fn inbox_len(slots: u64) -> usize {
+    RINGS + slots as usize * (RQ_SLOT + CQ_SLOT)
+}
+
+/// One side's inbox, as mapped here.
+#[derive(Debug)]
+struct Inbox {
+    mem: Arc<RegionMemory>,
+    slots: u64,
+    event: OwnedFd,
+}
+
+impl Inbox {
+    fn rq_slot(&self, n: u64) -> usize {
+        RINGS + (n % self.slots) as usize * RQ_SLOT
+    }
+
+    fn cq_slot(&self, n: u64) -> usize {
+        RINGS + self.slots as usize * RQ_SLOT + (n % self.slots) as usize * CQ_SLOT
+    }
+
+    fn wake(&self) {
+        let _ = rustix::io::write(&self.event, &1u64.to_ne_bytes());
+    }
+}
+
+/// A receive taken from a peer's ring.
+struct TakenRecv {
+    wr_id: u64,
+    sgl: Vec<(u32, u64, u32)>,
+}
+
+/// A completion put on a peer's ring.
+struct RingCompletion {
+    wr_id: u64,
+    byte_len: u32,
+    with_imm: bool,
+    status: WcStatus,
+    imm: Option<u32>,
+}
+
+fn status_code(s: WcStatus) -> u8 {
+    s as u8
+}
+
+fn status_from(code: u8) -> WcStatus {
+    use WcStatus::*;
+    [
+        Success,
+        LocLenErr,
+        LocQpOpErr,
+        LocProtErr,
+        WrFlushErr,
+        BadRespErr,
+        RemInvReqErr,
+        RemAccessErr,
+        RemOpErr,
+        RetryExcErr,
+        RnrRetryExcErr,
+    ]
+    .into_iter()
+    .find(|s| *s as u8 == code)
+    .unwrap_or(GeneralErr)
+}
+
+// Messages on the socket: a tag byte, then little-endian fields.
+const HELLO: u8 = 1;
+const REGION: u8 = 2;
+const READY: u8 = 3;
+const REVOKE: u8 = 4;
+/// The peer mapped (REGION) or let go of (REVOKE) a region.
+const ACK: u8 = 5;
+const MSG_MAX: usize = 64;
+
+/// A region of this side's, as its peers learn it.
+#[derive(Debug)]
+pub(crate) struct SharedRegion {
+    pub(crate) pd: PdId,
+    pub(crate) lkey: u32,
+    pub(crate) rkey: u32,
+    pub(crate) iova: u64,
+    pub(crate) len: usize,
+    pub(crate) access: Access,
+    pub(crate) fd: OwnedFd,
+}
+
+impl SharedRegion {
+    fn message(&self) -> [u8; 32] {
+        let mut m = [0u8; 32];
+        m[0] = REGION;
+        m[4..8].copy_from_slice(&self.lkey.to_le_bytes());
+        m[8..12].copy_from_slice(&self.rkey.to_le_bytes());
+        m[12..16].copy_from_slice(&self.access.bits().to_le_bytes());
+        m[16..24].copy_from_slice(&self.iova.to_le_bytes());
+        m[24..32].copy_from_slice(&(self.len as u64).to_le_bytes());
+        m
+    }
+}
+
+/// What a shm device keeps: its regions' memfds and its connected QPs (to
+/// tell them of regions registered and deregistered later).
+#[derive(Debug, Default)]
+pub(crate) struct ShmDevice {
+    regions: Mutex<Vec<SharedRegion>>,
+    qps: Mutex<Vec<Weak<ShmQp>>>,
+}
+
+impl ShmDevice {
+    /// Shared memory for a new region of `pd`: the memory; call
+    /// [`ShmDevice::registered`] with its keys once it is in the MR table.
+    pub(crate) fn allocate(&self, len: usize) -> io::Result<(RegionMemory, OwnedFd)> {
+        mapping::create(len, "softrdma-mr")
+    }
+
+    /// A region is registered: peers of its PD map it before this returns
+    /// (each answers, or has gone, within a second), so its rkey works as
+    /// soon as the application can hand it out.
+    pub(crate) fn registered(&self, r: SharedRegion) {
+        let mut regions = self.regions.lock().expect("shm regions lock");
+        for qp in self.live_qps(r.pd) {
+            if qp.send_region(&r).is_ok() {
+                qp.wait_ack(REGION, r.lkey);
+            }
+        }
+        regions.push(r);
+    }
+
+    /// A region is being deregistered: every peer that maps it lets go of it
+    /// (each answers, or has gone, within a second) before this returns, so
+    /// no access with its keys succeeds afterwards.
+    pub(crate) fn deregistered(&self, lkey: u32) {
+        let mut regions = self.regions.lock().expect("shm regions lock");
+        let Some(at) = regions.iter().position(|r| r.lkey == lkey) else {
+            return;
+        };
+        let r = regions.remove(at);
+        drop(regions);
+        for qp in self.live_qps(r.pd) {
+            qp.revoke(r.lkey, r.rkey);
+        }
+    }
+
+    fn live_qps(&self, pd: PdId) -> Vec<Arc<ShmQp>> {
+        let mut qps = self.qps.lock().expect("shm QPs lock");
+        qps.retain(|w| w.strong_count() > 0);
+        qps.iter()
+            .filter_map(Weak::upgrade)
+            .filter(|q| q.pd == pd && !q.failed.load(Ordering::Acquire))
+            .collect()
+    }
+}
+
+/// The send side: work waiting for the peer to post receives (RC's RNR
+/// wait; iWARP would fail instead, RoCE retries).
+#[derive(Debug, Default)]
+struct SendQueue {
+    backlog: VecDeque<SendWr>,
+}
+
+/// What the receive side keeps: the receives it posted, oldest first, until
+/// their completions come back.
+#[derive(Debug, Default)]
+struct RecvQueue {
+    posted: VecDeque<u64>,
+}
+
+/// A connected shm QP.
+#[derive(Debug)]
+pub(crate) struct ShmQp {
+    qpn: u32,
+    pd: PdId,
+    caps: QpCaps,
+    mrs: Arc<RwLock<MrTable>>,
+    send_cq: Arc<CqInner>,
+    recv_cq: Arc<CqInner>,
+    events: Arc<EventQueue>,
+    sock: OwnedFd,
+    mine: Inbox,
+    peer: Inbox,
+    peer_regions: RwLock<MrTable>,
+    sq: Mutex<SendQueue>,
+    rq: Mutex<RecvQueue>,
+    failed: AtomicBool,
+    closing: AtomicBool,
+    /// (message, lkey) the peer has acknowledged.
+    acks: Mutex<Vec<(u8, u32)>>,
+    acked: Condvar,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// What an established connection needs from the verbs.
+pub(crate) struct QpParts {
+    pub(crate) qpn: u32,
+    pub(crate) pd: PdId,
+    pub(crate) caps: QpCaps,
+    pub(crate) mrs: Arc<RwLock<MrTable>>,
+    pub(crate) send_cq: Arc<CqInner>,
+    pub(crate) recv_cq: Arc<CqInner>,
+    pub(crate) events: Arc<EventQueue>,
+}
+
+fn send_msg(sock: BorrowedFd<'_>, msg: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
+        return Err(io::Error::other("too many descriptors for one message"));
+    }
+    rustix::net::sendmsg(
+        sock,
+        &[IoSlice::new(msg)],
+        &mut control,
+        SendFlags::NOSIGNAL,
+    )?;
+    Ok(())
+}
+
+/// The next message (0 bytes: the peer closed), with its descriptors.
+fn recv_msg(sock: BorrowedFd<'_>, buf: &mut [u8; MSG_MAX]) -> io::Result<(usize, Vec<OwnedFd>)> {
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let m = rustix::net::recvmsg(
+        sock,
+        &mut [IoSliceMut::new(buf)],
+        &mut control,
+        RecvFlags::CMSG_CLOEXEC,
+    )?;
+    let mut fds = Vec::new();
+    for c in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(it) = c {
+            fds.extend(it);
+        }
+    }
+    Ok((m.bytes, fds))
+}
+
+fn le32(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+fn le64(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+fn bad(what: impl Into<String>) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, what.into())
+}
+
+/// A region a peer announced, mapped here under its keys.
+fn map_region(msg: &[u8], fd: &OwnedFd) -> io::Result<Region> {
+    let (lkey, rkey) = (le32(msg, 4), le32(msg, 8));
+    let access = Access::from_bits(le32(msg, 12));
+    let iova = le64(msg, 16);
+    let len = usize::try_from(le64(msg, 24)).map_err(|_| bad("a region too large"))?;
+    let memory = mapping::map(fd.as_fd(), len)?;
+    Region::new(
+        PEER_PD,
+        (lkey, rkey),
+        Arc::new(memory),
+        0,
+        len,
+        iova,
+        access,
+    )
+    .map_err(|e| bad(e.to_string()))
+}
+
+/// Both sides run the same exchange: HELLO with the inbox and its eventfd,
+/// every region of the PD, READY; then they read the peer's.
+pub(crate) fn establish(
+    device: &Arc<ShmDevice>,
+    sock: OwnedFd,
+    parts: QpParts,
+    timeout: Duration,
+) -> io::Result<Arc<ShmQp>> {
+    let slots = u64::from(parts.caps.max_recv_wr.max(1)).next_power_of_two();
+    let (inbox, inbox_fd) = mapping::create(inbox_len(slots), "softrdma-inbox")?;
+    let my_event = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?;
+    rustix::net::sockopt::set_socket_timeout(
+        &sock,
+        rustix::net::sockopt::Timeout::Recv,
+        Some(timeout),
+    )?;
+    let mut hello = [0u8; 16];
+    hello[0] = HELLO;
+    hello[4..8].copy_from_slice(&VERSION.to_le_bytes());
+    hello[8..12].copy_from_slice(&parts.qpn.to_le_bytes());
+    hello[12..16].copy_from_slice(&(slots as u32).to_le_bytes());
+    // Regions stay put while they are announced and this QP joins the list
+    // that hears of later ones.
+    let regions = device.regions.lock().expect("shm regions lock");
+    send_msg(sock.as_fd(), &hello, &[inbox_fd.as_fd(), my_event.as_fd()])?;
+    for r in regions.iter().filter(|r| r.pd == parts.pd) {
+        send_msg(sock.as_fd(), &r.message(), &[r.fd.as_fd()])?;
+    }
+    send_msg(sock.as_fd(), &[READY], &[])?;
+
+    let mut buf = [0u8; MSG_MAX];
+    let (n, mut fds) = recv_msg(sock.as_fd(), &mut buf)
+        .map_err(|e| io::Error::new(e.kind(), format!("no HELLO from the peer: {e}")))?;
+    if n != 16 || buf[0] != HELLO || fds.len() != 2 {
+        return Err(bad("the peer is not a softrdma shm QP"));
+    }
+    if le32(&buf, 4) != VERSION {
+        return Err(bad(format!(
+            "the peer speaks shm version {}, this side {VERSION}",
+            le32(&buf, 4)
+        )));
+    }
+    let peer_slots = u64::from(le32(&buf, 12));
+    if !peer_slots.is_power_of_two() || peer_slots > 1 << 16 {
+        return Err(bad(
+            "the peer's receive ring size is not a power of two up to 65536",
+        ));
+    }
+    let peer_event = fds.pop().expect("two descriptors");
+    let peer_inbox = mapping::map(fds[0].as_fd(), inbox_len(peer_slots))?;
+    let mut peer_regions = MrTable::new();
+    loop {
+        let (n, fds) = recv_msg(sock.as_fd(), &mut buf)?;
+        match (n, buf[0]) {
+            (1, READY) => break,
+            (32, REGION) if fds.len() == 1 => {
+                let r = map_region(&buf[..32], &fds[0])?;
+                if peer_regions.key_in_use(r.lkey) || peer_regions.key_in_use(r.rkey) {
+                    return Err(bad("the peer announced a key twice"));
+                }
+                peer_regions.insert(r);
+            }
+            (0, _) => return Err(bad("the peer closed during the exchange")),
+            _ => return Err(bad("an unexpected message during the exchange")),
+        }
+    }
+    rustix::net::sockopt::set_socket_timeout(&sock, rustix::net::sockopt::Timeout::Recv, None)?;
+    let qp = Arc::new(ShmQp {
+        qpn: parts.qpn,
+        pd: parts.pd,
+        caps: parts.caps,
+        mrs: parts.mrs,
+        send_cq: parts.send_cq,
+        recv_cq: parts.recv_cq,
+        events: parts.events,
+        sock,
+        mine: Inbox {
+            mem: Arc::new(inbox),
+            slots,
+            event: my_event,
+        },
+        peer: Inbox {
+            mem: Arc::new(peer_inbox),
+            slots: peer_slots,
+            event: peer_event,
+        },
+        peer_regions: RwLock::new(peer_regions),
+        sq: Mutex::new(SendQueue::default()),
+        rq: Mutex::new(RecvQueue::default()),
+        failed: AtomicBool::new(false),
+        closing: AtomicBool::new(false),
+        acks: Mutex::new(Vec::new()),
+        acked: Condvar::new(),
+        thread: Mutex::new(None),
+    });
+    device
+        .qps
+        .lock()
+        .expect("shm QPs lock")
+        .push(Arc::downgrade(&qp));
+    drop(regions);
+    let runner = qp.clone();
+    let t = std::thread::Builder::new()
+        .name("softrdma-shm".into())
+        .spawn(move || runner.progress())?;
+    *qp.thread.lock().expect("thread lock") = Some(t);
+    Ok(qp)
+}
+
+/// Why an operation could not run now.
+enum Outcome {
+    Done(WcStatus),
+    /// A SEND found no receive: it waits.
+    NoReceive,
+}
+
+impl ShmQp {
+    pub(crate) fn state(&self) -> QpState {
+        if self.failed.load(Ordering::Acquire) {
+            QpState::Err
+        } else {
+            QpState::Rts
+        }
+    }
+
+    /// Posts and (unless receives are awaited) runs a send WR on the
+    /// caller's thread.
+    pub(crate) fn post_send(&self, wr: SendWr) -> Result<(), PostError> {
+        if self.failed.load(Ordering::Acquire) {
+            return Err(PostError::BadState(QpState::Err));
+        }
+        if matches!(wr.op, SendOp::SendWithInv(_) | SendOp::LocalInv(_)) {
+            return Err(PostError::Unsupported(
+                "SEND with invalidate and local invalidate are iWARP's (not shm's)",
+            ));
+        }
+        if wr.sgl.len() > self.caps.max_send_sge as usize {
+            return Err(PostError::TooManySges {
+                given: wr.sgl.len(),
+                max: self.caps.max_send_sge,
+            });
+        }
+        if wr.flags.inline {
+            if wr.op.is_read_or_atomic() {
+                return Err(PostError::Unsupported(
+                    "inline data is for SEND and RDMA WRITE only",
+                ));
+            }
+            if wr.inline_data.len() > self.caps.max_inline_data as usize {
+                return Err(PostError::InlineTooLarge {
+                    given: wr.inline_data.len(),
+                    max: self.caps.max_inline_data,
+                });
+            }
+        }
+        let mut sq = self.sq.lock().expect("shm SQ lock");
+        if !sq.backlog.is_empty() {
+            if sq.backlog.len() >= self.caps.max_send_wr as usize {
+                return Err(PostError::QueueFull(self.caps.max_send_wr));
+            }
+            sq.backlog.push_back(wr);
+            return Ok(());
+        }
+        match self.execute(&wr) {
+            Outcome::Done(status) => {
+                drop(sq);
+                self.complete_send(&wr, status);
+            }
+            Outcome::NoReceive => sq.backlog.push_back(wr),
+        }
+        Ok(())
+    }
+
+    /// Runs what waited for receives, in order, until one waits again.
+    fn run_backlog(&self) {
+        loop {
+            let mut sq = self.sq.lock().expect("shm SQ lock");
+            if self.failed.load(Ordering::Acquire) {
+                return;
+            }
+            let Some(wr) = sq.backlog.front() else { return };
+            match self.execute(wr) {
+                Outcome::NoReceive => return,
+                Outcome::Done(status) => {
+                    let wr = sq.backlog.pop_front().expect("front");
+                    drop(sq);
+                    self.complete_send(&wr, status);
+                }
+            }
+        }
+    }
+
+    fn complete_send(&self, wr: &SendWr, status: WcStatus) {
+        if wr.flags.signaled || status != WcStatus::Success {
+            let mut wc = WorkCompletion::new(wr.wr_id, status, wr.op.wc_opcode(), self.qpn);
+            if status == WcStatus::Success {
+                wc.byte_len = if wr.flags.inline {
+                    wr.inline_data.len() as u32
+                } else {
+                    wr.sgl.iter().map(|s| s.len).sum()
+                };
+            }
+            if self.send_cq.push(wc) {
+                self.send_cq.signal();
+            }
+        }
+        if status != WcStatus::Success {
+            self.fail();
+        }
+    }
+
+    /// The local buffers of `wr`.
+    fn local_segments(&self, wr: &SendWr, need: Access) -> Result<Vec<Segment>, WcStatus> {
+        let mrs = self.mrs.read().expect("MR table lock");
+        wr.sgl
+            .iter()
+            .map(|s| {
+                mrs.local(self.pd, s.lkey, s.addr, s.len, need)
+                    .map_err(|e| match e {
+                        AccessError::OutOfBounds { .. } => WcStatus::LocLenErr,
+                        _ => WcStatus::LocProtErr,
+                    })
+            })
+            .collect()
+    }
+
+    fn remote(&self, rkey: u32, addr: u64, len: u64, need: Access) -> Result<Segment, WcStatus> {
+        self.peer_regions
+            .read()
+            .expect("peer regions lock")
+            .remote(PEER_PD, rkey, addr, len, need)
+            .map_err(|_| WcStatus::RemAccessErr)
+    }
+
+    fn execute(&self, wr: &SendWr) -> Outcome {
+        match self.try_execute(wr) {
+            Ok(Some(())) => Outcome::Done(WcStatus::Success),
+            Ok(None) => Outcome::NoReceive,
+            Err(status) => Outcome::Done(status),
+        }
+    }
+
+    /// `Ok(None)`: a SEND (or WRITE with immediate) found no receive.
+    fn try_execute(&self, wr: &SendWr) -> Result<Option<()>, WcStatus> {
+        let len: u64 = if wr.flags.inline {
+            wr.inline_data.len() as u64
+        } else {
+            wr.sgl.iter().map(|s| u64::from(s.len)).sum()
+        };
+        match wr.op {
+            SendOp::Write { remote_addr, rkey }
+            | SendOp::WriteWithImm {
+                remote_addr, rkey, ..
+            } => {
+                let imm = match wr.op {
+                    SendOp::WriteWithImm { imm, .. } => Some(imm),
+                    _ => None,
+                };
+                // WRITE with immediate needs its receive before any byte moves.
+                let taken = match imm {
+                    Some(_) => match self.take_receive() {
+                        Some(t) => Some(t),
+                        None => return Ok(None),
+                    },
+                    None => None,
+                };
+                let dst = match self.remote(rkey, remote_addr, len, Access::REMOTE_WRITE) {
+                    Ok(d) => d,
+                    Err(s) => {
+                        if let Some(t) = taken {
+                            self.put_completion(&t, 0, true, WcStatus::RemAccessErr, imm);
+                        }
+                        return Err(s);
+                    }
+                };
+                self.gather_into(wr, &[dst])?;
+                if let Some(t) = taken {
+                    self.put_completion(&t, len as u32, true, WcStatus::Success, imm);
+                }
+                Ok(Some(()))
+            }
+            SendOp::Read { remote_addr, rkey } => {
+                let local = self.local_segments(wr, Access::LOCAL_WRITE)?;
+                let src = self.remote(rkey, remote_addr, len, Access::REMOTE_READ)?;
+                let mut at = 0;
+                for seg in &local {
+                    seg.copy_from(0, &src, at, seg.len());
+                    at += seg.len();
+                }
+                Ok(Some(()))
+            }
+            SendOp::CompareSwap {
+                remote_addr, rkey, ..
+            }
+            | SendOp::FetchAdd {
+                remote_addr, rkey, ..
+            } => {
+                let local = self.local_segments(wr, Access::LOCAL_WRITE)?;
+                if len != 8 || local.len() != 1 {
+                    return Err(WcStatus::LocLenErr);
+                }
+                if !remote_addr.is_multiple_of(8) {
+                    return Err(WcStatus::RemInvReqErr);
+                }
+                let word = self.remote(rkey, remote_addr, 8, Access::REMOTE_ATOMIC)?;
+                let old = match wr.op {
+                    SendOp::CompareSwap { compare, swap, .. } => word.compare_swap(compare, swap),
+                    SendOp::FetchAdd { add, .. } => word.fetch_add(add),
+                    _ => unreachable!("an atomic"),
+                };
+                local[0].write(0, &old.to_ne_bytes());
+                Ok(Some(()))
+            }
+            SendOp::Send | SendOp::SendWithImm(_) => {
+                let imm = match wr.op {
+                    SendOp::SendWithImm(v) => Some(v),
+                    _ => None,
+                };
+                let Some(t) = self.take_receive() else {
+                    return Ok(None);
+                };
+                let dst = {
+                    let peer = self.peer_regions.read().expect("peer regions lock");
+                    t.sgl
+                        .iter()
+                        .map(|&(lkey, addr, len)| {
+                            peer.local(PEER_PD, lkey, addr, len, Access::LOCAL_WRITE)
+                        })
+                        .collect::<Result<Vec<_>, _>>()
+                };
+                let dst = match dst {
+                    Ok(d) if d.iter().map(|s| s.len() as u64).sum::<u64>() >= len => d,
+                    Ok(_) => {
+                        self.put_completion(&t, 0, false, WcStatus::LocLenErr, None);
+                        return Err(WcStatus::RemInvReqErr);
+                    }
+                    Err(_) => {
+                        self.put_completion(&t, 0, false, WcStatus::LocProtErr, None);
+                        return Err(WcStatus::RemOpErr);
+                    }
+                };
+                if let Err(s) = self.gather_into(wr, &dst) {
+                    self.put_completion(&t, 0, false, WcStatus::RemOpErr, None);
+                    return Err(s);
+                }
+                self.put_completion(&t, len as u32, false, WcStatus::Success, imm);
+                Ok(Some(()))
+            }
+            SendOp::SendWithInv(_) | SendOp::LocalInv(_) => Err(WcStatus::LocQpOpErr),
+        }
+    }
+
+    /// Copies the payload of `wr` (its SGEs or inline bytes) into `dst`.
+    fn gather_into(&self, wr: &SendWr, dst: &[Segment]) -> Result<(), WcStatus> {
+        let mut d = dst.iter();
+        let mut cur = d.next();
+        let mut cur_at = 0;
+        let mut put = |src: Option<&Segment>, bytes: &[u8], mut n: usize| {
+            let mut from = 0;
+            while n > 0 {
+                let Some(seg) = cur else { return };
+                let room = seg.len() - cur_at;
+                let k = room.min(n);
+                match src {
+                    Some(s) => seg.copy_from(cur_at, s, from, k),
+                    None => seg.write(cur_at, &bytes[from..from + k]),
+                }
+                from += k;
+                n -= k;
+                cur_at += k;
+                if cur_at == seg.len() {
+                    cur = d.next();
+                    cur_at = 0;
+                }
+            }
+        };
+        if wr.flags.inline {
+            put(None, &wr.inline_data, wr.inline_data.len());
+            return Ok(());
+        }
+        for s in self.local_segments(wr, Access::NONE)? {
+            put(Some(&s), &[], s.len());
+        }
+        Ok(())
+    }
+
+    /// Takes the peer's oldest posted receive, if any; if none, asks the
+    /// peer to wake this side when it posts one.
+    fn take_receive(&self) -> Option<TakenRecv> {
+        let m = &self.peer.mem;
+        for _ in 0..2 {
+            let tail = m.load(RQ_TAIL);
+            if tail < m.load(RQ_HEAD) {
+                let at = self.peer.rq_slot(tail);
+                let mut slot = [0u8; RQ_SLOT];
+                m.read(at, &mut slot);
+                // The owner may claim the entries of a failing QP: only one
+                // side gets each receive.
+                if m.compare_swap(RQ_TAIL, tail, tail + 1) != tail {
+                    return None;
+                }
+                let n = (le32(&slot, 8) as usize).min(MAX_RECV_SGE);
+                let sgl = (0..n)
+                    .map(|i| {
+                        let e = 16 + 16 * i;
+                        (le32(&slot, e + 12), le64(&slot, e), le32(&slot, e + 8))
+                    })
+                    .collect();
+                return Some(TakenRecv {
+                    wr_id: le64(&slot, 0),
+                    sgl,
+                });
+            }
+            // Say so, then look once more: the owner posts, then reads this
+            // flag (both sequentially consistent), so one of the two sees
+            // the other.
+            m.store(PEER_WAITING, 1);
+        }
+        None
+    }
+
+    fn put_completion(
+        &self,
+        t: &TakenRecv,
+        byte_len: u32,
+        with_imm: bool,
+        status: WcStatus,
+        imm: Option<u32>,
+    ) {
+        let c = RingCompletion {
+            wr_id: t.wr_id,
+            byte_len,
+            with_imm,
+            status,
+            imm,
+        };
+        let m = &self.peer.mem;
+        let head = m.load(CQ_HEAD);
+        let mut slot = [0u8; CQ_SLOT];
+        slot[0..8].copy_from_slice(&c.wr_id.to_le_bytes());
+        slot[8..12].copy_from_slice(&c.byte_len.to_le_bytes());
+        slot[12] = u8::from(c.with_imm);
+        slot[13] = status_code(c.status);
+        slot[14] = u8::from(c.imm.is_some());
+        slot[16..20].copy_from_slice(&c.imm.unwrap_or(0).to_le_bytes());
+        m.write(self.peer.cq_slot(head), &slot);
+        m.store(CQ_HEAD, head + 1);
+        self.peer.wake();
+    }
+
+    pub(crate) fn post_recv(&self, wr: RecvWr) -> Result<(), PostError> {
+        if self.failed.load(Ordering::Acquire) {
+            return Err(PostError::BadState(QpState::Err));
+        }
+        if wr.sgl.len() > (self.caps.max_recv_sge as usize).min(MAX_RECV_SGE) {
+            return Err(PostError::TooManySges {
+                given: wr.sgl.len(),
+                max: self.caps.max_recv_sge.min(MAX_RECV_SGE as u32),
+            });
+        }
+        let mut rq = self.rq.lock().expect("shm RQ lock");
+        if rq.posted.len() >= self.caps.max_recv_wr as usize {
+            return Err(PostError::QueueFull(self.caps.max_recv_wr));
+        }
+        let m = &self.mine.mem;
+        let head = m.load(RQ_HEAD);
+        let mut slot = [0u8; RQ_SLOT];
+        slot[0..8].copy_from_slice(&wr.wr_id.to_le_bytes());
+        slot[8..12].copy_from_slice(&(wr.sgl.len() as u32).to_le_bytes());
+        for (i, s) in wr.sgl.iter().enumerate() {
+            let e = 16 + 16 * i;
+            slot[e..e + 8].copy_from_slice(&s.addr.to_le_bytes());
+            slot[e + 8..e + 12].copy_from_slice(&s.len.to_le_bytes());
+            slot[e + 12..e + 16].copy_from_slice(&s.lkey.to_le_bytes());
+        }
+        m.write(self.mine.rq_slot(head), &slot);
+        m.store(RQ_HEAD, head + 1);
+        rq.posted.push_back(wr.wr_id);
+        drop(rq);
+        if m.load(PEER_WAITING) != 0 {
+            m.store(PEER_WAITING, 0);
+            self.peer.wake();
+        }
+        Ok(())
+    }
+
+    /// Moves the completions the peer put on this side's ring to the CQ.
+    fn drain_completions(&self) {
+        let m = &self.mine.mem;
+        let mut rq = self.rq.lock().expect("shm RQ lock");
+        let mut tail = m.load(CQ_TAIL);
+        let head = m.load(CQ_HEAD);
+        let mut signal = false;
+        while tail < head {
+            let mut slot = [0u8; CQ_SLOT];
+            m.read(self.mine.cq_slot(tail), &mut slot);
+            tail += 1;
+            let wr_id = le64(&slot, 0);
+            if rq.posted.front() == Some(&wr_id) {
+                rq.posted.pop_front();
+            } else if let Some(i) = rq.posted.iter().position(|&w| w == wr_id) {
+                rq.posted.remove(i);
+            }
+            let opcode = if slot[12] != 0 {
+                WcOpcode::RecvRdmaWithImm
+            } else {
+                WcOpcode::Recv
+            };
+            let mut wc = WorkCompletion::new(wr_id, status_from(slot[13]), opcode, self.qpn);
+            wc.byte_len = le32(&slot, 8);
+            wc.imm = (slot[14] != 0).then(|| le32(&slot, 16));
+            signal |= self.recv_cq.push(wc);
+        }
+        m.store(CQ_TAIL, tail);
+        drop(rq);
+        if signal {
+            self.recv_cq.signal();
+        }
+    }
+
+    fn send_region(&self, r: &SharedRegion) -> io::Result<()> {
+        send_msg(self.sock.as_fd(), &r.message(), &[r.fd.as_fd()])
+    }
+
+    /// Asks the peer to unmap a region and waits (at most a second) for it.
+    fn revoke(&self, lkey: u32, rkey: u32) {
+        let mut m = [0u8; 12];
+        m[0] = REVOKE;
+        m[4..8].copy_from_slice(&lkey.to_le_bytes());
+        m[8..12].copy_from_slice(&rkey.to_le_bytes());
+        if send_msg(self.sock.as_fd(), &m, &[]).is_err() {
+            return;
+        }
+        self.wait_ack(REVOKE, lkey);
+    }
+
+    /// Waits (at most a second, or until the connection fails) for the
+    /// peer's acknowledgement of `what` for `lkey`.
+    fn wait_ack(&self, what: u8, lkey: u32) {
+        let deadline = Instant::now() + Duration::from_secs(1);
+        let mut acks = self.acks.lock().expect("acks lock");
+        while !acks.contains(&(what, lkey)) && !self.failed.load(Ordering::Acquire) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            acks = self.acked.wait_timeout(acks, left).expect("acks lock").0;
+        }
+        acks.retain(|&a| a != (what, lkey));
+    }
+
+    fn send_ack(&self, what: u8, lkey: u32) -> io::Result<()> {
+        let mut ack = [0u8; 8];
+        ack[0] = ACK;
+        ack[1] = what;
+        ack[4..8].copy_from_slice(&lkey.to_le_bytes());
+        send_msg(self.sock.as_fd(), &ack, &[])
+    }
+
+    /// The QP fails: the peer hears of it (the socket closes), work waiting
+    /// here is flushed.
+    fn fail(&self) {
+        if self.failed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let _ = rustix::net::shutdown(&self.sock, Shutdown::Both);
+    }
+
+    /// The progress thread: the peer's completions and wake-ups, region
+    /// updates, and the end of the connection.
+    fn progress(&self) {
+        let mut buf = [0u8; MSG_MAX];
+        loop {
+            let mut fds = [
+                PollFd::new(&self.sock, PollFlags::IN),
+                PollFd::new(&self.mine.event, PollFlags::IN),
+            ];
+            match rustix::event::poll(&mut fds, None) {
+                Ok(_) => {}
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(_) => break,
+            }
+            let (sock_ready, event_ready) =
+                (!fds[0].revents().is_empty(), !fds[1].revents().is_empty());
+            if event_ready {
+                let mut b = [0u8; 8];
+                let _ = rustix::io::read(&self.mine.event, &mut b);
+                self.drain_completions();
+                self.run_backlog();
+            }
+            if sock_ready {
+                match recv_msg(self.sock.as_fd(), &mut buf) {
+                    Ok((0, _)) | Err(_) => break,
+                    Ok((n, fds)) => {
+                        if self.message(&buf[..n], &fds).is_err() {
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        self.lost();
+    }
+
+    fn message(&self, m: &[u8], fds: &[OwnedFd]) -> io::Result<()> {
+        match (m.len(), m.first()) {
+            (32, Some(&REGION)) if fds.len() == 1 => {
+                let r = map_region(m, &fds[0])?;
+                let lkey = r.lkey;
+                let mut peer = self.peer_regions.write().expect("peer regions lock");
+                if peer.key_in_use(r.lkey) || peer.key_in_use(r.rkey) {
+                    return Err(bad("the peer announced a key twice"));
+                }
+                peer.insert(r);
+                drop(peer);
+                self.send_ack(REGION, lkey)?;
+            }
+            (12, Some(&REVOKE)) => {
+                let lkey = le32(m, 4);
+                self.peer_regions
+                    .write()
+                    .expect("peer regions lock")
+                    .remove(lkey);
+                self.send_ack(REVOKE, lkey)?;
+            }
+            (8, Some(&ACK)) => {
+                self.acks
+                    .lock()
+                    .expect("acks lock")
+                    .push((m[1], le32(m, 4)));
+                self.acked.notify_all();
+            }
+            _ => return Err(bad("an unexpected message from the peer")),
+        }
+        Ok(())
+    }
+
+    /// The connection ended: ERR, everything outstanding flushed, the peer's
+    /// memory unmapped.
+    fn lost(&self) {
+        self.failed.store(true, Ordering::Release);
+        self.acked.notify_all();
+        // Receives: claim those the peer has not taken (it may be taking
+        // one right now: the claim is a compare-and-swap), give the peer a
+        // moment to complete what it took, then flush the rest.
+        let m = &self.mine.mem;
+        let taken = loop {
+            let tail = m.load(RQ_TAIL);
+            let head = m.load(RQ_HEAD);
+            if m.compare_swap(RQ_TAIL, tail, head) == tail {
+                break tail;
+            }
+        };
+        let deadline = Instant::now() + Duration::from_millis(50);
+        while m.load(CQ_HEAD) < taken && Instant::now() < deadline {
+            std::thread::yield_now();
+        }
+        self.drain_completions();
+        let mut signal = false;
+        for wr_id in self.rq.lock().expect("shm RQ lock").posted.drain(..) {
+            let wc = WorkCompletion::new(wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.qpn);
+            signal |= self.recv_cq.push(wc);
+        }
+        if signal {
+            self.recv_cq.signal();
+        }
+        let mut signal = false;
+        for wr in self.sq.lock().expect("shm SQ lock").backlog.drain(..) {
+            let wc =
+                WorkCompletion::new(wr.wr_id, WcStatus::WrFlushErr, wr.op.wc_opcode(), self.qpn);
+            signal |= self.send_cq.push(wc);
+        }
+        if signal {
+            self.send_cq.signal();
+        }
+        *self.peer_regions.write().expect("peer regions lock") = MrTable::new();
+        if !self.closing.load(Ordering::Acquire) {
+            self.events.push(AsyncEvent::QpFatal { qpn: self.qpn });
+        }
+    }
+
+    /// Ends the connection (the QP is destroyed).
+    pub(crate) fn close(&self) {
+        self.closing.store(true, Ordering::Release);
+        let _ = rustix::net::shutdown(&self.sock, Shutdown::Both);
+        if let Some(t) = self.thread.lock().expect("thread lock").take()
+            && t.thread().id() != std::thread::current().id()
+        {
+            let _ = t.join();
+        }
+    }
+}

@@ -1,0 +1,146 @@
+//! Shared-memory QPs in the verbs: created unconnected in a PD, connected by
+//! `cm::shm` (a Unix socket to a peer process of this host), then the same
+//! `post_send`, `post_recv` and CQs as the other providers.
+
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::cq::CqInner;
+use super::{Pd, Provider, Qp, QpInit, QpKind, QpType, Result, VerbsError};
+use crate::engine::rc::QpCaps;
+use crate::engine::{PostError, QpState, RecvWr, SendWr};
+use crate::provider::shm::{self, MAX_RECV_SGE, QpParts, ShmQp};
+
+/// What the verbs keep of a shm QP.
+#[derive(Debug)]
+pub(crate) struct ShmSlot {
+    pub(crate) qpn: u32,
+    pd: u32,
+    caps: QpCaps,
+    send_cq: Arc<CqInner>,
+    recv_cq: Arc<CqInner>,
+    conn: Mutex<Option<Arc<ShmQp>>>,
+    /// Receives posted before the connection.
+    early: Mutex<Vec<RecvWr>>,
+    used: Mutex<bool>,
+}
+
+impl ShmSlot {
+    pub(crate) fn state(&self) -> QpState {
+        match &*self.conn.lock().expect("conn lock") {
+            Some(c) => c.state(),
+            None if *self.used.lock().expect("lock") => QpState::Err,
+            None => QpState::Init,
+        }
+    }
+
+    fn conn(&self) -> Option<Arc<ShmQp>> {
+        self.conn.lock().expect("conn lock").clone()
+    }
+
+    pub(crate) fn post_send(&self, wr: SendWr) -> Result<(), PostError> {
+        match self.conn() {
+            Some(c) => c.post_send(wr),
+            None => Err(PostError::BadState(self.state())),
+        }
+    }
+
+    pub(crate) fn post_recv(&self, wr: RecvWr) -> Result<(), PostError> {
+        if let Some(c) = self.conn() {
+            return c.post_recv(wr);
+        }
+        if *self.used.lock().expect("lock") {
+            return Err(PostError::BadState(QpState::Err));
+        }
+        let max_sge = self.caps.max_recv_sge.min(MAX_RECV_SGE as u32);
+        if wr.sgl.len() > max_sge as usize {
+            return Err(PostError::TooManySges {
+                given: wr.sgl.len(),
+                max: max_sge,
+            });
+        }
+        let mut early = self.early.lock().expect("lock");
+        if early.len() >= self.caps.max_recv_wr as usize {
+            return Err(PostError::QueueFull(self.caps.max_recv_wr));
+        }
+        early.push(wr);
+        Ok(())
+    }
+}
+
+impl Drop for ShmSlot {
+    fn drop(&mut self) {
+        if let Some(c) = self.conn.lock().expect("conn lock").take() {
+            c.close();
+        }
+    }
+}
+
+impl Pd {
+    pub(super) fn create_shm_qp(&self, init: &QpInit<'_>) -> Result<Qp> {
+        if init.qp_type != QpType::Rc {
+            return Err(VerbsError::Invalid(
+                "the shared-memory provider has RC QPs only".into(),
+            ));
+        }
+        if init.srq.is_some() {
+            return Err(VerbsError::Invalid(
+                "shared receive queues are not supported on shm devices yet".into(),
+            ));
+        }
+        let qpn = self.ctx.inner.next_qpn();
+        Ok(Qp {
+            ctx: self.ctx.clone(),
+            kind: QpKind::Shm(Arc::new(ShmSlot {
+                qpn,
+                pd: self.id,
+                caps: init.caps,
+                send_cq: init.send_cq.inner.clone(),
+                recv_cq: init.recv_cq.inner.clone(),
+                conn: Mutex::new(None),
+                early: Mutex::new(Vec::new()),
+                used: Mutex::new(false),
+            })),
+        })
+    }
+}
+
+impl Qp {
+    /// Runs the shm exchange on a connected Unix socket and starts the QP.
+    pub(crate) fn attach_shm(&self, sock: OwnedFd, timeout: Duration) -> Result<()> {
+        let QpKind::Shm(slot) = &self.kind else {
+            return Err(VerbsError::Invalid(
+                "cm::shm needs a QP of a shared-memory device (Device::shm)".into(),
+            ));
+        };
+        let Provider::Shm(dev) = &self.ctx.inner.dev else {
+            unreachable!("shm QPs live on shm devices")
+        };
+        let mut used = slot.used.lock().expect("lock");
+        if *used {
+            return Err(VerbsError::Invalid(
+                "this shm QP was connected before: create a new one".into(),
+            ));
+        }
+        let parts = QpParts {
+            qpn: slot.qpn,
+            pd: slot.pd,
+            caps: slot.caps,
+            mrs: self.ctx.inner.mrs().clone(),
+            send_cq: slot.send_cq.clone(),
+            recv_cq: slot.recv_cq.clone(),
+            events: self.ctx.inner.events().clone(),
+        };
+        let conn = shm::establish(&dev.shm, sock, parts, timeout).map_err(|e| VerbsError::Io {
+            what: "the shared-memory connection".into(),
+            source: e,
+        })?;
+        *used = true;
+        for wr in slot.early.lock().expect("lock").drain(..) {
+            conn.post_recv(wr)?;
+        }
+        *slot.conn.lock().expect("conn lock") = Some(conn);
+        Ok(())
+    }
+}

@@ -1,0 +1,352 @@
+//! The shared-memory provider through the verbs, two QPs in one process (the
+//! cross-process cases are in `shm_processes.rs`): every operation, the
+//! receive wait, the errors, and regions registered and deregistered while
+//! connected.
+
+use std::time::Duration;
+
+use softrdma::cm::shm::{self, Listener};
+use softrdma::verbs::*;
+
+const T: Duration = Duration::from_secs(10);
+
+struct End {
+    ctx: Context,
+    pd: Pd,
+    mr: Mr,
+    scq: Cq,
+    rcq: Cq,
+    qp: Qp,
+}
+
+fn end() -> End {
+    let ctx = Device::shm().open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let mr = pd.register(1 << 20, Access::ALL).unwrap();
+    let scq = ctx.create_cq(256).unwrap();
+    let rcq = ctx.create_cq(256).unwrap();
+    let qp = pd
+        .create_qp(&QpInit::rc(&scq, &rcq).caps(QpCaps {
+            max_send_wr: 64,
+            max_recv_wr: 16,
+            max_send_sge: 4,
+            max_recv_sge: 4,
+            max_inline_data: 64,
+        }))
+        .unwrap();
+    End {
+        ctx,
+        pd,
+        mr,
+        scq,
+        rcq,
+        qp,
+    }
+}
+
+/// Two connected ends; `name` must be unique per test (abstract sockets are
+/// host-wide).
+fn pair(name: &str) -> (End, End) {
+    let server = end();
+    let listener = Listener::bind(&server.ctx, name).unwrap();
+    let t = std::thread::spawn(move || {
+        listener.accept(&server.qp).unwrap();
+        server
+    });
+    let client = end();
+    shm::connect(&client.qp, name).unwrap();
+    (client, t.join().unwrap())
+}
+
+fn one(cq: &Cq) -> WorkCompletion {
+    cq.wait(T).unwrap().expect("a completion within 10 s")
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(29) ^ seed)
+        .collect()
+}
+
+fn wait_state(qp: &Qp, want: QpState) {
+    let t = std::time::Instant::now();
+    while qp.state() != want {
+        assert!(t.elapsed() < T, "QP never reached {want}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn pid_name(what: &str) -> String {
+    format!("test-{}-{what}", std::process::id())
+}
+
+#[test]
+fn every_operation_moves_the_right_bytes() {
+    let (a, b) = pair(&pid_name("ops"));
+    let data = pattern(300_000, 7);
+    a.mr.write(0, &data).unwrap();
+    // WRITE from two SGEs.
+    a.qp.post_send(SendWr::new(
+        1,
+        SendOp::Write {
+            remote_addr: b.mr.addr() + 4096,
+            rkey: b.mr.rkey(),
+        },
+        vec![a.mr.sge(0, 100_000), a.mr.sge(100_000, 200_000)],
+    ))
+    .unwrap();
+    let wc = one(&a.scq);
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.opcode, wc.byte_len),
+        (1, WcStatus::Success, WcOpcode::RdmaWrite, 300_000)
+    );
+    assert_eq!(b.mr.read_vec(4096, 300_000).unwrap(), data);
+    // READ it back elsewhere.
+    a.qp.post_send(SendWr::new(
+        2,
+        SendOp::Read {
+            remote_addr: b.mr.addr() + 4096,
+            rkey: b.mr.rkey(),
+        },
+        vec![a.mr.sge(500_000, 300_000)],
+    ))
+    .unwrap();
+    assert_eq!(one(&a.scq).status, WcStatus::Success);
+    assert_eq!(a.mr.read_vec(500_000, 300_000).unwrap(), data);
+    // Atomics on a word of b's.
+    b.mr.write(64, &40u64.to_ne_bytes()).unwrap();
+    for (id, op, old) in [
+        (
+            3,
+            SendOp::FetchAdd {
+                remote_addr: b.mr.addr() + 64,
+                rkey: b.mr.rkey(),
+                add: 2,
+            },
+            40,
+        ),
+        (
+            4,
+            SendOp::CompareSwap {
+                remote_addr: b.mr.addr() + 64,
+                rkey: b.mr.rkey(),
+                compare: 42,
+                swap: 7,
+            },
+            42,
+        ),
+    ] {
+        a.qp.post_send(SendWr::new(id, op, vec![a.mr.sge(900_000, 8)]))
+            .unwrap();
+        assert_eq!(one(&a.scq).status, WcStatus::Success);
+        assert_eq!(a.mr.read_vec(900_000, 8).unwrap(), u64::to_ne_bytes(old));
+    }
+    assert_eq!(b.mr.read_vec(64, 8).unwrap(), 7u64.to_ne_bytes());
+    // SEND into two receive SGEs, SEND with immediate, inline SEND, WRITE
+    // with immediate (its data lands by address, the receive gets the
+    // immediate).
+    b.qp.post_recv(RecvWr {
+        wr_id: 10,
+        sgl: vec![b.mr.sge(600_000, 1000), b.mr.sge(700_000, 1000)],
+    })
+    .unwrap();
+    for id in 11..14 {
+        b.qp.post_recv(RecvWr {
+            wr_id: id,
+            sgl: vec![b.mr.sge(800_000 + (id as usize - 11) * 4096, 4096)],
+        })
+        .unwrap();
+    }
+    a.qp.post_send(SendWr::new(5, SendOp::Send, vec![a.mr.sge(0, 1500)]))
+        .unwrap();
+    a.qp.post_send(SendWr::new(
+        6,
+        SendOp::SendWithImm(0xabcd),
+        vec![a.mr.sge(0, 10)],
+    ))
+    .unwrap();
+    a.qp.post_send(SendWr::new(7, SendOp::Send, vec![]).inline(b"inline!"))
+        .unwrap();
+    a.qp.post_send(SendWr::new(
+        8,
+        SendOp::WriteWithImm {
+            remote_addr: b.mr.addr() + 950_000,
+            rkey: b.mr.rkey(),
+            imm: 0x1234,
+        },
+        vec![a.mr.sge(0, 64)],
+    ))
+    .unwrap();
+    let ids: Vec<u64> = (0..4).map(|_| one(&a.scq).wr_id).collect();
+    assert_eq!(ids, [5, 6, 7, 8], "in order");
+    let r: Vec<WorkCompletion> = (0..4).map(|_| one(&b.rcq)).collect();
+    assert!(r.iter().all(|w| w.status == WcStatus::Success), "{r:?}");
+    assert_eq!(
+        r.iter().map(|w| (w.wr_id, w.byte_len)).collect::<Vec<_>>(),
+        [(10, 1500), (11, 10), (12, 7), (13, 64)]
+    );
+    assert_eq!((r[1].imm, r[3].imm), (Some(0xabcd), Some(0x1234)));
+    assert_eq!(r[3].opcode, WcOpcode::RecvRdmaWithImm);
+    assert_eq!(b.mr.read_vec(600_000, 1000).unwrap(), data[..1000]);
+    assert_eq!(b.mr.read_vec(700_000, 500).unwrap(), data[1000..1500]);
+    assert_eq!(b.mr.read_vec(800_000, 10).unwrap(), data[..10]);
+    assert_eq!(b.mr.read_vec(804_096, 7).unwrap(), b"inline!");
+    assert_eq!(b.mr.read_vec(950_000, 64).unwrap(), data[..64]);
+}
+
+#[test]
+fn a_send_waits_for_its_receive() {
+    let (a, b) = pair(&pid_name("rnr"));
+    a.mr.write(0, b"early").unwrap();
+    a.qp.post_send(SendWr::new(1, SendOp::Send, vec![a.mr.sge(0, 5)]))
+        .unwrap();
+    // Work behind it waits too (RC order).
+    a.qp.post_send(SendWr::new(
+        2,
+        SendOp::Write {
+            remote_addr: b.mr.addr(),
+            rkey: b.mr.rkey(),
+        },
+        vec![a.mr.sge(0, 5)],
+    ))
+    .unwrap();
+    assert!(a.scq.wait(Duration::from_millis(100)).unwrap().is_none());
+    b.qp.post_recv(RecvWr {
+        wr_id: 9,
+        sgl: vec![b.mr.sge(100, 64)],
+    })
+    .unwrap();
+    assert_eq!(one(&a.scq).wr_id, 1);
+    assert_eq!(one(&a.scq).wr_id, 2);
+    let wc = one(&b.rcq);
+    assert_eq!((wc.wr_id, wc.byte_len), (9, 5));
+    assert_eq!(b.mr.read_vec(100, 5).unwrap(), b"early");
+}
+
+#[test]
+fn remote_errors_fail_both_qps_and_flush() {
+    // A wrong rkey, out of bounds, a right the region lacks.
+    for (k, case) in ["rkey", "bounds", "right"].into_iter().enumerate() {
+        let (a, b) = pair(&pid_name(&format!("err{k}")));
+        let read_only = b.pd.register(4096, Access::REMOTE_READ).unwrap();
+        b.qp.post_recv(RecvWr {
+            wr_id: 77,
+            sgl: vec![b.mr.sge(0, 64)],
+        })
+        .unwrap();
+        let (addr, rkey) = match case {
+            "rkey" => (b.mr.addr(), b.mr.rkey() ^ 0x0101),
+            "bounds" => (b.mr.addr() + (1 << 20) - 8, b.mr.rkey()),
+            _ => (read_only.addr(), read_only.rkey()),
+        };
+        a.qp.post_send(SendWr::new(
+            1,
+            SendOp::Write {
+                remote_addr: addr,
+                rkey,
+            },
+            vec![a.mr.sge(0, 64)],
+        ))
+        .unwrap();
+        let wc = one(&a.scq);
+        assert_eq!((wc.wr_id, wc.status), (1, WcStatus::RemAccessErr), "{case}");
+        wait_state(&a.qp, QpState::Err);
+        wait_state(&b.qp, QpState::Err);
+        let wc = one(&b.rcq);
+        assert_eq!((wc.wr_id, wc.status), (77, WcStatus::WrFlushErr), "{case}");
+        assert!(
+            a.qp.post_send(SendWr::new(2, SendOp::Send, vec![]))
+                .is_err()
+        );
+        let ev = b.ctx.wait_async_event(T);
+        assert!(matches!(
+            ev,
+            Some(AsyncEvent::PortActive) | Some(AsyncEvent::QpFatal { .. })
+        ));
+    }
+}
+
+#[test]
+fn a_send_longer_than_the_receive_fails_both_ends() {
+    let (a, b) = pair(&pid_name("long"));
+    b.qp.post_recv(RecvWr {
+        wr_id: 5,
+        sgl: vec![b.mr.sge(0, 16)],
+    })
+    .unwrap();
+    a.qp.post_send(SendWr::new(1, SendOp::Send, vec![a.mr.sge(0, 17)]))
+        .unwrap();
+    assert_eq!(one(&a.scq).status, WcStatus::RemInvReqErr);
+    let wc = one(&b.rcq);
+    assert_eq!((wc.wr_id, wc.status), (5, WcStatus::LocLenErr));
+    wait_state(&b.qp, QpState::Err);
+}
+
+#[test]
+fn regions_registered_later_work_and_deregistered_ones_stop() {
+    let (a, b) = pair(&pid_name("regs"));
+    let later = b.pd.register(8192, Access::ALL).unwrap();
+    a.mr.write(0, b"to the new region").unwrap();
+    a.qp.post_send(SendWr::new(
+        1,
+        SendOp::Write {
+            remote_addr: later.addr() + 100,
+            rkey: later.rkey(),
+        },
+        vec![a.mr.sge(0, 17)],
+    ))
+    .unwrap();
+    assert_eq!(one(&a.scq).status, WcStatus::Success);
+    assert_eq!(later.read_vec(100, 17).unwrap(), b"to the new region");
+    let (addr, rkey) = (later.addr(), later.rkey());
+    // Deregistration returns once the peer has let go of it.
+    drop(later);
+    a.qp.post_send(SendWr::new(
+        2,
+        SendOp::Write {
+            remote_addr: addr,
+            rkey,
+        },
+        vec![a.mr.sge(0, 17)],
+    ))
+    .unwrap();
+    assert_eq!(one(&a.scq).status, WcStatus::RemAccessErr);
+    wait_state(&b.qp, QpState::Err);
+}
+
+#[test]
+fn a_destroyed_peer_flushes_the_survivor() {
+    let (a, b) = pair(&pid_name("gone"));
+    a.qp.post_recv(RecvWr {
+        wr_id: 3,
+        sgl: vec![a.mr.sge(0, 64)],
+    })
+    .unwrap();
+    // A SEND waiting for a receive the peer will never post.
+    a.qp.post_send(SendWr::new(4, SendOp::Send, vec![a.mr.sge(0, 8)]))
+        .unwrap();
+    drop(b);
+    let mut got: Vec<(u64, WcStatus)> = vec![];
+    got.push({
+        let w = one(&a.scq);
+        (w.wr_id, w.status)
+    });
+    got.push({
+        let w = one(&a.rcq);
+        (w.wr_id, w.status)
+    });
+    assert_eq!(got, [(4, WcStatus::WrFlushErr), (3, WcStatus::WrFlushErr)]);
+    assert_eq!(a.qp.state(), QpState::Err);
+}
+
+#[test]
+fn connecting_needs_a_listener_and_a_shm_device() {
+    let a = end();
+    let e = shm::connect(&a.qp, &pid_name("nobody")).unwrap_err();
+    assert!(e.to_string().contains("no shm listener"), "{e}");
+    let udp = Device::udp("127.0.0.1:0".parse().unwrap()).open().unwrap();
+    assert!(Listener::bind(&udp, "x").is_err());
+    assert!(a.pd.register_vec(vec![0; 64], Access::ALL).is_err());
+    let l = Listener::bind(&a.ctx, &pid_name("twice")).unwrap();
+    assert!(Listener::bind(&a.ctx, l.name()).is_err(), "name taken");
+}
