@@ -1,7 +1,7 @@
 //! Choosing a device as the rdma-core tools do (`-d`, a GID index), and
 //! `softrdma devices`.
 
-use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::net::{Ipv4Addr, SocketAddrV4};
 use std::process::ExitCode;
 
 use softrdma::verbs::{Device, DeviceInfo, IPV4_GID_INDEX, devices};
@@ -101,13 +101,7 @@ pub fn choose(
 
 /// The local address the kernel's route to `peer` uses.
 pub fn route_to(peer: Ipv4Addr) -> Result<Ipv4Addr, String> {
-    let s = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).map_err(|e| e.to_string())?;
-    s.connect((peer, 4791))
-        .map_err(|e| format!("no route to {peer}: {e}"))?;
-    match s.local_addr().map_err(|e| e.to_string())?.ip() {
-        std::net::IpAddr::V4(a) => Ok(a),
-        std::net::IpAddr::V6(_) => Err(format!("no IPv4 route to {peer}")),
-    }
+    softrdma::provider::netdev::route_to(peer).map_err(|e| format!("no route to {peer}: {e}"))
 }
 
 fn gid_text(g: &[u8; 16]) -> String {

@@ -570,6 +570,48 @@ fn perf_over_iwarp_with_rdma_cm_between_two_processes() {
 }
 
 #[test]
+fn perf_over_shared_memory_between_two_processes() {
+    for (k, (test, extra)) in [
+        ("write-bw", vec!["-s", "70000", "-q", "2", "--verify"]),
+        ("read-bw", vec!["-s", "5000", "--verify"]),
+        ("send-bw", vec!["-s", "3000", "--verify"]),
+        ("atomic-bw", vec!["--verify"]),
+        ("write-lat", vec!["-s", "8"]),
+        ("read-lat", vec!["-s", "8", "--verify"]),
+        ("atomic-lat", vec![]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut args = vec![test, "--provider", "shm", "-n", "200"];
+        args.extend(extra);
+        let tcp = (19380 + k).to_string();
+        let (s, c) = tool_pair(&["perf"], &args, &args, "127.0.1.35", "127.0.1.36", &tcp);
+        for (who, o) in [("server", &s), ("client", &c)] {
+            assert!(
+                o.status.success(),
+                "{test} {who}: {}{}",
+                stdout(o),
+                String::from_utf8_lossy(&o.stderr)
+            );
+            assert!(stdout(o).contains("Transport type : SHM"), "{test}");
+        }
+        let rows = perf_rows(&c);
+        let qps = if args.contains(&"-q") { 2.0 } else { 1.0 };
+        assert_eq!(rows.len(), 1, "{test}: {}", stdout(&c));
+        assert_eq!(rows[0][1], 200.0 * qps, "{test}");
+        if args.contains(&"--verify") {
+            let checked = if test.starts_with("read") { &c } else { &s };
+            assert!(
+                stdout(checked).contains("Payload check (--verify): OK"),
+                "{test}: {}",
+                stdout(checked)
+            );
+        }
+    }
+}
+
+#[test]
 fn perf_refuses_bad_flags_as_perftest_does() {
     let bin = env!("CARGO_BIN_EXE_softrdma");
     for (args, msg) in [
@@ -602,6 +644,14 @@ fn perf_refuses_bad_flags_as_perftest_does() {
             "IPv6 link-local",
         ),
         (vec!["perf", "atomic-bw", "-R"], "no atomics"),
+        (
+            vec!["perf", "send-bw", "--provider", "shm", "-c", "UD"],
+            "RC QPs only",
+        ),
+        (
+            vec!["perf", "write-bw", "--provider", "shm", "-R"],
+            "not rdma_cm",
+        ),
         (vec!["perf", "send-bw", "-R", "-c", "UD"], "iWARP has no UD"),
         (vec!["perf", "send-bw", "-R", "-b"], "not implemented"),
         (

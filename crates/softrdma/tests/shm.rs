@@ -350,3 +350,30 @@ fn connecting_needs_a_listener_and_a_shm_device() {
     let l = Listener::bind(&a.ctx, &pid_name("twice")).unwrap();
     assert!(Listener::bind(&a.ctx, l.name()).is_err(), "name taken");
 }
+
+#[test]
+fn the_fastest_device_to_an_address_of_this_host_is_shared_memory() {
+    assert!(
+        Device::fastest_to("127.0.0.1".parse().unwrap())
+            .unwrap()
+            .is_shm()
+    );
+    assert!(
+        Device::fastest_to("127.3.2.1".parse().unwrap())
+            .unwrap()
+            .is_shm()
+    );
+    // An address of one of this host's interfaces, if it has one.
+    if let Some(ip) = softrdma::provider::netdev::interfaces()
+        .unwrap()
+        .iter()
+        .flat_map(|d| d.ipv4.clone())
+        .find(|ip| !ip.is_loopback())
+    {
+        assert!(Device::fastest_to(ip).unwrap().is_shm(), "{ip}");
+    }
+    // Another host: RoCEv2 (if this host has a route there at all).
+    if let Ok(d) = Device::fastest_to("192.0.2.1".parse().unwrap()) {
+        assert!(!d.is_shm());
+    }
+}

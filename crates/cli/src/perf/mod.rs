@@ -155,6 +155,19 @@ pub struct PerfArgs {
     /// implemented.
     #[arg(short = 'R', long = "rdma_cm")]
     pub rdma_cm: bool,
+    /// The provider: roce (RoCEv2 over UDP, default), iwarp (as -R) or shm
+    /// (shared memory; both processes on this host, both with --provider
+    /// shm; the exchange still runs on the TCP port).
+    #[arg(long, value_enum, default_value_t = ProviderKind::Roce)]
+    pub provider: ProviderKind,
+}
+
+/// `--provider`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ProviderKind {
+    Roce,
+    Iwarp,
+    Shm,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -196,6 +209,8 @@ struct Config {
     ud: bool,
     /// rdma_cm mode (iWARP).
     cm: bool,
+    /// Shared memory.
+    shm: bool,
 }
 
 fn config(a: &PerfArgs) -> Result<Config, String> {
@@ -245,7 +260,20 @@ fn config(a: &PerfArgs) -> Result<Config, String> {
                 .into(),
         );
     }
-    if a.rdma_cm {
+    let rdma_cm = a.rdma_cm || a.provider == ProviderKind::Iwarp;
+    let shm = a.provider == ProviderKind::Shm;
+    if shm {
+        if a.rdma_cm {
+            return Err(" --provider shm connects through shared memory, not rdma_cm (-R)".into());
+        }
+        if ud {
+            return Err(" --provider shm has RC QPs only".into());
+        }
+        if a.shared_port || a.pcap.is_some() {
+            return Err(" --shared-port and --pcap are for RoCEv2, not --provider shm".into());
+        }
+    }
+    if rdma_cm {
         if verb == Verb::Atomic {
             return Err(
                 " -R runs over iWARP, which has no atomics (run the atomic tests \
@@ -343,7 +371,8 @@ fn config(a: &PerfArgs) -> Result<Config, String> {
         verify: a.verify,
         duplex: a.bidir,
         ud,
-        cm: a.rdma_cm,
+        cm: rdma_cm,
+        shm,
     })
 }
 
@@ -464,7 +493,9 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
         None => None,
     };
     let chosen = crate::device::choose(a.dev.as_deref(), a.gid, a.bind, peer_ip)?;
-    let ctx = if cfg.cm {
+    let ctx = if cfg.shm {
+        Device::shm().open()
+    } else if cfg.cm {
         Device::iwarp(chosen.addr).open()
     } else {
         let mut dev = chosen.device(4791);
@@ -489,6 +520,16 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
         None => port.active_mtu,
     };
     let mut listener = None;
+    // shm: the data QPs connect through a listener named after the port,
+    // which the server opens before it takes the exchange's connection.
+    let shm_name = format!("perf-{}", a.port);
+    let shm_listener = match (cfg.shm, peer_ip) {
+        (true, None) => Some(
+            softrdma::cm::shm::Listener::bind(&ctx, &shm_name)
+                .map_err(|e| format!("shm listener: {e}"))?,
+        ),
+        _ => None,
+    };
     let mut oob = if cfg.cm {
         // perftest's control connection: no READs, so IRD = ORD = 0.
         let control = Control::new(&ctx)?;
@@ -532,7 +573,12 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
             *z = (*z).min(mtu.bytes() as u64);
         }
     }
-    print_header(&cfg, a, chosen.name.as_deref().unwrap_or("softrdma"), mtu);
+    let dev_name = if cfg.shm {
+        "shm"
+    } else {
+        chosen.name.as_deref().unwrap_or("softrdma")
+    };
+    print_header(&cfg, a, dev_name, mtu);
 
     // perftest's buffer: per QP a source area, then per QP a target area.
     let max_size = *cfg.sizes.iter().max().expect("a size") as usize + if cfg.ud { GRH } else { 0 };
@@ -598,6 +644,15 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
         });
         qps.push(qp);
     }
+    if cfg.shm {
+        for qp in &qps {
+            match &shm_listener {
+                Some(l) => l.accept(qp),
+                None => softrdma::cm::shm::connect(qp, &shm_name),
+            }
+            .map_err(|e| format!("shm connection: {e}"))?;
+        }
+    }
     if cfg.cm {
         // perftest's rdma_cm connection step: a handshake (with empty keys)
         // on each side of connecting the data QPs through the listener.
@@ -624,8 +679,8 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
     }
     let connect = |rem: &[Key]| -> Result<Vec<Ah>, String> {
         let mut ahs = Vec::new();
-        if cfg.cm {
-            return Ok(ahs); // connected by rdma_cm
+        if cfg.cm || cfg.shm {
+            return Ok(ahs); // connected by rdma_cm or cm::shm
         }
         for (i, qp) in qps.iter().enumerate() {
             let r = &rem[i];
@@ -976,7 +1031,11 @@ fn print_header(cfg: &Config, a: &PerfArgs, dev: &str, mtu: Mtu) {
     println!(
         " Number of qps   : {}\t\tTransport type : {}",
         cfg.qps,
-        if cfg.cm { "IW" } else { "IB" }
+        match (cfg.cm, cfg.shm) {
+            (true, _) => "IW",
+            (_, true) => "SHM",
+            _ => "IB",
+        }
     );
     println!(
         " Connection type : {}\t\tUsing SRQ      : OFF",

@@ -408,8 +408,18 @@ impl Oob {
     /// handshake are not failures. rdma_cm mode just disconnects.
     pub fn close(mut self, mine: &Key) -> Result<(), String> {
         self.key(mine)?;
-        if let Link::Tcp(stream) = &mut self.link {
-            let _ = stream.write_all(b"done\0");
+        match &mut self.link {
+            Link::Tcp(stream) => {
+                let _ = stream.write_all(b"done\0");
+            }
+            // The server wrote last: leave it the time to see its SEND
+            // complete before the connection goes (siw failed that SEND with
+            // LOC_QP_OP_ERR once when this side closed at once). It
+            // disconnects when done, which flushes the receive posted here.
+            Link::Cm(c) if self.client => {
+                let _ = c.rcq.wait(Duration::from_secs(2));
+            }
+            Link::Cm(_) => {}
         }
         Ok(())
     }

@@ -61,6 +61,16 @@ pub fn owner_of(ip: Ipv4Addr) -> Option<Netdev> {
         .find(|d| d.ipv4.contains(&ip))
 }
 
+/// The local address the kernel's route to `peer` uses.
+pub fn route_to(peer: Ipv4Addr) -> io::Result<Ipv4Addr> {
+    let s = std::net::UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+    s.connect((peer, 4791))?;
+    match s.local_addr()?.ip() {
+        std::net::IpAddr::V4(a) => Ok(a),
+        std::net::IpAddr::V6(_) => Err(io::Error::other(format!("no IPv4 route to {peer}"))),
+    }
+}
+
 /// The IPv6 link-local GID made from a MAC (EUI-64, as rxe's GID 0).
 pub fn link_local_gid(mac: [u8; 6]) -> [u8; 16] {
     let mut g = [0u8; 16];

@@ -138,6 +138,24 @@ impl Device {
         }
     }
 
+    /// The fastest device to reach `peer` with: shared memory when `peer` is
+    /// an address of this host (loopback included), else RoCEv2 on UDP 4791
+    /// of the address the kernel routes to `peer` from. Both ends must pick
+    /// alike: a peer on this host that asks the same gets shm too.
+    pub fn fastest_to(peer: Ipv4Addr) -> Result<Device> {
+        if peer.is_loopback() || crate::provider::netdev::owner_of(peer).is_some() {
+            return Ok(Device::shm());
+        }
+        let local = crate::provider::netdev::route_to(peer)
+            .map_err(io_err(format!("no route to {peer}")))?;
+        Ok(Device::udp(SocketAddrV4::new(local, 4791).into()))
+    }
+
+    /// Whether this is the shared-memory device.
+    pub fn is_shm(&self) -> bool {
+        self.shm
+    }
+
     /// Busy-poll instead of sleeping in the progress thread (lower latency,
     /// one CPU spent).
     #[must_use]

@@ -157,6 +157,12 @@ pub(crate) struct SharedRegion {
 }
 
 impl SharedRegion {
+    /// Peers map a region only if they may write it (a receive buffer, or
+    /// remote rights): a region with no rights but local reads stays here.
+    fn shared(&self) -> bool {
+        self.access != Access::NONE
+    }
+
     fn message(&self) -> [u8; 32] {
         let mut m = [0u8; 32];
         m[0] = REGION;
@@ -189,7 +195,7 @@ impl ShmDevice {
     /// soon as the application can hand it out.
     pub(crate) fn registered(&self, r: SharedRegion) {
         let mut regions = self.regions.lock().expect("shm regions lock");
-        for qp in self.live_qps(r.pd) {
+        for qp in self.live_qps(r.pd).into_iter().filter(|_| r.shared()) {
             if qp.send_region(&r).is_ok() {
                 qp.wait_ack(REGION, r.lkey);
             }
@@ -207,7 +213,7 @@ impl ShmDevice {
         };
         let r = regions.remove(at);
         drop(regions);
-        for qp in self.live_qps(r.pd) {
+        for qp in self.live_qps(r.pd).into_iter().filter(|_| r.shared()) {
             qp.revoke(r.lkey, r.rkey);
         }
     }
@@ -361,7 +367,7 @@ pub(crate) fn establish(
     // that hears of later ones.
     let regions = device.regions.lock().expect("shm regions lock");
     send_msg(sock.as_fd(), &hello, &[inbox_fd.as_fd(), my_event.as_fd()])?;
-    for r in regions.iter().filter(|r| r.pd == parts.pd) {
+    for r in regions.iter().filter(|r| r.pd == parts.pd && r.shared()) {
         send_msg(sock.as_fd(), &r.message(), &[r.fd.as_fd()])?;
     }
     send_msg(sock.as_fd(), &[READY], &[])?;
