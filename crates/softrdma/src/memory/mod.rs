@@ -301,10 +301,33 @@ impl Segment {
     }
 }
 
+/// Keys are random 32-bit numbers: a multiplicative hash spreads them
+/// (SipHash, the default, costs more than the rest of a lookup).
+type KeyHash = std::hash::BuildHasherDefault<KeyHasher>;
+
+#[derive(Debug, Default)]
+struct KeyHasher(u64);
+
+impl std::hash::Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
+    fn write_u32(&mut self, k: u32) {
+        self.0 = u64::from(k).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
 /// Every registered region of a device, by key.
 #[derive(Debug, Default)]
 pub struct MrTable {
-    regions: HashMap<u32, Arc<Region>>,
+    regions: HashMap<u32, Arc<Region>, KeyHash>,
 }
 
 impl MrTable {

@@ -26,6 +26,9 @@ struct State {
     queue: VecDeque<WorkCompletion>,
     /// Notification requested: Some(solicited_only).
     armed: Option<bool>,
+    /// Threads blocked in `wait` (a push with none wakes nobody: no futex
+    /// call on the shm provider's path).
+    waiters: usize,
 }
 
 /// The shared part of a CQ, which the provider fills.
@@ -55,6 +58,7 @@ impl CqInner {
             state: Mutex::new(State {
                 queue: VecDeque::with_capacity(capacity.min(4096)),
                 armed: None,
+                waiters: 0,
             }),
             overrun: AtomicBool::new(false),
             ready: Condvar::new(),
@@ -84,8 +88,11 @@ impl CqInner {
         if fire {
             s.armed = None;
         }
+        let waiters = s.waiters > 0;
         drop(s);
-        self.ready.notify_all();
+        if waiters {
+            self.ready.notify_all();
+        }
         fire
     }
 
@@ -159,12 +166,14 @@ impl Cq {
             if now >= deadline {
                 return Ok(None);
             }
+            s.waiters += 1;
             s = self
                 .inner
                 .ready
                 .wait_timeout(s, deadline - now)
                 .expect("CQ lock")
                 .0;
+            s.waiters -= 1;
         }
     }
 

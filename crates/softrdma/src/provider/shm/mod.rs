@@ -553,19 +553,25 @@ impl ShmQp {
         }
     }
 
-    /// The local buffers of `wr`.
-    fn local_segments(&self, wr: &SendWr, need: Access) -> Result<Vec<Segment>, WcStatus> {
+    /// Runs `f` on each local buffer of `wr`, in order (no list built: this
+    /// is every operation's path).
+    fn each_local(
+        &self,
+        wr: &SendWr,
+        need: Access,
+        mut f: impl FnMut(&Segment),
+    ) -> Result<(), WcStatus> {
         let mrs = self.mrs.read().expect("MR table lock");
-        wr.sgl
-            .iter()
-            .map(|s| {
-                mrs.local(self.pd, s.lkey, s.addr, s.len, need)
-                    .map_err(|e| match e {
-                        AccessError::OutOfBounds { .. } => WcStatus::LocLenErr,
-                        _ => WcStatus::LocProtErr,
-                    })
-            })
-            .collect()
+        for s in &wr.sgl {
+            let seg = mrs
+                .local(self.pd, s.lkey, s.addr, s.len, need)
+                .map_err(|e| match e {
+                    AccessError::OutOfBounds { .. } => WcStatus::LocLenErr,
+                    _ => WcStatus::LocProtErr,
+                })?;
+            f(&seg);
+        }
+        Ok(())
     }
 
     fn remote(&self, rkey: u32, addr: u64, len: u64, need: Access) -> Result<Segment, WcStatus> {
@@ -624,13 +630,12 @@ impl ShmQp {
                 Ok(Some(()))
             }
             SendOp::Read { remote_addr, rkey } => {
-                let local = self.local_segments(wr, Access::LOCAL_WRITE)?;
                 let src = self.remote(rkey, remote_addr, len, Access::REMOTE_READ)?;
                 let mut at = 0;
-                for seg in &local {
+                self.each_local(wr, Access::LOCAL_WRITE, |seg| {
                     seg.copy_from(0, &src, at, seg.len());
                     at += seg.len();
-                }
+                })?;
                 Ok(Some(()))
             }
             SendOp::CompareSwap {
@@ -639,10 +644,11 @@ impl ShmQp {
             | SendOp::FetchAdd {
                 remote_addr, rkey, ..
             } => {
-                let local = self.local_segments(wr, Access::LOCAL_WRITE)?;
-                if len != 8 || local.len() != 1 {
+                if len != 8 || wr.sgl.len() != 1 {
                     return Err(WcStatus::LocLenErr);
                 }
+                // The result's buffer first: a bad one must not change the word.
+                self.each_local(wr, Access::LOCAL_WRITE, |_| {})?;
                 if !remote_addr.is_multiple_of(8) {
                     return Err(WcStatus::RemInvReqErr);
                 }
@@ -652,7 +658,9 @@ impl ShmQp {
                     SendOp::FetchAdd { add, .. } => word.fetch_add(add),
                     _ => unreachable!("an atomic"),
                 };
-                local[0].write(0, &old.to_ne_bytes());
+                self.each_local(wr, Access::LOCAL_WRITE, |seg| {
+                    seg.write(0, &old.to_ne_bytes())
+                })?;
                 Ok(Some(()))
             }
             SendOp::Send | SendOp::SendWithImm(_) => {
@@ -722,10 +730,7 @@ impl ShmQp {
             put(None, &wr.inline_data, wr.inline_data.len());
             return Ok(());
         }
-        for s in self.local_segments(wr, Access::NONE)? {
-            put(Some(&s), &[], s.len());
-        }
-        Ok(())
+        self.each_local(wr, Access::NONE, |s| put(Some(s), &[], s.len()))
     }
 
     /// Takes the peer's oldest posted receive, if any; if none, asks the
