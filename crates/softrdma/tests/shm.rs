@@ -377,3 +377,19 @@ fn the_fastest_device_to_an_address_of_this_host_is_shared_memory() {
         assert!(!d.is_shm());
     }
 }
+
+#[test]
+fn a_receive_fires_the_completion_channel() {
+    let (a, b) = pair(&pid_name("event"));
+    b.qp.post_recv(RecvWr {
+        wr_id: 1,
+        sgl: vec![b.mr.sge(0, 64)],
+    })
+    .unwrap();
+    b.rcq.req_notify(false);
+    assert!(!b.rcq.wait_event(Duration::from_millis(50)), "nothing yet");
+    a.qp.post_send(SendWr::new(2, SendOp::Send, vec![a.mr.sge(0, 8)]))
+        .unwrap();
+    assert!(b.rcq.wait_event(T), "the channel fired");
+    assert_eq!(b.rcq.poll_one().unwrap().unwrap().wr_id, 1);
+}

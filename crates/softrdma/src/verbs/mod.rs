@@ -937,7 +937,8 @@ impl Mr {
                 self.addr() + offset as u64,
             )));
         }
-        Ok(self.region.memory().fetch_add(offset, 0))
+        // A plain load: polling must not take the line from its writer.
+        Ok(self.region.memory().load(offset))
     }
 
     /// An SGE for `len` bytes at `offset` of this region.

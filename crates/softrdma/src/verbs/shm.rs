@@ -3,7 +3,7 @@
 //! `post_send`, `post_recv` and CQs as the other providers.
 
 use std::os::fd::OwnedFd;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use super::cq::CqInner;
@@ -20,7 +20,8 @@ pub(crate) struct ShmSlot {
     caps: QpCaps,
     send_cq: Arc<CqInner>,
     recv_cq: Arc<CqInner>,
-    conn: Mutex<Option<Arc<ShmQp>>>,
+    /// Set once, when connected: read without a lock on every post.
+    conn: OnceLock<Arc<ShmQp>>,
     /// Receives posted before the connection.
     early: Mutex<Vec<RecvWr>>,
     used: Mutex<bool>,
@@ -28,15 +29,15 @@ pub(crate) struct ShmSlot {
 
 impl ShmSlot {
     pub(crate) fn state(&self) -> QpState {
-        match &*self.conn.lock().expect("conn lock") {
+        match self.conn.get() {
             Some(c) => c.state(),
             None if *self.used.lock().expect("lock") => QpState::Err,
             None => QpState::Init,
         }
     }
 
-    fn conn(&self) -> Option<Arc<ShmQp>> {
-        self.conn.lock().expect("conn lock").clone()
+    fn conn(&self) -> Option<&Arc<ShmQp>> {
+        self.conn.get()
     }
 
     pub(crate) fn post_send(&self, wr: SendWr) -> Result<(), PostError> {
@@ -71,7 +72,7 @@ impl ShmSlot {
 
 impl Drop for ShmSlot {
     fn drop(&mut self) {
-        if let Some(c) = self.conn.lock().expect("conn lock").take() {
+        if let Some(c) = self.conn.take() {
             c.close();
         }
     }
@@ -98,7 +99,7 @@ impl Pd {
                 caps: init.caps,
                 send_cq: init.send_cq.inner.clone(),
                 recv_cq: init.recv_cq.inner.clone(),
-                conn: Mutex::new(None),
+                conn: OnceLock::new(),
                 early: Mutex::new(Vec::new()),
                 used: Mutex::new(false),
             })),
@@ -140,7 +141,7 @@ impl Qp {
         for wr in slot.early.lock().expect("lock").drain(..) {
             conn.post_recv(wr)?;
         }
-        *slot.conn.lock().expect("conn lock") = Some(conn);
+        let _ = slot.conn.set(conn);
         Ok(())
     }
 }
