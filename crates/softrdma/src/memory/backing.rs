@@ -104,16 +104,19 @@ impl RegionMemory {
     pub fn copy_from(&self, offset: usize, src: &RegionMemory, src_offset: usize, len: usize) {
         self.check(offset, len);
         src.check(src_offset, len);
-        // SAFETY: both ranges are inside their allocations (checked). They may
-        // overlap (one memory, or two mappings of the same pages): `copy` is
-        // memmove; bytes written concurrently by a peer are unspecified, as
-        // with DMA.
+        let from = src.ptr.as_ptr().wrapping_add(src_offset);
+        let to = self.ptr.as_ptr().wrapping_add(offset);
+        let apart = (from as usize).abs_diff(to as usize) >= len;
+        // SAFETY: both ranges are inside their allocations (checked). Ranges
+        // that overlap in this address space take memmove; others memcpy
+        // (two mappings of the same pages are different memory to this
+        // process: what a peer writes meanwhile is unspecified, as with DMA).
         unsafe {
-            std::ptr::copy(
-                src.ptr.as_ptr().add(src_offset),
-                self.ptr.as_ptr().add(offset),
-                len,
-            )
+            if apart {
+                std::ptr::copy_nonoverlapping(from, to, len)
+            } else {
+                std::ptr::copy(from, to, len)
+            }
         };
     }
 
