@@ -4,7 +4,7 @@
 //!
 //! The child processes are the ignored tests below, run by their parents.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -19,28 +19,22 @@ fn one(cq: &Cq) -> WorkCompletion {
     cq.wait(T).unwrap().expect("a completion within 30 s")
 }
 
-fn spawn(test: &str, role: &str, name: &str) -> Child {
-    Command::new(std::env::current_exe().unwrap())
-        .args([
-            test,
-            "--exact",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(ROLE, role)
-        .env(NAME, name)
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap()
-}
-
-/// The first line of the child's that starts with `tag` (libtest may print
-/// its own words before it on the same line).
+/// The next line of the child's that contains `tag` (libtest may print its
+/// own words before it on the same line): the numbers after it. Read a byte
+/// at a time, so that nothing of the lines after it is buffered and lost.
 fn line_with(child: &mut Child, tag: &str) -> Vec<u64> {
-    let mut lines = BufReader::new(child.stdout.as_mut().unwrap()).lines();
+    let out = child.stdout.as_mut().unwrap();
     loop {
-        let line = lines.next().expect("the child says it").unwrap();
+        let mut line = Vec::new();
+        let mut b = [0u8; 1];
+        while out.read(&mut b).expect("the child's output") == 1 && b[0] != b'\n' {
+            line.push(b[0]);
+        }
+        assert!(
+            !line.is_empty() || b[0] == b'\n',
+            "the child ended before {tag}"
+        );
+        let line = String::from_utf8_lossy(&line);
         if let Some(at) = line.find(tag) {
             return line[at + tag.len()..]
                 .split_whitespace()
@@ -62,7 +56,7 @@ struct Side {
 fn side() -> Side {
     let ctx = Device::shm().open().unwrap();
     let pd = ctx.alloc_pd().unwrap();
-    let mr = pd.register(2 << 20, Access::ALL).unwrap();
+    let mr = pd.register(4 << 20, Access::ALL).unwrap();
     let scq = ctx.create_cq(64).unwrap();
     let rcq = ctx.create_cq(64).unwrap();
     let qp = pd.create_qp(&QpInit::rc(&scq, &rcq)).unwrap();
@@ -76,8 +70,10 @@ fn side() -> Side {
     }
 }
 
-/// The target: connects, says where its region is, takes one SEND, then its
-/// application sleeps until it is killed.
+/// The target: registers three regions (one without write rights), posts
+/// three receives, connects, says where its regions are, then does only what
+/// stdin asks: `recv N` (wait for N receives, print each), `dereg` (drop the
+/// second region), and otherwise sleeps until it is killed.
 #[test]
 #[ignore = "a child process of shm_tests_between_processes"]
 fn sleeping_target() {
@@ -88,20 +84,91 @@ fn sleeping_target() {
         return;
     }
     let s = side();
-    s.qp.post_recv(RecvWr {
-        wr_id: 1,
-        sgl: vec![s.mr.sge(0, 64)],
-    })
-    .unwrap();
+    let second = s.pd.register(4096, Access::ALL).unwrap();
+    let read_only = s.pd.register(4096, Access::REMOTE_READ).unwrap();
+    for k in 0..3 {
+        s.qp.post_recv(RecvWr {
+            wr_id: k,
+            sgl: vec![s.mr.sge(k as usize * 4096, 4096)],
+        })
+        .unwrap();
+    }
     shm::connect(&s.qp, &name).unwrap();
-    println!("REGION {} {}", s.mr.addr(), s.mr.rkey());
+    println!(
+        "REGION {} {} {} {} {} {}",
+        s.mr.addr(),
+        s.mr.rkey(),
+        second.addr(),
+        second.rkey(),
+        read_only.addr(),
+        read_only.rkey()
+    );
     std::io::stdout().flush().unwrap();
-    let wc = one(&s.rcq);
-    assert_eq!(wc.status, WcStatus::Success);
-    println!("GOT {}", wc.byte_len);
-    std::io::stdout().flush().unwrap();
+    let mut second = Some(second);
+    for line in BufReader::new(std::io::stdin()).lines() {
+        let line = line.unwrap();
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["recv", n] => {
+                for _ in 0..n.parse::<usize>().unwrap() {
+                    let wc = one(&s.rcq);
+                    assert_eq!(wc.status, WcStatus::Success);
+                    println!("GOT {} {}", wc.byte_len, wc.imm.unwrap_or(0));
+                }
+            }
+            ["dereg"] => {
+                drop(second.take());
+                println!("DEREGGED 1");
+            }
+            _ => break,
+        }
+        std::io::stdout().flush().unwrap();
+    }
     std::thread::sleep(Duration::from_secs(120));
     std::process::exit(0);
+}
+
+/// A connected target process: the parent's side, the child, and the
+/// child's regions (main, second, read-only: address and rkey each).
+fn target(tag: &str) -> (Side, Child, Vec<(u64, u32)>) {
+    let name = format!("shm-proc-{}-{tag}", std::process::id());
+    let s = side();
+    let listener = Listener::bind(&s.ctx, &name).unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "sleeping_target",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(ROLE, "target")
+        .env(NAME, &name)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    listener.accept(&s.qp).unwrap();
+    let r = line_with(&mut child, "REGION ");
+    let regions = r.chunks(2).map(|c| (c[0], c[1] as u32)).collect();
+    (s, child, regions)
+}
+
+fn tell(child: &mut Child, what: &str) {
+    writeln!(child.stdin.as_mut().unwrap(), "{what}").unwrap();
+}
+
+fn write_to(s: &Side, (addr, rkey): (u64, u32), at: u64, len: u32) -> WcStatus {
+    s.qp.post_send(SendWr::new(
+        9,
+        SendOp::Write {
+            remote_addr: addr + at,
+            rkey,
+        },
+        vec![s.mr.sge(0, len)],
+    ))
+    .unwrap();
+    one(&s.scq).status
 }
 
 #[test]
@@ -109,35 +176,24 @@ fn shm_tests_between_processes() {
     if std::env::var_os(ROLE).is_some() {
         return;
     }
-    one_sided_into_a_sleeping_process_then_it_is_killed();
+    every_operation_into_a_sleeping_process_and_a_deregistration();
+    remote_errors_between_processes();
+    a_killed_peer_flushes_the_survivor();
     eight_processes_add_and_lock_on_one_word();
 }
 
-fn one_sided_into_a_sleeping_process_then_it_is_killed() {
-    let name = format!("shm-proc-{}", std::process::id());
-    let s = side();
-    let listener = Listener::bind(&s.ctx, &name).unwrap();
-    let mut child = spawn("sleeping_target", "target", &name);
-    listener.accept(&s.qp).unwrap();
-    let r = line_with(&mut child, "REGION ");
-    let (addr, rkey) = (r[0], r[1] as u32);
-    // 1 MiB WRITE, READ back, 1000 FETCH_ADDs: the target sleeps through all.
+fn every_operation_into_a_sleeping_process_and_a_deregistration() {
+    let (s, mut child, regions) = target("ops");
+    let (addr, rkey) = regions[0];
+    // 1 MiB WRITE, READ back, FETCH_ADDs and a CMP_SWAP: the target sleeps
+    // through all of them.
     let data: Vec<u8> = (0..1 << 20).map(|i: usize| (i * 7 % 251) as u8).collect();
     s.mr.write(0, &data).unwrap();
-    s.qp.post_send(SendWr::new(
-        1,
-        SendOp::Write {
-            remote_addr: addr + 4096,
-            rkey,
-        },
-        vec![s.mr.sge(0, 1 << 20)],
-    ))
-    .unwrap();
-    assert_eq!(one(&s.scq).status, WcStatus::Success);
+    assert_eq!(write_to(&s, regions[0], 65536, 1 << 20), WcStatus::Success);
     s.qp.post_send(SendWr::new(
         2,
         SendOp::Read {
-            remote_addr: addr + 4096,
+            remote_addr: addr + 65536,
             rkey,
         },
         vec![s.mr.sge(1 << 20, 1 << 20)],
@@ -149,30 +205,109 @@ fn one_sided_into_a_sleeping_process_then_it_is_killed() {
         s.qp.post_send(SendWr::new(
             3,
             SendOp::FetchAdd {
-                remote_addr: addr + 64,
+                remote_addr: addr + 32768,
                 rkey,
                 add: 1,
             },
-            vec![s.mr.sge(128, 8)],
+            vec![s.mr.sge(3 << 20, 8)],
         ))
         .unwrap();
         assert_eq!(one(&s.scq).status, WcStatus::Success);
-        assert_eq!(s.mr.read_vec(128, 8).unwrap(), k.to_ne_bytes());
+        assert_eq!(s.mr.read_vec(3 << 20, 8).unwrap(), k.to_ne_bytes());
     }
-    // The SEND the target waits for.
-    s.qp.post_send(SendWr::new(4, SendOp::Send, vec![s.mr.sge(0, 33)]))
-        .unwrap();
+    s.qp.post_send(SendWr::new(
+        4,
+        SendOp::CompareSwap {
+            remote_addr: addr + 32768,
+            rkey,
+            compare: 1000,
+            swap: 77,
+        },
+        vec![s.mr.sge(3 << 20, 8)],
+    ))
+    .unwrap();
     assert_eq!(one(&s.scq).status, WcStatus::Success);
-    assert_eq!(line_with(&mut child, "GOT "), [33]);
+    assert_eq!(s.mr.read_vec(3 << 20, 8).unwrap(), 1000u64.to_ne_bytes());
+    // The three receives: SEND, SEND with immediate, WRITE with immediate.
+    for (id, op, len) in [
+        (5, SendOp::Send, 33),
+        (6, SendOp::SendWithImm(0x55), 10),
+        (
+            7,
+            SendOp::WriteWithImm {
+                remote_addr: addr + 40960,
+                rkey,
+                imm: 0x66,
+            },
+            64,
+        ),
+    ] {
+        s.qp.post_send(SendWr::new(id, op, vec![s.mr.sge(0, len)]))
+            .unwrap();
+        assert_eq!(one(&s.scq).status, WcStatus::Success);
+    }
+    tell(&mut child, "recv 3");
+    assert_eq!(line_with(&mut child, "GOT "), [33, 0]);
+    assert_eq!(line_with(&mut child, "GOT "), [10, 0x55]);
+    assert_eq!(line_with(&mut child, "GOT "), [64, 0x66]);
+    s.qp.post_send(SendWr::new(
+        8,
+        SendOp::Read {
+            remote_addr: addr,
+            rkey,
+        },
+        vec![s.mr.sge(2 << 20, 4096 + 10)],
+    ))
+    .unwrap();
+    assert_eq!(one(&s.scq).status, WcStatus::Success);
+    let landed = s.mr.read_vec(2 << 20, 4096 + 10).unwrap();
+    assert_eq!(landed[..33], data[..33], "the SEND");
+    assert_eq!(landed[4096..], data[..10], "the SEND with immediate");
+    // A second region takes WRITEs until the target deregisters it.
+    assert_eq!(write_to(&s, regions[1], 0, 100), WcStatus::Success);
+    tell(&mut child, "dereg");
+    assert_eq!(line_with(&mut child, "DEREGGED "), [1]);
+    assert_eq!(write_to(&s, regions[1], 0, 100), WcStatus::RemAccessErr);
+    assert_eq!(s.qp.state(), QpState::Err);
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
+fn remote_errors_between_processes() {
+    // Past the end of a region; into a region without write rights.
+    for (k, case) in ["bounds", "rights"].into_iter().enumerate() {
+        let (s, mut child, regions) = target(&format!("err{k}"));
+        let status = match case {
+            "bounds" => write_to(&s, regions[0], (4 << 20) - 50, 100),
+            _ => write_to(&s, regions[2], 0, 100),
+        };
+        assert_eq!(status, WcStatus::RemAccessErr, "{case}");
+        assert_eq!(s.qp.state(), QpState::Err, "{case}");
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+}
+
+fn a_killed_peer_flushes_the_survivor() {
+    let (s, mut child, _) = target("kill");
     // Work outstanding when the target dies: a receive, and a SEND waiting
-    // for a receive the target will never post.
+    // behind three that take the target's receives.
     s.qp.post_recv(RecvWr {
         wr_id: 5,
         sgl: vec![s.mr.sge(0, 64)],
     })
     .unwrap();
+    for _ in 0..3 {
+        s.qp.post_send(SendWr::new(1, SendOp::Send, vec![s.mr.sge(0, 8)]))
+            .unwrap();
+        assert_eq!(one(&s.scq).status, WcStatus::Success);
+    }
     s.qp.post_send(SendWr::new(6, SendOp::Send, vec![s.mr.sge(0, 8)]))
         .unwrap();
+    assert!(
+        s.scq.wait(Duration::from_millis(50)).unwrap().is_none(),
+        "it waits"
+    );
     child.kill().unwrap();
     child.wait().unwrap();
     let (w, r) = (one(&s.scq), one(&s.rcq));
