@@ -393,3 +393,36 @@ fn a_receive_fires_the_completion_channel() {
     assert!(b.rcq.wait_event(T), "the channel fired");
     assert_eq!(b.rcq.poll_one().unwrap().unwrap().wr_id, 1);
 }
+
+#[test]
+fn two_qps_of_one_device_connect_to_each_other() {
+    // One context: the listener's and the connector's exchanges run on the
+    // same device at once.
+    let ctx = Device::shm().open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let mr = pd.register(4096, Access::ALL).unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let (qa, qb) = (
+        pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap(),
+        pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap(),
+    );
+    let name = pid_name("self");
+    let l = Listener::bind(&ctx, &name).unwrap();
+    std::thread::scope(|s| {
+        let t = s.spawn(|| l.accept(&qb).unwrap());
+        shm::connect(&qa, &name).unwrap();
+        t.join().unwrap();
+    });
+    mr.write(0, b"looped").unwrap();
+    qa.post_send(SendWr::new(
+        1,
+        SendOp::Write {
+            remote_addr: mr.addr() + 100,
+            rkey: mr.rkey(),
+        },
+        vec![mr.sge(0, 6)],
+    ))
+    .unwrap();
+    assert_eq!(one(&cq).status, WcStatus::Success);
+    assert_eq!(mr.read_vec(100, 6).unwrap(), b"looped");
+}

@@ -363,13 +363,19 @@ pub(crate) fn establish(
     hello[4..8].copy_from_slice(&VERSION.to_le_bytes());
     hello[8..12].copy_from_slice(&parts.qpn.to_le_bytes());
     hello[12..16].copy_from_slice(&(slots as u32).to_le_bytes());
-    // Regions stay put while they are announced and this QP joins the list
-    // that hears of later ones.
-    let regions = device.regions.lock().expect("shm regions lock");
-    send_msg(sock.as_fd(), &hello, &[inbox_fd.as_fd(), my_event.as_fd()])?;
-    for r in regions.iter().filter(|r| r.pd == parts.pd && r.shared()) {
-        send_msg(sock.as_fd(), &r.message(), &[r.fd.as_fd()])?;
-    }
+    // The regions as they are now; what changes until this QP joins the
+    // list that hears of later ones is sent after the exchange. (The lock is
+    // not held across it: the peer may be a QP of this same device.)
+    let announced: Vec<u32> = {
+        let regions = device.regions.lock().expect("shm regions lock");
+        send_msg(sock.as_fd(), &hello, &[inbox_fd.as_fd(), my_event.as_fd()])?;
+        let mut sent = Vec::new();
+        for r in regions.iter().filter(|r| r.pd == parts.pd && r.shared()) {
+            send_msg(sock.as_fd(), &r.message(), &[r.fd.as_fd()])?;
+            sent.push(r.lkey);
+        }
+        sent
+    };
     send_msg(sock.as_fd(), &[READY], &[])?;
 
     let mut buf = [0u8; MSG_MAX];
@@ -437,12 +443,27 @@ pub(crate) fn establish(
         acked: Condvar::new(),
         thread: Mutex::new(None),
     });
-    device
-        .qps
-        .lock()
-        .expect("shm QPs lock")
-        .push(Arc::downgrade(&qp));
-    drop(regions);
+    {
+        let regions = device.regions.lock().expect("shm regions lock");
+        let now: Vec<&SharedRegion> = regions
+            .iter()
+            .filter(|r| r.pd == qp.pd && r.shared())
+            .collect();
+        for r in now.iter().filter(|r| !announced.contains(&r.lkey)) {
+            qp.send_region(r)?;
+        }
+        for &lkey in announced
+            .iter()
+            .filter(|k| !now.iter().any(|r| r.lkey == **k))
+        {
+            qp.send_revoke(lkey, 0)?;
+        }
+        device
+            .qps
+            .lock()
+            .expect("shm QPs lock")
+            .push(Arc::downgrade(&qp));
+    }
     let runner = qp.clone();
     let t = std::thread::Builder::new()
         .name("softrdma-shm".into())
@@ -873,14 +894,17 @@ impl ShmQp {
 
     /// Asks the peer to unmap a region and waits (at most a second) for it.
     fn revoke(&self, lkey: u32, rkey: u32) {
+        if self.send_revoke(lkey, rkey).is_ok() {
+            self.wait_ack(REVOKE, lkey);
+        }
+    }
+
+    fn send_revoke(&self, lkey: u32, rkey: u32) -> io::Result<()> {
         let mut m = [0u8; 12];
         m[0] = REVOKE;
         m[4..8].copy_from_slice(&lkey.to_le_bytes());
         m[8..12].copy_from_slice(&rkey.to_le_bytes());
-        if send_msg(self.sock.as_fd(), &m, &[]).is_err() {
-            return;
-        }
-        self.wait_ack(REVOKE, lkey);
+        send_msg(self.sock.as_fd(), &m, &[])
     }
 
     /// Waits (at most a second, or until the connection fails) for the
@@ -973,10 +997,14 @@ impl ShmQp {
                 self.send_ack(REVOKE, lkey)?;
             }
             (8, Some(&ACK)) => {
-                self.acks
-                    .lock()
-                    .expect("acks lock")
-                    .push((m[1], le32(m, 4)));
+                let mut acks = self.acks.lock().expect("acks lock");
+                acks.push((m[1], le32(m, 4)));
+                // Acknowledgements nobody waits for (regions sent while a
+                // connection came up) must not pile up.
+                if acks.len() > 256 {
+                    acks.remove(0);
+                }
+                drop(acks);
                 self.acked.notify_all();
             }
             _ => return Err(bad("an unexpected message from the peer")),
