@@ -145,3 +145,14 @@ impl Qp {
         Ok(())
     }
 }
+
+#[cfg(test)]
+impl Qp {
+    /// The shm connection, for the provider's tests.
+    pub(crate) fn shm_conn(&self) -> Option<Arc<ShmQp>> {
+        match &self.kind {
+            QpKind::Shm(s) => s.conn().cloned(),
+            _ => None,
+        }
+    }
+}

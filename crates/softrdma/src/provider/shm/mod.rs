@@ -859,7 +859,13 @@ impl ShmQp {
         let m = &self.mine.mem;
         let mut rq = self.rq.lock().expect("shm RQ lock");
         let mut tail = m.load(CQ_TAIL);
-        let head = m.load(CQ_HEAD);
+        let mut head = m.load(CQ_HEAD);
+        // The peer writes CQ_HEAD: more than a ring's worth (or less than
+        // drained) is a broken peer, not work to do forever.
+        if head < tail || head - tail > self.mine.slots {
+            head = tail;
+            self.fail();
+        }
         let mut signal = false;
         while tail < head {
             let mut slot = [0u8; CQ_SLOT];
