@@ -457,6 +457,31 @@ fn perf_rows(o: &Output) -> Vec<Vec<f64>> {
         .collect()
 }
 
+/// Both sides of a perf pair exited 0.
+fn assert_both_succeeded(test: &str, s: &Output, c: &Output) {
+    for (who, o) in [("server", s), ("client", c)] {
+        assert!(
+            o.status.success(),
+            "{test} {who}: {}{}",
+            stdout(o),
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+}
+
+/// With --verify, the side where the data lands (the client for READs)
+/// checked it.
+fn assert_verified(test: &str, args: &[&str], s: &Output, c: &Output) {
+    if args.contains(&"--verify") {
+        let checked = if test.starts_with("read") { c } else { s };
+        assert!(
+            stdout(checked).contains("Payload check (--verify): OK"),
+            "{test}: {}",
+            stdout(checked)
+        );
+    }
+}
+
 #[test]
 fn perf_runs_every_test_between_two_processes_with_verified_payload() {
     for (k, (test, extra)) in [
@@ -481,14 +506,7 @@ fn perf_runs_every_test_between_two_processes_with_verified_payload() {
         args.extend(extra);
         let tcp = (19330 + k).to_string();
         let (s, c) = tool_pair(&["perf"], &args, &args, "127.0.1.31", "127.0.1.32", &tcp);
-        for (who, o) in [("server", &s), ("client", &c)] {
-            assert!(
-                o.status.success(),
-                "{test} {who}: {}{}",
-                stdout(o),
-                String::from_utf8_lossy(&o.stderr)
-            );
-        }
+        assert_both_succeeded(test, &s, &c);
         let rows = perf_rows(&c);
         assert_eq!(rows.len(), 1, "{test}: {}", stdout(&c));
         let size = match test {
@@ -504,15 +522,7 @@ fn perf_runs_every_test_between_two_processes_with_verified_payload() {
             rows[0][2..].iter().all(|v| *v >= 0.0) && rows[0][3] > 0.0,
             "{test}"
         );
-        if args.contains(&"--verify") {
-            // The side where the data lands checked it.
-            let checked = if test.starts_with("read") { &c } else { &s };
-            assert!(
-                stdout(checked).contains("Payload check (--verify): OK"),
-                "{test}: {}",
-                stdout(checked)
-            );
-        }
+        assert_verified(test, &args, &s, &c);
     }
 }
 
@@ -542,13 +552,8 @@ fn perf_over_iwarp_with_rdma_cm_between_two_processes() {
         args.extend(extra);
         let tcp = (19370 + k).to_string();
         let (s, c) = tool_pair(&["perf"], &args, &args, "127.0.1.33", "127.0.1.34", &tcp);
-        for (who, o) in [("server", &s), ("client", &c)] {
-            assert!(
-                o.status.success(),
-                "{test} {who}: {}{}",
-                stdout(o),
-                String::from_utf8_lossy(&o.stderr)
-            );
+        assert_both_succeeded(test, &s, &c);
+        for o in [&s, &c] {
             assert!(stdout(o).contains("Data ex. method : rdma_cm"), "{test}");
         }
         let n: f64 = args[args.iter().position(|a| *a == "-n").unwrap() + 1]
@@ -558,14 +563,7 @@ fn perf_over_iwarp_with_rdma_cm_between_two_processes() {
         let rows = perf_rows(&c);
         assert_eq!(rows.len(), 1, "{test}: {}", stdout(&c));
         assert_eq!(rows[0][1], n * qps, "{test}");
-        if args.contains(&"--verify") {
-            let checked = if test.starts_with("read") { &c } else { &s };
-            assert!(
-                stdout(checked).contains("Payload check (--verify): OK"),
-                "{test}: {}",
-                stdout(checked)
-            );
-        }
+        assert_verified(test, &args, &s, &c);
     }
 }
 
@@ -587,27 +585,15 @@ fn perf_over_shared_memory_between_two_processes() {
         args.extend(extra);
         let tcp = (19380 + k).to_string();
         let (s, c) = tool_pair(&["perf"], &args, &args, "127.0.1.35", "127.0.1.36", &tcp);
-        for (who, o) in [("server", &s), ("client", &c)] {
-            assert!(
-                o.status.success(),
-                "{test} {who}: {}{}",
-                stdout(o),
-                String::from_utf8_lossy(&o.stderr)
-            );
+        assert_both_succeeded(test, &s, &c);
+        for o in [&s, &c] {
             assert!(stdout(o).contains("Transport type : SHM"), "{test}");
         }
         let rows = perf_rows(&c);
         let qps = if args.contains(&"-q") { 2.0 } else { 1.0 };
         assert_eq!(rows.len(), 1, "{test}: {}", stdout(&c));
         assert_eq!(rows[0][1], 200.0 * qps, "{test}");
-        if args.contains(&"--verify") {
-            let checked = if test.starts_with("read") { &c } else { &s };
-            assert!(
-                stdout(checked).contains("Payload check (--verify): OK"),
-                "{test}: {}",
-                stdout(checked)
-            );
-        }
+        assert_verified(test, &args, &s, &c);
     }
 }
 

@@ -11,40 +11,18 @@ use softrdma::cm::mpa::{CrcPolicy, Decision, MpaConfig, MpaError, Rtr};
 use softrdma::verbs::*;
 use softrdma::wire::rdmap::Layer;
 
-const T: Duration = Duration::from_secs(10);
-
-struct End {
-    ctx: Context,
-    pd: Pd,
-    mr: Mr,
-    scq: Cq,
-    rcq: Cq,
-    qp: Qp,
-}
+mod common;
+use common::{End, one, wait_state};
 
 fn end(ip: [u8; 4]) -> End {
-    let ctx = Device::iwarp(Ipv4Addr::from(ip)).open().unwrap();
-    let pd = ctx.alloc_pd().unwrap();
-    let mr = pd.register(8 << 20, Access::ALL).unwrap();
-    let scq = ctx.create_cq(256).unwrap();
-    let rcq = ctx.create_cq(256).unwrap();
-    let qp = pd
-        .create_qp(&QpInit::rc(&scq, &rcq).caps(QpCaps {
-            max_send_wr: 64,
-            max_recv_wr: 64,
-            max_send_sge: 4,
-            max_recv_sge: 4,
-            max_inline_data: 64,
-        }))
-        .unwrap();
-    End {
-        ctx,
-        pd,
-        mr,
-        scq,
-        rcq,
-        qp,
-    }
+    let caps = QpCaps {
+        max_send_wr: 64,
+        max_recv_wr: 64,
+        max_send_sge: 4,
+        max_recv_sge: 4,
+        max_inline_data: 64,
+    };
+    End::new(Device::iwarp(Ipv4Addr::from(ip)), 8 << 20, 256, caps)
 }
 
 /// A client at 127.0.0.1 connected to a server at 127.0.0.2; `before` runs on
@@ -65,22 +43,10 @@ fn pair(client_cfg: MpaConfig, before: impl FnOnce(&End) + Send + 'static) -> (E
     (client, t.join().unwrap())
 }
 
-fn one(cq: &Cq) -> WorkCompletion {
-    cq.wait(T).unwrap().expect("a completion within 10 s")
-}
-
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u8).wrapping_mul(13) ^ seed)
         .collect()
-}
-
-fn wait_state(qp: &Qp, want: QpState) {
-    let t = std::time::Instant::now();
-    while qp.state() != want {
-        assert!(t.elapsed() < T, "QP never reached {want}");
-        std::thread::sleep(Duration::from_millis(2));
-    }
 }
 
 #[test]

@@ -13,11 +13,8 @@ use softrdma::verbs::*;
 
 const ROLE: &str = "SOFTRDMA_SHM_ROLE";
 const NAME: &str = "SOFTRDMA_SHM_NAME";
-const T: Duration = Duration::from_secs(30);
-
-fn one(cq: &Cq) -> WorkCompletion {
-    cq.wait(T).unwrap().expect("a completion within 30 s")
-}
+mod common;
+use common::{End, one};
 
 /// The next line of the child's that contains `tag` (libtest may print its
 /// own words before it on the same line): the numbers after it. Read a byte
@@ -44,30 +41,8 @@ fn line_with(child: &mut Child, tag: &str) -> Vec<u64> {
     }
 }
 
-struct Side {
-    ctx: Context,
-    pd: Pd,
-    mr: Mr,
-    scq: Cq,
-    rcq: Cq,
-    qp: Qp,
-}
-
-fn side() -> Side {
-    let ctx = Device::shm().open().unwrap();
-    let pd = ctx.alloc_pd().unwrap();
-    let mr = pd.register(4 << 20, Access::ALL).unwrap();
-    let scq = ctx.create_cq(64).unwrap();
-    let rcq = ctx.create_cq(64).unwrap();
-    let qp = pd.create_qp(&QpInit::rc(&scq, &rcq)).unwrap();
-    Side {
-        ctx,
-        pd,
-        mr,
-        scq,
-        rcq,
-        qp,
-    }
+fn side() -> End {
+    End::new(Device::shm(), 4 << 20, 64, QpCaps::default())
 }
 
 /// The target: registers three regions (one without write rights), posts
@@ -130,7 +105,7 @@ fn sleeping_target() {
 
 /// A connected target process: the parent's side, the child, and the
 /// child's regions (main, second, read-only: address and rkey each).
-fn target(tag: &str) -> (Side, Child, Vec<(u64, u32)>) {
+fn target(tag: &str) -> (End, Child, Vec<(u64, u32)>) {
     let name = format!("shm-proc-{}-{tag}", std::process::id());
     let s = side();
     let listener = Listener::bind(&s.ctx, &name).unwrap();
@@ -158,7 +133,7 @@ fn tell(child: &mut Child, what: &str) {
     writeln!(child.stdin.as_mut().unwrap(), "{what}").unwrap();
 }
 
-fn write_to(s: &Side, (addr, rkey): (u64, u32), at: u64, len: u32) -> WcStatus {
+fn write_to(s: &End, (addr, rkey): (u64, u32), at: u64, len: u32) -> WcStatus {
     s.qp.post_send(SendWr::new(
         9,
         SendOp::Write {

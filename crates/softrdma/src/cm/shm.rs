@@ -6,7 +6,7 @@
 use std::os::fd::OwnedFd;
 use std::time::Duration;
 
-use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+use rustix::net::{SocketAddrUnix, SocketFlags};
 
 use crate::verbs::{Context, Qp, Result, VerbsError};
 
@@ -28,13 +28,8 @@ fn io_err(what: String, source: std::io::Error) -> VerbsError {
 }
 
 fn socket() -> Result<OwnedFd> {
-    rustix::net::socket_with(
-        AddressFamily::UNIX,
-        SocketType::SEQPACKET,
-        SocketFlags::CLOEXEC,
-        None,
-    )
-    .map_err(|e| io_err("a Unix socket".into(), e.into()))
+    crate::provider::unix_seqpacket(SocketFlags::empty())
+        .map_err(|e| io_err("a Unix socket".into(), e))
 }
 
 /// Connects `qp` (of a shm device, not yet connected) to the listener

@@ -270,6 +270,30 @@ pub enum WcStatus {
     GeneralErr = 21,
 }
 
+impl WcStatus {
+    /// The status with libibverbs' number `code` (GeneralErr for one that
+    /// is not a status here).
+    pub fn from_code(code: u32) -> WcStatus {
+        use WcStatus::*;
+        [
+            Success,
+            LocLenErr,
+            LocQpOpErr,
+            LocProtErr,
+            WrFlushErr,
+            BadRespErr,
+            RemInvReqErr,
+            RemAccessErr,
+            RemOpErr,
+            RetryExcErr,
+            RnrRetryExcErr,
+        ]
+        .into_iter()
+        .find(|s| *s as u32 == code)
+        .unwrap_or(GeneralErr)
+    }
+}
+
 impl fmt::Display for WcStatus {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
@@ -426,6 +450,33 @@ pub enum PostError {
     /// An atomic whose local buffer is not 8 bytes.
     #[error("atomic operations need exactly one 8-byte local buffer")]
     BadAtomicSge,
+}
+
+/// The checks of `ibv_post_send` that RC QPs share (RoCEv2 and shared
+/// memory): SGEs within the QP's capacity, inline data only on SEND and
+/// WRITE and within its limit. Returns the message's length.
+pub(crate) fn check_post_send(wr: &SendWr, caps: &rc::QpCaps) -> Result<u64, PostError> {
+    if wr.sgl.len() > caps.max_send_sge as usize {
+        return Err(PostError::TooManySges {
+            given: wr.sgl.len(),
+            max: caps.max_send_sge,
+        });
+    }
+    if !wr.flags.inline {
+        return Ok(wr.sgl.iter().map(|s| u64::from(s.len)).sum());
+    }
+    if wr.op.is_read_or_atomic() {
+        return Err(PostError::Unsupported(
+            "inline data is for SEND and RDMA WRITE only",
+        ));
+    }
+    if wr.inline_data.len() > caps.max_inline_data as usize {
+        return Err(PostError::InlineTooLarge {
+            given: wr.inline_data.len(),
+            max: caps.max_inline_data,
+        });
+    }
+    Ok(wr.inline_data.len() as u64)
 }
 
 /// The checks of `ibv_post_recv` that RC and UD QPs share: not on an SRQ, not

@@ -20,11 +20,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use rustix::event::{EventfdFlags, PollFd, PollFlags, eventfd};
-use rustix::net::{
-    AddressFamily, RecvFlags, SendFlags, SocketAddrUnix, SocketFlags, SocketType, sockopt,
-};
+use rustix::net::{RecvFlags, SendFlags, SocketAddrUnix, SocketFlags, sockopt};
 
 use super::udp::{RxMeta, recv_datagram, roce_socket};
+use super::unix_seqpacket;
 
 /// Bytes the daemon puts before each forwarded datagram: source IPv4
 /// address, source UDP port (big endian), TTL, TOS.
@@ -40,15 +39,6 @@ const RX_BUF: usize = 65536;
 /// The abstract socket name of the daemon serving `addr`.
 fn socket_name(addr: SocketAddrV4) -> String {
     format!("softrdma-hostd/{addr}")
-}
-
-fn unix_seqpacket(flags: SocketFlags) -> io::Result<OwnedFd> {
-    Ok(rustix::net::socket_with(
-        AddressFamily::UNIX,
-        SocketType::SEQPACKET,
-        SocketFlags::CLOEXEC | flags,
-        None,
-    )?)
 }
 
 /// Counters of a daemon.

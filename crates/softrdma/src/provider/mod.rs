@@ -7,3 +7,16 @@ mod pcap;
 pub(crate) mod shm;
 pub mod tcp;
 pub mod udp;
+
+/// A Unix seqpacket socket (close-on-exec, plus `flags`): hostd's uplinks
+/// and shm connections.
+pub(crate) fn unix_seqpacket(
+    flags: rustix::net::SocketFlags,
+) -> std::io::Result<std::os::fd::OwnedFd> {
+    Ok(rustix::net::socket_with(
+        rustix::net::AddressFamily::UNIX,
+        rustix::net::SocketType::SEQPACKET,
+        rustix::net::SocketFlags::CLOEXEC | flags,
+        None,
+    )?)
+}

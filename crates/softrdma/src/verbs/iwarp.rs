@@ -6,6 +6,7 @@ use std::net::TcpStream;
 use std::sync::{Arc, Mutex};
 
 use super::cq::CqInner;
+use super::early::BeforeConnect;
 use super::{Pd, Provider, Qp, QpInit, QpKind, QpType, Result, VerbsError};
 use crate::cm::mpa::MpaOutcome;
 use crate::engine::iwarp::{IwarpConfig, IwarpQp, IwarpStats, P2p};
@@ -35,18 +36,14 @@ pub(crate) struct IwarpSlot {
     recv_cq: Arc<CqInner>,
     /// The connection, once up.
     conn: Mutex<Option<TcpQp>>,
-    /// Receives posted before the connection.
-    early: Mutex<Vec<RecvWr>>,
-    /// Connected once (a QP is not reused for a second connection).
-    used: Mutex<bool>,
+    before: BeforeConnect,
 }
 
 impl IwarpSlot {
     pub(crate) fn state(&self) -> QpState {
         match &*self.conn.lock().expect("conn lock") {
             Some(c) => c.with_engine(|q| q.state()),
-            None if *self.used.lock().expect("lock") => QpState::Err,
-            None => QpState::Init,
+            None => self.before.state(),
         }
     }
 
@@ -72,21 +69,8 @@ impl IwarpSlot {
         if let Some(c) = &*self.conn.lock().expect("conn lock") {
             return c.post_recv(wr);
         }
-        if *self.used.lock().expect("lock") {
-            return Err(PostError::BadState(QpState::Err));
-        }
-        let mut early = self.early.lock().expect("lock");
-        if wr.sgl.len() > self.caps.max_recv_sge as usize {
-            return Err(PostError::TooManySges {
-                given: wr.sgl.len(),
-                max: self.caps.max_recv_sge,
-            });
-        }
-        if early.len() >= self.caps.max_recv_wr as usize {
-            return Err(PostError::QueueFull(self.caps.max_recv_wr));
-        }
-        early.push(wr);
-        Ok(())
+        self.before
+            .post_recv(wr, self.caps.max_recv_sge, self.caps.max_recv_wr)
     }
 }
 
@@ -110,8 +94,7 @@ impl Pd {
                 send_cq: init.send_cq.inner.clone(),
                 recv_cq: init.recv_cq.inner.clone(),
                 conn: Mutex::new(None),
-                early: Mutex::new(Vec::new()),
-                used: Mutex::new(false),
+                before: BeforeConnect::default(),
             })),
         })
     }
@@ -126,12 +109,9 @@ impl Qp {
         let Provider::Iwarp(dev) = &self.ctx.inner.dev else {
             unreachable!("iWARP QPs live on iWARP devices")
         };
-        let mut used = slot.used.lock().expect("lock");
-        if *used {
-            return Err(VerbsError::Invalid(
-                "this iWARP QP was connected before: create a new one".into(),
-            ));
-        }
+        let mut connecting = slot.before.connecting().ok_or_else(|| {
+            VerbsError::Invalid("this iWARP QP was connected before: create a new one".into())
+        })?;
         let cfg = IwarpConfig {
             max_ulpdu: fpdu_override().unwrap_or_else(|| max_ulpdu_for(&stream)),
             ird: mpa.ird.max(1),
@@ -148,7 +128,7 @@ impl Qp {
         let mut engine = IwarpQp::new(slot.qpn, slot.pd, slot.caps, cfg);
         // Receives posted before the connection are in place before its
         // first byte is read.
-        for wr in slot.early.lock().expect("lock").drain(..) {
+        for wr in connecting.receives() {
             engine.post_recv(wr)?;
         }
         let conn = TcpQp::start(
@@ -165,7 +145,7 @@ impl Qp {
             source: e,
         })?;
         *slot.conn.lock().expect("conn lock") = Some(conn);
-        *used = true;
+        connecting.done();
         Ok(())
     }
 }

@@ -15,6 +15,7 @@
 //! ```
 
 pub(crate) mod cq;
+mod early;
 pub(crate) mod events;
 mod iwarp;
 mod shm;

@@ -3,10 +3,11 @@
 //! `post_send`, `post_recv` and CQs as the other providers.
 
 use std::os::fd::OwnedFd;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use super::cq::CqInner;
+use super::early::BeforeConnect;
 use super::{Pd, Provider, Qp, QpInit, QpKind, QpType, Result, VerbsError};
 use crate::engine::rc::QpCaps;
 use crate::engine::{PostError, QpState, RecvWr, SendWr};
@@ -22,17 +23,14 @@ pub(crate) struct ShmSlot {
     recv_cq: Arc<CqInner>,
     /// Set once, when connected: read without a lock on every post.
     conn: OnceLock<Arc<ShmQp>>,
-    /// Receives posted before the connection.
-    early: Mutex<Vec<RecvWr>>,
-    used: Mutex<bool>,
+    before: BeforeConnect,
 }
 
 impl ShmSlot {
     pub(crate) fn state(&self) -> QpState {
         match self.conn.get() {
             Some(c) => c.state(),
-            None if *self.used.lock().expect("lock") => QpState::Err,
-            None => QpState::Init,
+            None => self.before.state(),
         }
     }
 
@@ -51,22 +49,8 @@ impl ShmSlot {
         if let Some(c) = self.conn() {
             return c.post_recv(wr);
         }
-        if *self.used.lock().expect("lock") {
-            return Err(PostError::BadState(QpState::Err));
-        }
         let max_sge = self.caps.max_recv_sge.min(MAX_RECV_SGE as u32);
-        if wr.sgl.len() > max_sge as usize {
-            return Err(PostError::TooManySges {
-                given: wr.sgl.len(),
-                max: max_sge,
-            });
-        }
-        let mut early = self.early.lock().expect("lock");
-        if early.len() >= self.caps.max_recv_wr as usize {
-            return Err(PostError::QueueFull(self.caps.max_recv_wr));
-        }
-        early.push(wr);
-        Ok(())
+        self.before.post_recv(wr, max_sge, self.caps.max_recv_wr)
     }
 }
 
@@ -100,8 +84,7 @@ impl Pd {
                 send_cq: init.send_cq.inner.clone(),
                 recv_cq: init.recv_cq.inner.clone(),
                 conn: OnceLock::new(),
-                early: Mutex::new(Vec::new()),
-                used: Mutex::new(false),
+                before: BeforeConnect::default(),
             })),
         })
     }
@@ -118,12 +101,9 @@ impl Qp {
         let Provider::Shm(dev) = &self.ctx.inner.dev else {
             unreachable!("shm QPs live on shm devices")
         };
-        let mut used = slot.used.lock().expect("lock");
-        if *used {
-            return Err(VerbsError::Invalid(
-                "this shm QP was connected before: create a new one".into(),
-            ));
-        }
+        let mut connecting = slot.before.connecting().ok_or_else(|| {
+            VerbsError::Invalid("this shm QP was connected before: create a new one".into())
+        })?;
         let parts = QpParts {
             qpn: slot.qpn,
             pd: slot.pd,
@@ -137,10 +117,10 @@ impl Qp {
             what: "the shared-memory connection".into(),
             source: e,
         })?;
-        *used = true;
-        for wr in slot.early.lock().expect("lock").drain(..) {
+        for wr in connecting.receives() {
             conn.post_recv(wr)?;
         }
+        connecting.done();
         let _ = slot.conn.set(conn);
         Ok(())
     }

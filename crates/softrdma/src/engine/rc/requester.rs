@@ -96,28 +96,7 @@ impl RcQp {
                  (they are on iWARP)",
             ));
         }
-        if wr.sgl.len() > self.caps.max_send_sge as usize {
-            return Err(PostError::TooManySges {
-                given: wr.sgl.len(),
-                max: self.caps.max_send_sge,
-            });
-        }
-        let len = if wr.flags.inline {
-            if wr.op.is_read_or_atomic() {
-                return Err(PostError::Unsupported(
-                    "inline data is for SEND and RDMA WRITE only",
-                ));
-            }
-            if wr.inline_data.len() > self.caps.max_inline_data as usize {
-                return Err(PostError::InlineTooLarge {
-                    given: wr.inline_data.len(),
-                    max: self.caps.max_inline_data,
-                });
-            }
-            wr.inline_data.len() as u64
-        } else {
-            wr.sgl.iter().map(|s| u64::from(s.len)).sum()
-        };
+        let len = crate::engine::check_post_send(&wr, &self.caps)?;
         if len > 1 << 31 {
             return Err(PostError::TooLong(len));
         }

@@ -96,43 +96,28 @@ impl Inbox {
     }
 }
 
-/// A receive taken from a peer's ring.
+/// A receive taken from a peer's ring: its slot, as copied out.
 struct TakenRecv {
-    wr_id: u64,
-    sgl: Vec<(u32, u64, u32)>,
+    slot: [u8; RQ_SLOT],
 }
 
-/// A completion put on a peer's ring.
-struct RingCompletion {
-    wr_id: u64,
-    byte_len: u32,
-    with_imm: bool,
-    status: WcStatus,
-    imm: Option<u32>,
-}
+impl TakenRecv {
+    fn wr_id(&self) -> u64 {
+        le64(&self.slot, 0)
+    }
 
-fn status_code(s: WcStatus) -> u8 {
-    s as u8
-}
-
-fn status_from(code: u8) -> WcStatus {
-    use WcStatus::*;
-    [
-        Success,
-        LocLenErr,
-        LocQpOpErr,
-        LocProtErr,
-        WrFlushErr,
-        BadRespErr,
-        RemInvReqErr,
-        RemAccessErr,
-        RemOpErr,
-        RetryExcErr,
-        RnrRetryExcErr,
-    ]
-    .into_iter()
-    .find(|s| *s as u8 == code)
-    .unwrap_or(GeneralErr)
+    /// Its SGEs: lkey, address, length.
+    fn sges(&self) -> impl Iterator<Item = (u32, u64, u32)> + '_ {
+        let n = (le32(&self.slot, 8) as usize).min(MAX_RECV_SGE);
+        (0..n).map(|i| {
+            let e = 16 + 16 * i;
+            (
+                le32(&self.slot, e + 12),
+                le64(&self.slot, e),
+                le32(&self.slot, e + 8),
+            )
+        })
+    }
 }
 
 // Messages on the socket: a tag byte, then little-endian fields.
@@ -228,20 +213,6 @@ impl ShmDevice {
     }
 }
 
-/// The send side: work waiting for the peer to post receives (RC's RNR
-/// wait; iWARP would fail instead, RoCE retries).
-#[derive(Debug, Default)]
-struct SendQueue {
-    backlog: VecDeque<SendWr>,
-}
-
-/// What the receive side keeps: the receives it posted, oldest first, until
-/// their completions come back.
-#[derive(Debug, Default)]
-struct RecvQueue {
-    posted: VecDeque<u64>,
-}
-
 /// A connected shm QP.
 #[derive(Debug)]
 pub(crate) struct ShmQp {
@@ -256,8 +227,12 @@ pub(crate) struct ShmQp {
     mine: Inbox,
     peer: Inbox,
     peer_regions: RwLock<MrTable>,
-    sq: Mutex<SendQueue>,
-    rq: Mutex<RecvQueue>,
+    /// Work waiting for the peer to post receives (RC's RNR wait; iWARP
+    /// would fail instead, RoCE retries).
+    backlog: Mutex<VecDeque<SendWr>>,
+    /// The receives this side posted, oldest first, until their
+    /// completions come back.
+    posted: Mutex<VecDeque<u64>>,
     failed: AtomicBool,
     closing: AtomicBool,
     /// (message, lkey) the peer has acknowledged.
@@ -435,8 +410,8 @@ pub(crate) fn establish(
             event: peer_event,
         },
         peer_regions: RwLock::new(peer_regions),
-        sq: Mutex::new(SendQueue::default()),
-        rq: Mutex::new(RecvQueue::default()),
+        backlog: Mutex::new(VecDeque::new()),
+        posted: Mutex::new(VecDeque::new()),
         failed: AtomicBool::new(false),
         closing: AtomicBool::new(false),
         acks: Mutex::new(Vec::new()),
@@ -499,39 +474,21 @@ impl ShmQp {
                 "SEND with invalidate and local invalidate are iWARP's (not shm's)",
             ));
         }
-        if wr.sgl.len() > self.caps.max_send_sge as usize {
-            return Err(PostError::TooManySges {
-                given: wr.sgl.len(),
-                max: self.caps.max_send_sge,
-            });
-        }
-        if wr.flags.inline {
-            if wr.op.is_read_or_atomic() {
-                return Err(PostError::Unsupported(
-                    "inline data is for SEND and RDMA WRITE only",
-                ));
-            }
-            if wr.inline_data.len() > self.caps.max_inline_data as usize {
-                return Err(PostError::InlineTooLarge {
-                    given: wr.inline_data.len(),
-                    max: self.caps.max_inline_data,
-                });
-            }
-        }
-        let mut sq = self.sq.lock().expect("shm SQ lock");
-        if !sq.backlog.is_empty() {
-            if sq.backlog.len() >= self.caps.max_send_wr as usize {
+        crate::engine::check_post_send(&wr, &self.caps)?;
+        let mut backlog = self.backlog.lock().expect("shm SQ lock");
+        if !backlog.is_empty() {
+            if backlog.len() >= self.caps.max_send_wr as usize {
                 return Err(PostError::QueueFull(self.caps.max_send_wr));
             }
-            sq.backlog.push_back(wr);
+            backlog.push_back(wr);
             return Ok(());
         }
         match self.execute(&wr) {
             Outcome::Done(status) => {
-                drop(sq);
+                drop(backlog);
                 self.complete_send(&wr, status);
             }
-            Outcome::NoReceive => sq.backlog.push_back(wr),
+            Outcome::NoReceive => backlog.push_back(wr),
         }
         Ok(())
     }
@@ -539,16 +496,16 @@ impl ShmQp {
     /// Runs what waited for receives, in order, until one waits again.
     fn run_backlog(&self) {
         loop {
-            let mut sq = self.sq.lock().expect("shm SQ lock");
+            let mut backlog = self.backlog.lock().expect("shm SQ lock");
             if self.failed.load(Ordering::Acquire) {
                 return;
             }
-            let Some(wr) = sq.backlog.front() else { return };
+            let Some(wr) = backlog.front() else { return };
             match self.execute(wr) {
                 Outcome::NoReceive => return,
                 Outcome::Done(status) => {
-                    let wr = sq.backlog.pop_front().expect("front");
-                    drop(sq);
+                    let wr = backlog.pop_front().expect("front");
+                    drop(backlog);
                     self.complete_send(&wr, status);
                 }
             }
@@ -694,9 +651,8 @@ impl ShmQp {
                 };
                 let dst = {
                     let peer = self.peer_regions.read().expect("peer regions lock");
-                    t.sgl
-                        .iter()
-                        .map(|&(lkey, addr, len)| {
+                    t.sges()
+                        .map(|(lkey, addr, len)| {
                             peer.local(PEER_PD, lkey, addr, len, Access::LOCAL_WRITE)
                         })
                         .collect::<Result<Vec<_>, _>>()
@@ -769,17 +725,7 @@ impl ShmQp {
                 if m.compare_swap(RQ_TAIL, tail, tail + 1) != tail {
                     return None;
                 }
-                let n = (le32(&slot, 8) as usize).min(MAX_RECV_SGE);
-                let sgl = (0..n)
-                    .map(|i| {
-                        let e = 16 + 16 * i;
-                        (le32(&slot, e + 12), le64(&slot, e), le32(&slot, e + 8))
-                    })
-                    .collect();
-                return Some(TakenRecv {
-                    wr_id: le64(&slot, 0),
-                    sgl,
-                });
+                return Some(TakenRecv { slot });
             }
             // Say so, then look once more: the owner posts, then reads this
             // flag (both sequentially consistent), so one of the two sees
@@ -789,30 +735,25 @@ impl ShmQp {
         None
     }
 
+    /// Completes the peer's receive `t` on its ring (`by_write`: consumed
+    /// by a WRITE with immediate) and wakes the peer.
     fn put_completion(
         &self,
         t: &TakenRecv,
         byte_len: u32,
-        with_imm: bool,
+        by_write: bool,
         status: WcStatus,
         imm: Option<u32>,
     ) {
-        let c = RingCompletion {
-            wr_id: t.wr_id,
-            byte_len,
-            with_imm,
-            status,
-            imm,
-        };
         let m = &self.peer.mem;
         let head = m.load(CQ_HEAD);
         let mut slot = [0u8; CQ_SLOT];
-        slot[0..8].copy_from_slice(&c.wr_id.to_le_bytes());
-        slot[8..12].copy_from_slice(&c.byte_len.to_le_bytes());
-        slot[12] = u8::from(c.with_imm);
-        slot[13] = status_code(c.status);
-        slot[14] = u8::from(c.imm.is_some());
-        slot[16..20].copy_from_slice(&c.imm.unwrap_or(0).to_le_bytes());
+        slot[0..8].copy_from_slice(&t.wr_id().to_le_bytes());
+        slot[8..12].copy_from_slice(&byte_len.to_le_bytes());
+        slot[12] = u8::from(by_write);
+        slot[13] = status as u8;
+        slot[14] = u8::from(imm.is_some());
+        slot[16..20].copy_from_slice(&imm.unwrap_or(0).to_le_bytes());
         m.write(self.peer.cq_slot(head), &slot);
         m.store(CQ_HEAD, head + 1);
         self.peer.wake();
@@ -828,8 +769,8 @@ impl ShmQp {
                 max: self.caps.max_recv_sge.min(MAX_RECV_SGE as u32),
             });
         }
-        let mut rq = self.rq.lock().expect("shm RQ lock");
-        if rq.posted.len() >= self.caps.max_recv_wr as usize {
+        let mut posted = self.posted.lock().expect("shm RQ lock");
+        if posted.len() >= self.caps.max_recv_wr as usize {
             return Err(PostError::QueueFull(self.caps.max_recv_wr));
         }
         let m = &self.mine.mem;
@@ -845,8 +786,8 @@ impl ShmQp {
         }
         m.write(self.mine.rq_slot(head), &slot);
         m.store(RQ_HEAD, head + 1);
-        rq.posted.push_back(wr.wr_id);
-        drop(rq);
+        posted.push_back(wr.wr_id);
+        drop(posted);
         if m.load(PEER_WAITING) != 0 {
             m.store(PEER_WAITING, 0);
             self.peer.wake();
@@ -857,7 +798,7 @@ impl ShmQp {
     /// Moves the completions the peer put on this side's ring to the CQ.
     fn drain_completions(&self) {
         let m = &self.mine.mem;
-        let mut rq = self.rq.lock().expect("shm RQ lock");
+        let mut posted = self.posted.lock().expect("shm RQ lock");
         let mut tail = m.load(CQ_TAIL);
         let mut head = m.load(CQ_HEAD);
         // The peer writes CQ_HEAD: more than a ring's worth (or less than
@@ -872,23 +813,28 @@ impl ShmQp {
             m.read(self.mine.cq_slot(tail), &mut slot);
             tail += 1;
             let wr_id = le64(&slot, 0);
-            if rq.posted.front() == Some(&wr_id) {
-                rq.posted.pop_front();
-            } else if let Some(i) = rq.posted.iter().position(|&w| w == wr_id) {
-                rq.posted.remove(i);
+            if posted.front() == Some(&wr_id) {
+                posted.pop_front();
+            } else if let Some(i) = posted.iter().position(|&w| w == wr_id) {
+                posted.remove(i);
             }
             let opcode = if slot[12] != 0 {
                 WcOpcode::RecvRdmaWithImm
             } else {
                 WcOpcode::Recv
             };
-            let mut wc = WorkCompletion::new(wr_id, status_from(slot[13]), opcode, self.qpn);
+            let mut wc = WorkCompletion::new(
+                wr_id,
+                WcStatus::from_code(u32::from(slot[13])),
+                opcode,
+                self.qpn,
+            );
             wc.byte_len = le32(&slot, 8);
             wc.imm = (slot[14] != 0).then(|| le32(&slot, 16));
             signal |= self.recv_cq.push(wc);
         }
         m.store(CQ_TAIL, tail);
-        drop(rq);
+        drop(posted);
         if signal {
             self.recv_cq.signal();
         }
@@ -1040,7 +986,7 @@ impl ShmQp {
         }
         self.drain_completions();
         let mut signal = false;
-        for wr_id in self.rq.lock().expect("shm RQ lock").posted.drain(..) {
+        for wr_id in self.posted.lock().expect("shm RQ lock").drain(..) {
             let wc = WorkCompletion::new(wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.qpn);
             signal |= self.recv_cq.push(wc);
         }
@@ -1048,7 +994,7 @@ impl ShmQp {
             self.recv_cq.signal();
         }
         let mut signal = false;
-        for wr in self.sq.lock().expect("shm SQ lock").backlog.drain(..) {
+        for wr in self.backlog.lock().expect("shm SQ lock").drain(..) {
             let wc =
                 WorkCompletion::new(wr.wr_id, WcStatus::WrFlushErr, wr.op.wc_opcode(), self.qpn);
             signal |= self.send_cq.push(wc);

@@ -1,0 +1,57 @@
+//! What the iWARP and shared-memory tests share: one side's verbs objects,
+//! and waiting for a completion or a QP state.
+
+// Each test binary uses its own part of this.
+#![allow(dead_code)]
+
+use std::time::{Duration, Instant};
+
+use softrdma::verbs::*;
+
+/// How long a test waits for something that should happen.
+pub const T: Duration = Duration::from_secs(30);
+
+/// One side: a PD with one region, a send and a receive CQ, an RC QP.
+pub struct End {
+    pub ctx: Context,
+    pub pd: Pd,
+    pub mr: Mr,
+    pub scq: Cq,
+    pub rcq: Cq,
+    pub qp: Qp,
+}
+
+impl End {
+    /// On `dev`: a region of `mr_len` bytes with every right, CQs of
+    /// `cq_len`, a QP with `caps`.
+    pub fn new(dev: Device, mr_len: usize, cq_len: usize, caps: QpCaps) -> End {
+        let ctx = dev.open().unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let mr = pd.register(mr_len, Access::ALL).unwrap();
+        let scq = ctx.create_cq(cq_len).unwrap();
+        let rcq = ctx.create_cq(cq_len).unwrap();
+        let qp = pd.create_qp(&QpInit::rc(&scq, &rcq).caps(caps)).unwrap();
+        End {
+            ctx,
+            pd,
+            mr,
+            scq,
+            rcq,
+            qp,
+        }
+    }
+}
+
+/// The next completion on `cq` (a test failure after [`T`]).
+pub fn one(cq: &Cq) -> WorkCompletion {
+    cq.wait(T).unwrap().expect("a completion in time")
+}
+
+/// Waits until `qp` is in `want` (a test failure after [`T`]).
+pub fn wait_state(qp: &Qp, want: QpState) {
+    let t = Instant::now();
+    while qp.state() != want {
+        assert!(t.elapsed() < T, "QP never reached {want}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
