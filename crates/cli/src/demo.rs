@@ -74,7 +74,7 @@ fn run_op(a: &End, b: &End, op: &str, size: usize, seed: u8) -> Result<(), Strin
             } else {
                 SendOp::SendWithImm(imm)
             };
-            a.qp.post_send(SendWr::new(2, o, vec![a.mr.sge(src, size as u32)]))
+            a.qp.post_send(SendWr::new(2, o, [a.mr.sge(src, size as u32)]))
                 .map_err(e)?;
             wait(&a.cq, "send")?;
             let r = wait(&b.cq, "receive")?;
@@ -103,7 +103,7 @@ fn run_op(a: &End, b: &End, op: &str, size: usize, seed: u8) -> Result<(), Strin
                     imm,
                 }
             };
-            a.qp.post_send(SendWr::new(4, o, vec![a.mr.sge(src, size as u32)]))
+            a.qp.post_send(SendWr::new(4, o, [a.mr.sge(src, size as u32)]))
                 .map_err(e)?;
             wait(&a.cq, "write")?;
             if op != "RDMA_WRITE" {
@@ -124,7 +124,7 @@ fn run_op(a: &End, b: &End, op: &str, size: usize, seed: u8) -> Result<(), Strin
                 remote_addr: b.info.va,
                 rkey: b.info.rkey,
             };
-            a.qp.post_send(SendWr::new(5, o, vec![a.mr.sge(src, size as u32)]))
+            a.qp.post_send(SendWr::new(5, o, [a.mr.sge(src, size as u32)]))
                 .map_err(e)?;
             let c = wait(&a.cq, "read")?;
             if c.byte_len as usize != size {
@@ -141,7 +141,7 @@ fn run_op(a: &End, b: &End, op: &str, size: usize, seed: u8) -> Result<(), Strin
                 compare: old,
                 swap: !old,
             };
-            a.qp.post_send(SendWr::new(6, o, vec![a.mr.sge(src, 8)]))
+            a.qp.post_send(SendWr::new(6, o, [a.mr.sge(src, 8)]))
                 .map_err(e)?;
             wait(&a.cq, "compare and swap")?;
             let got = a.mr.load_u64(src).map_err(e)?;
@@ -161,7 +161,7 @@ fn run_op(a: &End, b: &End, op: &str, size: usize, seed: u8) -> Result<(), Strin
                 rkey: b.info.rkey,
                 add: u64::from(seed),
             };
-            a.qp.post_send(SendWr::new(7, o, vec![a.mr.sge(src, 8)]))
+            a.qp.post_send(SendWr::new(7, o, [a.mr.sge(src, 8)]))
                 .map_err(e)?;
             wait(&a.cq, "fetch and add")?;
             let got = a.mr.load_u64(src).map_err(e)?;

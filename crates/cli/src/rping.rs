@@ -202,7 +202,7 @@ impl Side {
 
     fn post(&self, op: SendOp, at: usize, len: usize) -> Result<(), String> {
         self.qp
-            .post_send(SendWr::new(0, op, vec![self.mr.sge(at, len as u32)]))
+            .post_send(SendWr::new(0, op, [self.mr.sge(at, len as u32)]))
             .map_err(|e| e.to_string())?;
         let wc = self
             .scq

@@ -56,7 +56,7 @@ fn shm_write_post_and_poll(b: Bencher, len: u32) {
                 .post_send(SendWr::new(
                     1,
                     SendOp::Write { remote_addr, rkey },
-                    vec![p.a.2.sge(0, len)],
+                    [p.a.2.sge(0, len)],
                 ))
                 .unwrap();
             black_box(p.a.3.poll_one().unwrap().unwrap())
@@ -103,4 +103,30 @@ fn iwarp_write_segmentation(b: Bencher, len: usize) {
             while qp.poll_completion().is_some() {}
             black_box(fpdus)
         });
+}
+
+/// `len` bytes `skew` bytes past a page boundary of `buf` (`len + 8192` long).
+fn at_page(buf: &mut [u8], skew: usize, len: usize) -> &mut [u8] {
+    let at = buf.as_ptr().align_offset(4096) + skew;
+    &mut buf[at..at + len]
+}
+
+/// The payload copy: softrdma's routine against glibc's memcpy
+/// (`copy_from_slice`); the source page-aligned, the destination SKEW bytes
+/// past a page boundary (glibc 2.36's `rep movsb` crawls at 8 and 16 on AMD
+/// Zen: docs/performance.md).
+#[divan::bench(consts = [0, 16], args = [4096, 65536, 1 << 20])]
+fn copy_softrdma<const SKEW: usize>(b: Bencher, len: usize) {
+    let (mut s, mut d) = (vec![1u8; len + 8192], vec![0u8; len + 8192]);
+    let (src, dst) = (at_page(&mut s, 0, len), at_page(&mut d, SKEW, len));
+    b.counter(divan::counter::BytesCount::new(len))
+        .bench_local(|| softrdma::memory::copy_bytes(black_box(&mut *dst), black_box(&*src)));
+}
+
+#[divan::bench(consts = [0, 16], args = [4096, 65536, 1 << 20])]
+fn copy_libc_memcpy<const SKEW: usize>(b: Bencher, len: usize) {
+    let (mut s, mut d) = (vec![1u8; len + 8192], vec![0u8; len + 8192]);
+    let (src, dst) = (at_page(&mut s, 0, len), at_page(&mut d, SKEW, len));
+    b.counter(divan::counter::BytesCount::new(len))
+        .bench_local(|| black_box(&mut *dst).copy_from_slice(black_box(&*src)));
 }

@@ -389,9 +389,9 @@ fn run_seed(seed: u64) -> Result<bool, String> {
                         wr_id: p.wr_id,
                         op: p.op,
                         sgl: if inline {
-                            vec![]
+                            Default::default()
                         } else {
-                            sges(IOVA[i], KEY[i].0, p.local, p.len, p.len % 2 == 1)
+                            sges(IOVA[i], KEY[i].0, p.local, p.len, p.len % 2 == 1).into()
                         },
                         flags: SendFlags {
                             signaled: p.signaled,

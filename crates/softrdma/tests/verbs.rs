@@ -72,7 +72,7 @@ fn cq_capacity_and_overrun_is_an_error() {
                 remote_addr: mr.addr(),
                 rkey: mr.rkey(),
             },
-            sgl: vec![mr.sge(0, 8)],
+            sgl: vec![mr.sge(0, 8)].into(),
             flags: SendFlags {
                 signaled: true,
                 ..SendFlags::default()
@@ -125,7 +125,7 @@ fn completion_channel_fires_on_the_fd() {
         a.post_send(SendWr {
             wr_id: 1,
             op: SendOp::Send,
-            sgl: vec![mr.sge(0, 16)],
+            sgl: vec![mr.sge(0, 16)].into(),
             flags: SendFlags {
                 solicited,
                 ..SendFlags::default()
@@ -153,7 +153,7 @@ fn completion_channel_fires_on_the_fd() {
     a.post_send(SendWr {
         wr_id: 2,
         op: SendOp::Send,
-        sgl: vec![mr.sge(0, 16)],
+        sgl: vec![mr.sge(0, 16)].into(),
         flags: SendFlags::default(),
         ud: None,
         inline_data: vec![],
@@ -179,7 +179,7 @@ fn qp_transitions_through_the_verbs() {
     let send = || SendWr {
         wr_id: 1,
         op: SendOp::Send,
-        sgl: vec![],
+        sgl: Default::default(),
         flags: SendFlags::default(),
         ud: None,
         inline_data: vec![],

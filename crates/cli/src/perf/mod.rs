@@ -1246,7 +1246,7 @@ fn send_op(s: &Setup, i: usize, size: u64, k: u64, signaled: bool) -> SendWr {
         },
     };
     let wr_id = ((i as u64) << 40) | k;
-    let mut wr = SendWr::new(wr_id, op, vec![sge]);
+    let mut wr = SendWr::new(wr_id, op, [sge]);
     if let Some(ah) = s.ahs.get(i) {
         wr = wr.to(ah.dest(s.rem[i].qpn, QKEY));
     }
@@ -1523,7 +1523,7 @@ fn grant(s: &Setup, i: usize, count: u64, in_flight: &mut u32) -> Result<(), Str
             remote_addr: r.vaddr,
             rkey: r.rkey,
         },
-        vec![],
+        [],
     )
     .inline(&(count as u32).to_le_bytes());
     s.qps[i].post_send(wr).map_err(|e| e.to_string())?;

@@ -48,6 +48,9 @@ pub struct Sge {
     pub lkey: u32,
 }
 
+/// A work request's SGEs: one or two stay inline (no allocation per post).
+pub type SgList = smallvec::SmallVec<[Sge; 2]>;
+
 /// Send work request operations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum SendOp {
@@ -152,7 +155,7 @@ pub struct SendWr {
     /// What to do.
     pub op: SendOp,
     /// Local buffers: the payload of SEND/WRITE, the sink of READ/atomics.
-    pub sgl: Vec<Sge>,
+    pub sgl: SgList,
     /// Flags.
     pub flags: SendFlags,
     /// Payload copied at post time when `flags.inline` (SEND/WRITE only).
@@ -163,11 +166,11 @@ pub struct SendWr {
 
 impl SendWr {
     /// A signaled work request with these buffers; the rest off.
-    pub fn new(wr_id: u64, op: SendOp, sgl: Vec<Sge>) -> SendWr {
+    pub fn new(wr_id: u64, op: SendOp, sgl: impl IntoIterator<Item = Sge>) -> SendWr {
         SendWr {
             wr_id,
             op,
-            sgl,
+            sgl: sgl.into_iter().collect(),
             flags: SendFlags {
                 signaled: true,
                 ..SendFlags::default()

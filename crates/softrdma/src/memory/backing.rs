@@ -14,6 +14,64 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 const PAGE: usize = 4096;
 
+/// From this size up, payload copies take the AVX2 loop where there is one.
+const BULK_COPY_MIN: usize = 4096;
+
+/// Copies `len` bytes between ranges that do not overlap. Large copies take
+/// an unrolled AVX2 loop: on this project's machine (AMD EPYC, glibc 2.36) it
+/// moves 64 KiB about 10 % faster than glibc's memcpy, which picks `rep movsb`
+/// there (`cargo bench -p softrdma --bench paths`, `docs/performance.md`).
+///
+/// # Safety
+/// `from` is readable and `to` writable for `len` bytes; they do not overlap.
+unsafe fn copy_apart(from: *const u8, to: *mut u8, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if len >= BULK_COPY_MIN && std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 is present (checked); the rest is the caller's contract.
+        unsafe { copy_avx2(from, to, len) };
+        return;
+    }
+    // SAFETY: the caller's contract.
+    unsafe { std::ptr::copy_nonoverlapping(from, to, len) }
+}
+
+/// `dst.copy_from_slice(src)` by the payload copy's routine (for benches:
+/// compare it with `copy_from_slice`, which is glibc's memcpy).
+///
+/// # Panics
+/// If the lengths differ.
+pub fn copy_bytes(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "copy_bytes: lengths differ");
+    // SAFETY: two Rust slices, one of them `&mut`, cannot overlap.
+    unsafe { copy_apart(src.as_ptr(), dst.as_mut_ptr(), src.len()) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn copy_avx2(from: *const u8, to: *mut u8, len: usize) {
+    use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_storeu_si256};
+    // Whole 128-byte blocks through four registers, the tail by memcpy.
+    let body = len & !127;
+    let mut i = 0;
+    while i < body {
+        // SAFETY: i + 128 <= len, inside both ranges (the caller's contract);
+        // unaligned loads and stores.
+        unsafe {
+            let s = from.add(i).cast::<__m256i>();
+            let d = to.add(i).cast::<__m256i>();
+            let (a, b) = (_mm256_loadu_si256(s), _mm256_loadu_si256(s.add(1)));
+            let (c, e) = (_mm256_loadu_si256(s.add(2)), _mm256_loadu_si256(s.add(3)));
+            _mm256_storeu_si256(d, a);
+            _mm256_storeu_si256(d.add(1), b);
+            _mm256_storeu_si256(d.add(2), c);
+            _mm256_storeu_si256(d.add(3), e);
+        }
+        i += 128;
+    }
+    // SAFETY: the tail is inside both ranges.
+    unsafe { std::ptr::copy_nonoverlapping(from.add(body), to.add(body), len - body) }
+}
+
 /// An allocation that memory regions are carved from.
 #[derive(Debug)]
 pub struct RegionMemory {
@@ -113,7 +171,7 @@ impl RegionMemory {
         // process: what a peer writes meanwhile is unspecified, as with DMA).
         unsafe {
             if apart {
-                std::ptr::copy_nonoverlapping(from, to, len)
+                copy_apart(from, to, len)
             } else {
                 std::ptr::copy(from, to, len)
             }
@@ -182,22 +240,14 @@ impl RegionMemory {
         self.check(offset, data.len());
         // SAFETY: the range is inside the allocation (checked); `data` is a
         // separate Rust slice, so the ranges cannot overlap.
-        unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr().add(offset), data.len())
-        };
+        unsafe { copy_apart(data.as_ptr(), self.ptr.as_ptr().add(offset), data.len()) };
     }
 
     /// Copies from `offset` into `out`.
     pub fn read(&self, offset: usize, out: &mut [u8]) {
         self.check(offset, out.len());
         // SAFETY: as in `write`.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.ptr.as_ptr().add(offset),
-                out.as_mut_ptr(),
-                out.len(),
-            )
-        };
+        unsafe { copy_apart(self.ptr.as_ptr().add(offset), out.as_mut_ptr(), out.len()) };
     }
 
     fn word(&self, offset: usize) -> &AtomicU64 {
@@ -293,6 +343,26 @@ impl Drop for RegionMemory {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn copies_of_every_length_and_skew_are_exact() {
+        // Below and above the bulk loop's threshold, with partial tails, at
+        // source and destination offsets that are not multiples of anything.
+        let src: Vec<u8> = (0..20_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+        for len in [0, 1, 127, 128, 129, 4095, 4096, 4097, 4224, 9999, 16_384] {
+            for (s_at, d_at) in [(0, 0), (3, 16), (16, 3), (129, 1)] {
+                let mut dst = vec![0xEEu8; len + 300];
+                copy_bytes(&mut dst[d_at..d_at + len], &src[s_at..s_at + len]);
+                assert_eq!(
+                    &dst[d_at..d_at + len],
+                    &src[s_at..s_at + len],
+                    "{len} {s_at} {d_at}"
+                );
+                assert!(dst[..d_at].iter().all(|&b| b == 0xEE), "before, {len}");
+                assert!(dst[d_at + len..].iter().all(|&b| b == 0xEE), "after, {len}");
+            }
+        }
+    }
 
     #[test]
     fn zeroed_is_page_aligned_and_zero() {

@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
-pub use backing::RegionMemory;
+pub use backing::{RegionMemory, copy_bytes};
 
 /// Access rights of a memory region (values as libibverbs' `IBV_ACCESS_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]

@@ -148,7 +148,7 @@ impl Pair {
             .post_send(SendWr {
                 wr_id,
                 op,
-                sgl,
+                sgl: sgl.into(),
                 flags,
                 ud: None,
                 inline_data: Vec::new(),
@@ -253,7 +253,7 @@ fn inline_send() {
         .post_send(SendWr {
             wr_id: 9,
             op: SendOp::Send,
-            sgl: vec![],
+            sgl: Default::default(),
             flags: SendFlags {
                 signaled: true,
                 inline: true,
@@ -698,7 +698,7 @@ fn post_errors_are_reported_on_the_call() {
     let wr = |sgl: Vec<Sge>| SendWr {
         wr_id: 1,
         op: SendOp::Send,
-        sgl,
+        sgl: sgl.into(),
         flags: SendFlags::default(),
         ud: None,
         inline_data: vec![],
