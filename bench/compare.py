@@ -1,0 +1,551 @@
+#!/usr/bin/env python3
+"""softrdma next to its peers on this machine: one run, one table, one chart.
+
+    sudo bench/compare.py [--rounds N] [--only REGEX] [--write-docs]
+
+Installs the peers it needs (apt: iperf3, sockperf, ucx-utils, libfabric-dev,
+gcc), builds softrdma (release) and bench/fi_rma.c (libfabric tcp RMA, the
+project's own program), then runs every figure once per round, rounds
+interleaved, inside a fresh network namespace that has only loopback
+(`unshare --net`): nothing listens on or sends to a real interface. Prints a
+markdown table of medians (min-max) per stack, the targets of issues 7 and 8
+as ratios from this run, and the CPU time per GB moved; `--write-docs` also
+writes them to docs/compare.md and the chart to docs/compare.svg.
+
+softrdma's rows run `softrdma perf` (perftest's tests) between 127.0.0.91 and
+127.0.0.92 over each provider: RoCEv2 over UDP, iWARP over TCP, shared memory.
+"""
+
+import argparse
+import json
+import os
+import re
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = REPO / "target/release/softrdma"
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "softrdma-bench"
+FI_RMA = CACHE / "fi_rma"
+LO = "127.0.0.1"
+SERVER_IP, CLIENT_IP = "127.0.0.91", "127.0.0.92"
+PORT = [21000]
+APT = ["iperf3", "sockperf", "ucx-utils", "libfabric-dev", "gcc", "libc6-dev"]
+# fabtests' fi_rma_bw over tcp (rdm), recorded in ../shared/peers/perf/
+# results-2026-11-29-pooled.txt, with iperf3's single stream of that day at the
+# same write size: our libfabric program is checked against them.
+FABTESTS = {65536: (3.22, 1.83), 1048576: (4.94, 3.98)}
+
+STACKS = ["softrdma RoCEv2", "softrdma iWARP", "softrdma shm", "UDP", "TCP", "UCX tcp", "UCX sm",
+          "libfabric tcp", "memcpy"]
+PROVIDER = {"softrdma RoCEv2": "roce", "softrdma iWARP": "iwarp", "softrdma shm": "shm"}
+SIZES = [4096, 65536, 1048576]
+KIB = {4096: "4 KiB", 65536: "64 KiB", 1048576: "1 MiB"}
+MIB = 1048576 / 1e9  # MiB/s -> GB/s
+
+
+def port():
+    PORT[0] += 1
+    return PORT[0]
+
+
+def log(msg):
+    print(f"[{time.strftime('%T')}] {msg}", file=sys.stderr, flush=True)
+
+
+class Failed(Exception):
+    pass
+
+
+def children_cpu():
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def pair(server, client, env=None, timeout=90, server_stays=False):
+    """Runs `server`, then `client` (retried while the server comes up).
+    Returns the client's output and the CPU seconds both used (user and
+    system, from the reaped children's rusage). A server that stays
+    (sockperf's) is stopped once the client is done."""
+    env = {**os.environ, **(env or {})}
+    cpu_before = children_cpu()
+    s = subprocess.Popen(server, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                         text=True)
+    out = ""
+    try:
+        for _ in range(40):
+            time.sleep(0.15)
+            if s.poll() is not None:
+                raise Failed(f"server {' '.join(server)} exited: {s.stdout.read()[-2000:]}")
+            try:
+                c = subprocess.run(client, capture_output=True, text=True, env=env,
+                                   timeout=timeout)
+            except subprocess.TimeoutExpired as e:
+                raise Failed(f"client timed out: {' '.join(client)}\n{e.stdout}")
+            out = c.stdout + c.stderr
+            if c.returncode == 0:
+                break
+            if "refused" not in out.lower():
+                raise Failed(f"{' '.join(client)}: exit {c.returncode}\n{out[-2000:]}")
+        else:
+            raise Failed(f"client never connected: {' '.join(client)}\n{out[-2000:]}")
+        if server_stays:
+            s.terminate()
+        try:
+            s.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            raise Failed(f"server did not end: {' '.join(server)}")
+    finally:
+        if s.poll() is None:
+            s.kill()
+            s.wait()
+    return out, children_cpu() - cpu_before
+
+
+def rows(out):
+    r = []
+    for line in out.splitlines():
+        f = line.split()
+        if len(f) >= 4 and all(re.fullmatch(r"[\d.]+", x) for x in f):
+            r.append([float(x) for x in f])
+    return r
+
+
+# ------------------------------------------------------------------ softrdma
+
+def softrdma(stack, test, size, iters):
+    p = str(port())
+    args = [test, "--provider", PROVIDER[stack], "-s", str(size), "-n", str(iters), "-p", p]
+    out, cpu = pair([str(BIN), "perf", *args, "--bind", SERVER_IP],
+                    [str(BIN), "perf", *args, "--bind", CLIENT_IP, SERVER_IP])
+    r = rows(out)
+    if not r:
+        raise Failed(f"softrdma perf {' '.join(args)}:\n{out[-2000:]}")
+    return r[-1], cpu
+
+
+def soft_bw(stack, verb, size):
+    iters = {4096: 20000, 65536: 5000, 1048576: 500}[size]
+    if stack == "softrdma shm":
+        iters *= 10
+    r, cpu = softrdma(stack, f"{verb.lower()}-bw", size, iters)
+    gbs = r[3] * MIB
+    res = {f"{verb} {KIB[size]}": gbs}
+    if size == 1048576 and verb == "WRITE":
+        res["CPU s per GB moved (WRITE 1 MiB, both ends)"] = cpu / (size * iters / 1e9)
+    return res
+
+
+def soft_lat(stack, verb, name):
+    test = {"WRITE": "write-lat", "READ": "read-lat", "SEND": "send-lat",
+            "FETCH_ADD": "atomic-lat"}[verb]
+    iters = 100000 if stack == "softrdma shm" else 5000
+    r, _ = softrdma(stack, test, 8, iters)
+    return {f"{name} p50": r[4], f"{name} p99": r[7]}
+
+
+def soft_rate(stack):
+    r, _ = softrdma(stack, "write-bw", 8, 200000)
+    return {"WRITE 8 B message rate (Mmsg/s)": r[4]}
+
+
+# ------------------------------------------------------------------- peers
+
+def iperf(size, udp=False):
+    p = str(port())
+    extra = ["-u", "-b", "0"] if udp else []
+    out, cpu = pair(["iperf3", "-s", "-1", "-B", LO, "-p", p],
+                    ["iperf3", "-c", LO, "-B", LO, "-p", p, "-t", "1", "-J", "-l", str(size),
+                     *extra])
+    try:
+        got = json.loads(out[out.index("{"):])["end"]["sum_received"]
+        bps, moved = got["bits_per_second"], got["bytes"]
+    except (ValueError, KeyError) as e:
+        raise Failed(f"iperf3: {e}\n{out[-2000:]}")
+    return bps / 8 / 1e9, cpu / (moved / 1e9)
+
+
+def tcp_bw(size):
+    gbs, cpu_per_gb = iperf(size)
+    res = {f"WRITE {KIB[size]}": gbs, f"SEND {KIB[size]}": gbs}
+    if size == 1048576:
+        res["CPU s per GB moved (WRITE 1 MiB, both ends)"] = cpu_per_gb
+    return res
+
+
+def udp_bw():
+    gbs, _ = iperf(4096, udp=True)
+    return {"WRITE 4 KiB": gbs, "SEND 4 KiB": gbs}
+
+
+def sockperf(tcp, busy):
+    p = str(port())
+    extra = (["--tcp"] if tcp else []) + (["--nonblocked"] if busy else [])
+    out, _ = pair(["sockperf", "sr", "-i", LO, "-p", p, *extra],
+                  ["sockperf", "pp", "-i", LO, "-p", p, "-m", "64", "-t", "1", "--full-rtt",
+                   *extra], server_stays=True)
+    p50 = re.search(r"percentile 50\.000 =\s*([\d.]+)", out)
+    p99 = re.search(r"percentile 99\.000 =\s*([\d.]+)", out)
+    if not p50 or not p99:
+        raise Failed(f"sockperf:\n{out[-2000:]}")
+    kind = "busy-poll" if busy else "blocking"
+    name = f"8 B latency, {kind} (us, half round trip)"
+    return {f"{name} p50": float(p50.group(1)) / 2, f"{name} p99": float(p99.group(1)) / 2}
+
+
+def ucx(tls, test, size, iters, extra=()):
+    p = str(port())
+    env = {"UCX_TLS": tls}
+    if tls == "tcp":
+        env["UCX_NET_DEVICES"] = "lo"
+    out, _ = pair(["ucx_perftest", "-p", p],
+                  ["ucx_perftest", LO, "-p", p, "-f", "-t", test, "-s", str(size), "-n", str(iters),
+                   *extra], env=env)
+    last = [r for r in rows(out) if len(r) == 8]
+    if not last:
+        raise Failed(f"ucx_perftest {test}:\n{out[-2000:]}")
+    return last[-1]
+
+
+def ucx_bw(tls, verb, size):
+    fast = tls != "tcp"
+    iters = {4096: 200000, 65536: 50000, 1048576: 3000}[size] if fast else \
+        {4096: 20000, 65536: 3000, 1048576: 300}[size]
+    if verb == "WRITE":
+        r = ucx(tls, "ucp_put_bw", size, iters, ("-w", "20"))
+    else:
+        r = ucx(tls, "ucp_get", size, iters, ("-w", "20", "-O", "32"))
+    return {f"{verb} {KIB[size]}": r[5] * MIB}
+
+
+def ucx_lat(tls):
+    r = ucx(tls, "ucp_put_lat", 8, 100000 if tls != "tcp" else 10000, ("-w", "1000"))
+    # ucx_perftest spins: a busy-poll figure. Its p99 is not printed.
+    return {"8 B latency, busy-poll (us, half round trip) p50": r[1]}
+
+
+def ucx_rate(tls):
+    r = ucx(tls, "ucp_put_bw", 8, 1000000 if tls != "tcp" else 100000, ("-w", "1000"))
+    return {"WRITE 8 B message rate (Mmsg/s)": r[7] / 1e6}
+
+
+def fi(op, size, iters, window=64):
+    p = str(port())
+    args = ["-p", p, "-o", op, "-S", str(size), "-n", str(iters), "-W", str(window)]
+    out, _ = pair([str(FI_RMA), *args], [str(FI_RMA), *args, LO])
+    res = dict()
+    for m in re.finditer(r"RESULT (\w+) (\d+) ([\d.]+) (\S+)", out):
+        res[m.group(4)] = float(m.group(3))
+    if not res:
+        raise Failed(f"fi_rma {' '.join(args)}:\n{out[-2000:]}")
+    return res
+
+
+def fi_bw(verb, size):
+    iters = {4096: 50000, 65536: 5000, 1048576: 500}[size]
+    return {f"{verb} {KIB[size]}": fi(verb.lower(), size, iters)["GB/s"]}
+
+
+def fi_lat():
+    r = fi("pingpong", 8, 20000)
+    name = "8 B latency, busy-poll (us, half round trip)"
+    return {f"{name} p50": r["us_half_rtt_p50"], f"{name} p99": r["us_half_rtt_p99"]}
+
+
+def fi_rate():
+    return {"WRITE 8 B message rate (Mmsg/s)": fi("rate", 8, 200000, 256)["Mmsg/s"]}
+
+
+def memcpy():
+    out = subprocess.run(["cargo", "run", "-q", "--release", "-p", "softrdma-cli", "--example",
+                          "memcpy_bw", "--", *map(str, SIZES)], cwd=REPO, capture_output=True,
+                         text=True, check=True).stdout
+    res = {}
+    for line in out.splitlines():
+        size, gbs = line.split()
+        res[f"WRITE {KIB[int(size)]}"] = res[f"READ {KIB[int(size)]}"] = float(gbs)
+    return res
+
+
+# ------------------------------------------------------------------- plan
+
+LAT_BLOCK = "8 B latency, blocking (us, half round trip)"
+LAT_BUSY = "8 B latency, busy-poll (us, half round trip)"
+
+
+def plan():
+    """(stack, label, function) for every measurement of a round."""
+    m = []
+    for stack in PROVIDER:
+        for verb in ("WRITE", "READ", "SEND"):
+            for size in SIZES:
+                m.append((stack, f"{verb} {size}", lambda s=stack, v=verb, z=size: soft_bw(s, v, z)))
+        # softrdma perf waits for completions blocking; its WRITE ping-pong
+        # spins on the target memory.
+        m.append((stack, "WRITE lat", lambda s=stack: soft_lat(s, "WRITE", LAT_BLOCK)))
+        m.append((stack, "READ lat", lambda s=stack: soft_lat(
+            s, "READ", "READ 8 B latency (us, round trip)")))
+        m.append((stack, "SEND lat", lambda s=stack: soft_lat(
+            s, "SEND", "SEND 8 B latency (us, half round trip)")))
+        if stack != "softrdma iWARP":
+            m.append((stack, "FETCH_ADD lat", lambda s=stack: soft_lat(
+                s, "FETCH_ADD", "FETCH_ADD latency (us, round trip)")))
+        m.append((stack, "rate", lambda s=stack: soft_rate(s)))
+    for size in SIZES:
+        m.append(("TCP", f"iperf3 {size}", lambda z=size: tcp_bw(z)))
+    m.append(("UDP", "iperf3 -u 4096", udp_bw))
+    for tcp in (False, True):
+        for busy in (False, True):
+            m.append(("TCP" if tcp else "UDP", f"sockperf busy={busy}",
+                      lambda t=tcp, b=busy: sockperf(t, b)))
+    for tls, stack in (("tcp", "UCX tcp"), ("sm,self", "UCX sm")):
+        for verb in ("WRITE", "READ"):
+            for size in SIZES:
+                m.append((stack, f"{verb} {size}", lambda t=tls, v=verb, z=size: ucx_bw(t, v, z)))
+        m.append((stack, "put_lat", lambda t=tls: ucx_lat(t)))
+        m.append((stack, "rate", lambda t=tls: ucx_rate(t)))
+    for verb in ("WRITE", "READ"):
+        for size in SIZES:
+            m.append(("libfabric tcp", f"{verb} {size}", lambda v=verb, z=size: fi_bw(v, z)))
+    m.append(("libfabric tcp", "pingpong", fi_lat))
+    m.append(("libfabric tcp", "rate", fi_rate))
+    m.append(("memcpy", "memcpy", memcpy))
+    return m
+
+
+ROWS = ([f"{v} {KIB[s]}" for v in ("WRITE", "READ", "SEND") for s in SIZES]
+        + [f"{LAT_BUSY} p50", f"{LAT_BUSY} p99", f"{LAT_BLOCK} p50", f"{LAT_BLOCK} p99",
+           "READ 8 B latency (us, round trip) p50", "READ 8 B latency (us, round trip) p99",
+           "SEND 8 B latency (us, half round trip) p50",
+           "SEND 8 B latency (us, half round trip) p99",
+           "FETCH_ADD latency (us, round trip) p50", "FETCH_ADD latency (us, round trip) p99",
+           "WRITE 8 B message rate (Mmsg/s)", "CPU s per GB moved (WRITE 1 MiB, both ends)"])
+
+
+def unit(row):
+    if "latency" in row:
+        return ""
+    if "rate" in row or "CPU" in row:
+        return ""
+    return " (GB/s)"
+
+
+# ---------------------------------------------------------------- targets
+
+def targets(med):
+    """Issue 8's and 7's targets as (what, ratio, op, want)."""
+    def v(stack, row):
+        return med.get((stack, row))
+
+    t = []
+
+    def add(what, a, b, op, want):
+        if a is None or b is None or b == 0:
+            t.append((what, None, op, want))
+        else:
+            t.append((what, a / b, op, want))
+
+    R, I, S = "softrdma RoCEv2", "softrdma iWARP", "softrdma shm"
+    for size in ("64 KiB", "1 MiB"):
+        add(f"RoCEv2 WRITE {size} / libfabric tcp write", v(R, f"WRITE {size}"),
+            v("libfabric tcp", f"WRITE {size}"), ">=", 1.2)
+        add(f"RoCEv2 WRITE {size} / UCX tcp put", v(R, f"WRITE {size}"),
+            v("UCX tcp", f"WRITE {size}"), ">=", 3.0)
+        add(f"RoCEv2 WRITE {size} / iperf3 TCP (same write size)", v(R, f"WRITE {size}"),
+            v("TCP", f"WRITE {size}"), ">=", 1.0)
+    for size in ("64 KiB", "1 MiB"):
+        add(f"RoCEv2 READ {size} / libfabric tcp read", v(R, f"READ {size}"),
+            v("libfabric tcp", f"READ {size}"), ">=", 1.5)
+    add("iWARP WRITE 1 MiB / libfabric tcp write", v(I, "WRITE 1 MiB"),
+        v("libfabric tcp", "WRITE 1 MiB"), ">=", 1.0)
+    add("iWARP WRITE 1 MiB / iperf3 -l 1M", v(I, "WRITE 1 MiB"), v("TCP", "WRITE 1 MiB"), ">=",
+        0.95)
+    add("RoCEv2 8 B WRITE latency, busy-poll / libfabric tcp ping-pong",
+        v(R, f"{LAT_BUSY} p50"), v("libfabric tcp", f"{LAT_BUSY} p50"), "<=", 0.8)
+    add("RoCEv2 8 B WRITE latency, busy-poll / UDP busy-poll half round trip",
+        v(R, f"{LAT_BUSY} p50"), v("UDP", f"{LAT_BUSY} p50"), "<=", 1.3)
+    add("RoCEv2 8 B WRITE latency, blocking / UDP blocking half round trip",
+        v(R, f"{LAT_BLOCK} p50"), v("UDP", f"{LAT_BLOCK} p50"), "<=", 1.1)
+    add("RoCEv2 8 B WRITE message rate / libfabric tcp", v(R, "WRITE 8 B message rate (Mmsg/s)"),
+        v("libfabric tcp", "WRITE 8 B message rate (Mmsg/s)"), ">=", 2.0)
+    shm_lat = v(S, f"{LAT_BLOCK} p50")
+    add("shm 8 B WRITE latency / UCX sm put latency", shm_lat, v("UCX sm", f"{LAT_BUSY} p50"),
+        "<=", 3.0)
+    for verb in ("WRITE", "READ"):
+        for size in ("64 KiB", "1 MiB"):
+            add(f"shm {verb} {size} / UCX sm", v(S, f"{verb} {size}"),
+                v("UCX sm", f"{verb} {size}"), ">=", 1.0)
+    return t
+
+
+# ------------------------------------------------------------------ output
+
+def fmt(vals):
+    if not vals:
+        return ""
+    m = statistics.median(vals)
+    if len(vals) == 1:
+        return f"{m:.3g}"
+    return f"{m:.3g} ({min(vals):.3g}–{max(vals):.3g})"
+
+
+def report(samples, rounds, failures):
+    med = {k: statistics.median(v) for k, v in samples.items() if v}
+    used = [s for s in STACKS if any((s, r) in samples for r in ROWS)]
+    lines = [f"`sudo bench/compare.py --rounds {rounds}`, {time.strftime('%Y-%m-%d')}: "
+             f"medians (min–max) of {rounds} interleaved rounds, loopback in a private "
+             "network namespace, this machine (2 vCPUs).", ""]
+    lines.append("| figure | " + " | ".join(used) + " |")
+    lines.append("|---" * (len(used) + 1) + "|")
+    for row in ROWS:
+        if not any((s, row) in samples for s in used):
+            continue
+        cells = [fmt(samples.get((s, row), [])) for s in used]
+        lines.append(f"| {row}{unit(row)} | " + " | ".join(cells) + " |")
+    lines += ["", "| target | ratio in this run | wanted | |", "|---|---|---|---|"]
+    for what, ratio, op, want in targets(med):
+        if ratio is None:
+            lines.append(f"| {what} | not measured | {op} {want} | |")
+            continue
+        ok = ratio <= want if op == "<=" else ratio >= want
+        lines.append(f"| {what} | {ratio:.2f} | {op} {want} | {'met' if ok else 'MISSED'} |")
+    # The libfabric program against fabtests' recorded figures, scaled by
+    # how fast TCP itself ran today against that day.
+    lines += ["", "| libfabric check | this run | fabtests 2026-11-29 | ratio | "
+              "ratio scaled by iperf3 today/then |", "|---|---|---|---|---|"]
+    for size, (fab, tcp_then) in FABTESTS.items():
+        ours = med.get(("libfabric tcp", f"WRITE {KIB[size]}"))
+        tcp_now = med.get(("TCP", f"WRITE {KIB[size]}"))
+        if ours and tcp_now:
+            scaled = ours / fab / (tcp_now / tcp_then)
+            lines.append(f"| fi_write {KIB[size]} (GB/s) | {ours:.3g} | {fab} | {ours / fab:.2f} | "
+                         f"{scaled:.2f} ({'within' if 0.7 <= scaled <= 1.3 else 'OUTSIDE'} ±30 %) |")
+    if failures:
+        lines += ["", "Failed measurements (left out of the medians):", ""]
+        lines += [f"- {f}" for f in failures]
+    return "\n".join(lines) + "\n", med
+
+
+def svg(med):
+    """Grouped horizontal bars, log scale: bandwidth and latency medians."""
+    panels = [("Bandwidth, GB/s (log scale; longer is better)",
+               [f"{v} {s}" for v in ("WRITE", "READ") for s in ("64 KiB", "1 MiB")]),
+              ("8 B latency p50, µs (log scale; shorter is better)",
+               [f"{LAT_BUSY} p50", f"{LAT_BLOCK} p50"])]
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#7f7f7f", "#8c564b", "#d62728", "#9467bd",
+              "#e377c2", "#17becf"]
+    import math
+    bar, gap, left, width = 9, 10, 330, 430
+    out, y = [], 30
+    for title, rws in panels:
+        vals = [med[(s, r)] for r in rws for s in STACKS if (s, r) in med and med[(s, r)] > 0]
+        if not vals:
+            continue
+        lo, hi = math.floor(math.log10(min(vals))), math.ceil(math.log10(max(vals)))
+        hi = max(hi, lo + 1)
+        out.append(f'<text x="10" y="{y}" font-weight="bold">{title}</text>')
+        y += 12
+        top = y
+        for r in rws:
+            present = [(i, s) for i, s in enumerate(STACKS) if (s, r) in med and med[(s, r)] > 0]
+            if not present:
+                continue
+            label = r.replace(" (us, half round trip) p50", "")
+            out.append(f'<text x="10" y="{y + bar * len(present) / 2 + 4}">{label}</text>')
+            for i, s in present:
+                val = med[(s, r)]
+                w = width * (math.log10(val) - lo) / (hi - lo)
+                out.append(f'<rect x="{left}" y="{y}" width="{max(w, 1):.1f}" height="{bar - 1}" '
+                           f'fill="{colors[i]}"><title>{s}: {val:.3g}</title></rect>')
+                out.append(f'<text x="{left + max(w, 1) + 3:.1f}" y="{y + bar - 1}" '
+                           f'font-size="8">{s} {val:.3g}</text>')
+                y += bar
+            y += gap
+        for e in range(lo, hi + 1):
+            x = left + width * (e - lo) / (hi - lo)
+            out.append(f'<line x1="{x:.1f}" y1="{top - 4}" x2="{x:.1f}" y2="{y}" stroke="#ccc"/>')
+            out.append(f'<text x="{x:.1f}" y="{y + 10}" font-size="8" text-anchor="middle">'
+                       f'{10.0 ** e:g}</text>')
+        y += 30
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 150}" height="{y}" '
+            f'font-family="sans-serif" font-size="10">\n'
+            f'<rect width="100%" height="100%" fill="white"/>\n' + "\n".join(out) + "\n</svg>\n")
+
+
+# ------------------------------------------------------------------ set-up
+
+def install():
+    missing = [p for p, probe in (("iperf3", "iperf3"), ("sockperf", "sockperf"),
+                                  ("ucx-utils", "ucx_perftest"), ("gcc", "gcc"))
+               if not shutil.which(probe)]
+    if not Path("/usr/include/rdma/fabric.h").exists():
+        missing.append("libfabric-dev")
+    if missing:
+        if os.geteuid() != 0:
+            sys.exit(f"missing {missing}: run as root (apt-get install {' '.join(APT)})")
+        log(f"apt-get install {' '.join(APT)}")
+        subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *APT],
+                       check=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    CACHE.mkdir(parents=True, exist_ok=True)
+    src = REPO / "bench/fi_rma.c"
+    if not FI_RMA.exists() or FI_RMA.stat().st_mtime < src.stat().st_mtime:
+        subprocess.run(["gcc", "-O2", "-Wall", "-o", str(FI_RMA), str(src), "-lfabric"],
+                       check=True)
+    log("building softrdma (release)")
+    subprocess.run(["cargo", "build", "--release", "-q", "-p", "softrdma-cli", "--example",
+                    "memcpy_bw"], cwd=REPO, check=True)
+    subprocess.run(["cargo", "build", "--release", "-q", "-p", "softrdma-cli"], cwd=REPO,
+                   check=True)
+
+
+def isolate():
+    """Re-runs this script in a new network namespace with only loopback."""
+    if os.environ.get("SOFTRDMA_BENCH_NETNS") == "1":
+        subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+        return
+    if os.geteuid() != 0:
+        sys.exit("bench/compare.py needs root: a private network namespace (unshare --net) "
+                 "keeps every peer on loopback, and apt installs the peers")
+    env = {**os.environ, "SOFTRDMA_BENCH_NETNS": "1"}
+    sys.exit(subprocess.run(["unshare", "--net", sys.executable, *sys.argv], env=env).returncode)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", help="measure the stacks/labels matching this regular expression")
+    ap.add_argument("--write-docs", action="store_true",
+                    help="write docs/compare.md and docs/compare.svg")
+    a = ap.parse_args()
+    if a.rounds < 1:
+        sys.exit("--rounds: at least 1")
+    if os.environ.get("SOFTRDMA_BENCH_NETNS") != "1":
+        install()
+    isolate()
+    todo = [m for m in plan() if not a.only or re.search(a.only, f"{m[0]} {m[1]}")]
+    samples, failures = {}, []
+    for r in range(a.rounds):
+        log(f"round {r + 1} of {a.rounds}: {len(todo)} measurements")
+        for stack, label, fn in todo:
+            try:
+                for row, val in fn().items():
+                    samples.setdefault((stack, row), []).append(val)
+            except (Failed, subprocess.CalledProcessError) as e:
+                failures.append(f"round {r + 1}, {stack} {label}: {str(e).splitlines()[0]}")
+                log(f"FAILED {stack} {label}: {e}")
+    text, med = report(samples, a.rounds, failures)
+    print(text)
+    if a.write_docs:
+        (REPO / "docs/compare.md").write_text(text)
+        (REPO / "docs/compare.svg").write_text(svg(med))
+        log("wrote docs/compare.md and docs/compare.svg")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
