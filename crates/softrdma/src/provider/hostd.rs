@@ -316,6 +316,8 @@ pub(crate) fn recv_forwarded(
                     from,
                     ttl: hdr[6],
                     tos: hdr[7],
+                    // The daemon's socket does not coalesce (no UDP_GRO).
+                    gro_segment: None,
                 },
             )))
         }
@@ -446,6 +448,7 @@ mod tests {
             from: "10.1.2.3:49152".parse().unwrap(),
             ttl: 63,
             tos: 0x88,
+            gro_segment: None,
         };
         let h = forward_header(&meta);
         assert_eq!(h, [10, 1, 2, 3, 0xc0, 0x00, 63, 0x88]);

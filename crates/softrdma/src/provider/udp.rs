@@ -5,6 +5,11 @@
 //! Copies of payload bytes (the design's copy budget): none on send — headers,
 //! region memory and the ICRC go to the kernel as one gather list; one on
 //! receive — the engine copies from the datagram buffer into the target region.
+//!
+//! System calls: the packets a QP has ready go out in UDP GSO sends (one
+//! sendmsg for up to 16 equal-sized packets, each with its own headers and
+//! ICRC), and the sockets take UDP GRO, so that on loopback one recvmsg
+//! returns a whole GSO send. `SOFTRDMA_NO_GSO=1` turns both off.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -16,8 +21,9 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use nix::sys::socket::MsgFlags;
 use rustix::event::{EventfdFlags, PollFd, PollFlags, eventfd};
-use rustix::net::{SendFlags, sockopt};
+use rustix::net::sockopt;
 use softrdma_wire::bth;
 use softrdma_wire::icrc::{self, Icrc, Ipv4Pseudo};
 
@@ -34,8 +40,12 @@ use crate::verbs::events::{AsyncEvent, EventQueue};
 const BATCH: usize = 16;
 /// Sockets per device (source ports its QPs spread over).
 const SOCKETS: usize = 8;
-/// Largest datagram received.
+/// Largest datagram received (a UDP GRO one holds several packets).
 const RX_BUF: usize = 65536;
+/// Most packets in one UDP GSO send (the kernel allows 64 or more).
+const GSO_MAX_SEGMENTS: usize = 16;
+/// Most UDP payload bytes in one GSO send (an IPv4 datagram's limit).
+const GSO_MAX_BYTES: usize = 65507;
 /// Most scatter/gather elements per work request on this provider (a packet's
 /// payload spans at most this many region pieces).
 pub(crate) const MAX_SGE: usize = 30;
@@ -126,6 +136,8 @@ pub(crate) struct Shared {
     sleep_until: AtomicU64,
     stop: AtomicBool,
     busy_poll: AtomicBool,
+    /// Packets of a QP go out in UDP GSO sends (off after the kernel refuses).
+    gso: AtomicBool,
 }
 
 impl Shared {
@@ -211,6 +223,18 @@ impl UdpDevice {
         for _ in 1..SOCKETS {
             sockets.push(roce_socket(SocketAddrV4::new(*addr.ip(), 0))?);
         }
+        // UDP GRO: a GSO send arrives as one datagram (on loopback, never
+        // cut up). SOFTRDMA_NO_GSO turns GSO and GRO off (for comparison).
+        let offload = std::env::var_os("SOFTRDMA_NO_GSO").is_none();
+        if offload {
+            for s in &sockets {
+                let _ = nix::sys::socket::setsockopt(
+                    s,
+                    nix::sys::socket::sockopt::UdpGroSegment,
+                    &true,
+                );
+            }
+        }
         let ports = sockets
             .iter()
             .map(|s| port_of(s).map(|a| a.port()))
@@ -234,6 +258,7 @@ impl UdpDevice {
             sleep_until: AtomicU64::new(u64::MAX),
             stop: AtomicBool::new(false),
             busy_poll: AtomicBool::new(busy_poll),
+            gso: AtomicBool::new(offload),
         });
         shared.events.push(AsyncEvent::PortActive);
         let s = shared.clone();
@@ -354,8 +379,9 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
                     (n, *slot.peer.lock().expect("peer lock"))
                 };
                 signal_cqs(slot, signal);
-                for s in &tx[..n] {
-                    let dest = match s.ah {
+                let mut i = 0;
+                while i < n {
+                    let dest = match tx[i].ah {
                         Some(ah) => shared
                             .ahs
                             .read()
@@ -364,13 +390,15 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
                             .copied(),
                         None => peer,
                     };
-                    match dest {
-                        Some(d) => send_packet(shared, d, s, slot.qpn),
+                    let Some(d) = dest else {
                         // An address handle destroyed with sends in flight.
-                        None => {
-                            shared.stats.send_errors.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
+                        shared.stats.send_errors.fetch_add(1, Ordering::Relaxed);
+                        i += 1;
+                        continue;
+                    };
+                    let k = gso_run(shared, &tx[i..n]);
+                    send_packets(shared, d, &tx[i..i + k], slot.qpn);
+                    i += k;
                 }
                 for s in &mut tx[..n] {
                     s.pieces.clear();
@@ -388,17 +416,51 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
     timer
 }
 
-/// Gathers headers, region pieces, pad and ICRC into one datagram.
-fn send_packet(shared: &Shared, peer: SocketAddrV4, s: &TxSlot, qpn: u32) {
-    // rxe's hash_32 of the QPN (WIRE-NOTES 1.1) picks the socket.
-    let sock = (qpn.wrapping_mul(0x61C8_8647) >> 18) as usize % shared.sockets.len();
+/// The UDP length of a packet.
+fn udp_len(t: &Transmit) -> usize {
+    8 + t.len + t.payload_len + usize::from(t.pad) + icrc::LEN
+}
+
+/// How many packets from the first of `tx` go in one GSO send: RC packets
+/// (UD ones each go to their own address) of the first's size, the last
+/// possibly shorter, within the kernel's limits.
+fn gso_run(shared: &Shared, tx: &[TxSlot]) -> usize {
+    if !shared.gso.load(Ordering::Relaxed) || tx[0].ah.is_some() {
+        return 1;
+    }
+    let size = udp_len(&tx[0].t);
+    let (mut k, mut total) = (1, size);
+    while k < tx.len() && k < GSO_MAX_SEGMENTS && tx[k].ah.is_none() {
+        let l = udp_len(&tx[k].t);
+        if l > size || total + l - 8 > GSO_MAX_BYTES {
+            break;
+        }
+        total += l - 8;
+        k += 1;
+        if l < size {
+            break;
+        }
+    }
+    k
+}
+
+/// Frames `s` as the `ident`th datagram: headers, region pieces, pad and
+/// the ICRC (in `trailer`, which must outlive the send).
+fn frame<'a>(
+    shared: &Shared,
+    peer: SocketAddrV4,
+    sock: usize,
+    s: &'a TxSlot,
+    ident: u16,
+    trailer: &'a mut [u8; 7],
+    iov: &mut smallvec::SmallVec<[IoSlice<'a>; 64]>,
+) {
     let t = s.t;
-    let ib_len = t.len + t.payload_len + usize::from(t.pad) + icrc::LEN;
-    let udp_len = (8 + ib_len) as u16;
+    let udp_len = udp_len(&t) as u16;
     let ip = Ipv4Pseudo {
         src: shared.local.ip().octets(),
         dst: peer.ip().octets(),
-        identification: 0,
+        identification: ident,
         dont_fragment: true,
     }
     .header(udp_len);
@@ -409,61 +471,95 @@ fn send_packet(shared: &Shared, peer: SocketAddrV4, s: &TxSlot, qpn: u32) {
     bth_bytes.copy_from_slice(&head[..bth::HEADER_LEN]);
     crc.update_bth(&bth_bytes);
     crc.update(&head[bth::HEADER_LEN..]);
-    // Headers, at most MAX_SGE region pieces, the trailer: no allocation.
-    let mut iov = [IoSlice::new(&[]); MAX_SGE + 2];
-    iov[0] = IoSlice::new(head);
-    let mut n = 1;
+    iov.push(IoSlice::new(head));
     for p in &s.pieces {
-        // SAFETY: the bytes go to the kernel right now and are not kept; a
+        // SAFETY: the bytes go to the kernel in this send and are not kept; a
         // concurrent remote write into them makes what is sent unspecified,
         // as DMA from a changing buffer would on a NIC.
         let bytes = unsafe { p.bytes() };
         crc.update(bytes);
-        iov[n] = IoSlice::new(bytes);
-        n += 1;
+        iov.push(IoSlice::new(bytes));
     }
     let pad = [0u8; 3];
     crc.update(&pad[..usize::from(t.pad)]);
-    let mut trailer = [0u8; 7];
     let tl = usize::from(t.pad) + icrc::LEN;
+    trailer[..usize::from(t.pad)].fill(0);
     trailer[usize::from(t.pad)..tl].copy_from_slice(&crc.finish().to_le_bytes());
-    iov[n] = IoSlice::new(&trailer[..tl]);
-    n += 1;
-    if let Some(pcap) = &shared.pcap {
-        let m = PacketMeta {
-            src: SocketAddrV4::new(*shared.local.ip(), shared.ports[sock]),
-            dst: peer,
-            identification: 0,
-            ttl: 64,
-            tos: 0,
-        };
-        let parts: [&[u8]; MAX_SGE + 2] =
-            std::array::from_fn(|i| if i < n { &*iov[i] } else { &[] });
-        let _ = pcap.lock().expect("pcap lock").record(&m, &parts[..n]);
+    iov.push(IoSlice::new(&trailer[..tl]));
+}
+
+/// Sends packets as one datagram each: with more than one, in one GSO send
+/// (UDP_SEGMENT), which the kernel cuts into datagrams numbered from IP ID
+/// 0 (each ICRC covers its ID). Zero copy here: headers, region memory and
+/// ICRCs go to the kernel as one gather list.
+fn send_packets(shared: &Shared, peer: SocketAddrV4, tx: &[TxSlot], qpn: u32) {
+    // rxe's hash_32 of the QPN (WIRE-NOTES 1.1) picks the socket.
+    let sock = (qpn.wrapping_mul(0x61C8_8647) >> 18) as usize % shared.sockets.len();
+    let mut trailers = [[0u8; 7]; GSO_MAX_SEGMENTS];
+    let mut iov = smallvec::SmallVec::<[IoSlice<'_>; 64]>::new();
+    let mut bounds = [0usize; GSO_MAX_SEGMENTS + 1];
+    for (k, (s, trailer)) in tx.iter().zip(trailers.iter_mut()).enumerate() {
+        let ident = if tx.len() > 1 { k as u16 } else { 0 };
+        frame(shared, peer, sock, s, ident, trailer, &mut iov);
+        bounds[k + 1] = iov.len();
     }
-    match rustix::net::sendmsg_addr(
-        &shared.sockets[sock],
-        &SocketAddr::V4(peer),
-        &iov[..n],
-        &mut Default::default(),
-        SendFlags::empty(),
-    ) {
+    if let Some(pcap) = &shared.pcap {
+        let mut w = pcap.lock().expect("pcap lock");
+        for k in 0..tx.len() {
+            let m = PacketMeta {
+                src: SocketAddrV4::new(*shared.local.ip(), shared.ports[sock]),
+                dst: peer,
+                identification: if tx.len() > 1 { k as u16 } else { 0 },
+                ttl: 64,
+                tos: 0,
+            };
+            let parts: smallvec::SmallVec<[&[u8]; 8]> =
+                iov[bounds[k]..bounds[k + 1]].iter().map(|s| &**s).collect();
+            let _ = w.record(&m, &parts);
+        }
+    }
+    let to = nix::sys::socket::SockaddrIn::from(peer);
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&shared.sockets[sock]);
+    let sent = if tx.len() > 1 {
+        let segment = (udp_len(&tx[0].t) - 8) as u16;
+        let cmsg = [nix::sys::socket::ControlMessage::UdpGsoSegments(&segment)];
+        nix::sys::socket::sendmsg(fd, &iov, &cmsg, MsgFlags::empty(), Some(&to))
+    } else {
+        nix::sys::socket::sendmsg(fd, &iov, &[], MsgFlags::empty(), Some(&to))
+    };
+    match sent {
         Ok(_) => {
-            shared.stats.sent.fetch_add(1, Ordering::Relaxed);
+            shared
+                .stats
+                .sent
+                .fetch_add(tx.len() as u64, Ordering::Relaxed);
             if !shared.uplink_lost.load(Ordering::Acquire)
                 && !shared.port_up.swap(true, Ordering::AcqRel)
             {
                 shared.events.push(AsyncEvent::PortActive);
             }
         }
+        // A kernel or device without UDP GSO: one datagram per packet from
+        // now on, starting with these.
+        Err(
+            nix::errno::Errno::EIO | nix::errno::Errno::EINVAL | nix::errno::Errno::ENOPROTOOPT,
+        ) if tx.len() > 1 => {
+            shared.gso.store(false, Ordering::Relaxed);
+            for s in tx {
+                send_packets(shared, peer, std::slice::from_ref(s), qpn);
+            }
+        }
         Err(e) => {
-            // A full socket buffer or an unreachable peer: the packet is lost,
-            // and the transport retransmits as for any loss.
-            shared.stats.send_errors.fetch_add(1, Ordering::Relaxed);
+            // A full socket buffer or an unreachable peer: the packets are
+            // lost, and the transport retransmits as for any loss.
+            shared
+                .stats
+                .send_errors
+                .fetch_add(tx.len() as u64, Ordering::Relaxed);
             // The device's own address gone, or its network: the port is down.
             if matches!(
                 e,
-                rustix::io::Errno::ADDRNOTAVAIL | rustix::io::Errno::NETDOWN
+                nix::errno::Errno::EADDRNOTAVAIL | nix::errno::Errno::ENETDOWN
             ) && shared.port_up.swap(false, Ordering::AcqRel)
             {
                 shared.events.push(AsyncEvent::PortDown);
@@ -475,7 +571,8 @@ fn send_packet(shared: &Shared, peer: SocketAddrV4, s: &TxSlot, qpn: u32) {
 /// The progress thread: receives, runs timers, sleeps in poll(2).
 fn progress(shared: &Arc<Shared>) {
     let mut rx = vec![0u8; RX_BUF];
-    let mut cmsg = nix::cmsg_space!(i32, u8);
+    let mut cmsg = nix::cmsg_space!(i32, u8, i32);
+    let mut touched: Vec<Arc<QpSlot>> = Vec::new();
     let mut slots: Vec<Arc<QpSlot>> = Vec::new();
     let mut uplink_open = shared.uplink.is_some();
     while !shared.stop.load(Ordering::Acquire) {
@@ -552,13 +649,15 @@ fn progress(shared: &Arc<Shared>) {
                 continue;
             }
             while let Some((n, meta)) = recv_datagram(sock, &mut rx, &mut cmsg) {
-                receive(shared, &rx[..n], &meta, shared.ports[i]);
+                receive_datagram(shared, &rx[..n], &meta, shared.ports[i], &mut touched);
             }
         }
         if let (Some(uplink), true) = (&shared.uplink, uplink_open) {
             loop {
                 match super::hostd::recv_forwarded(uplink, &mut rx) {
-                    Ok(Some((n, meta))) => receive(shared, &rx[..n], &meta, shared.local.port()),
+                    Ok(Some((n, meta))) => {
+                        receive_datagram(shared, &rx[..n], &meta, shared.local.port(), &mut touched)
+                    }
                     Ok(None) => break,
                     Err(_) => {
                         // The daemon is gone: nothing reaches the device now.
@@ -602,6 +701,9 @@ pub(crate) struct RxMeta {
     pub from: SocketAddrV4,
     pub ttl: u8,
     pub tos: u8,
+    /// UDP GRO: the datagram is several, each this long (the last may be
+    /// shorter).
+    pub gro_segment: Option<usize>,
 }
 
 /// Receives one datagram from a socket made by [`roce_socket`]; `None` when
@@ -622,21 +724,60 @@ pub(crate) fn recv_datagram(
     )
     .ok()?;
     let from = SocketAddrV4::from(msg.address?);
-    let (mut ttl, mut tos) = (64, 0);
+    let (mut ttl, mut tos, mut gro_segment) = (64, 0, None);
     if let Ok(cmsgs) = msg.cmsgs() {
         for c in cmsgs {
             match c {
                 ControlMessageOwned::Ipv4Ttl(t) => ttl = t as u8,
                 ControlMessageOwned::Ipv4Tos(t) => tos = t,
+                ControlMessageOwned::UdpGroSegments(n) if n > 0 => gro_segment = Some(n as usize),
                 _ => {}
             }
         }
     }
-    Some((msg.bytes, RxMeta { from, ttl, tos }))
+    Some((
+        msg.bytes,
+        RxMeta {
+            from,
+            ttl,
+            tos,
+            gro_segment,
+        },
+    ))
 }
 
-/// One datagram: to its QP, if the ICRC holds.
-fn receive(shared: &Shared, packet: &[u8], rx: &RxMeta, dst_port: u16) {
+/// A datagram (with UDP GRO, several packets of one segment size): each
+/// packet to its QP, then each QP it reached sends what it has (ACKs
+/// coalesce over the datagram).
+fn receive_datagram(
+    shared: &Shared,
+    datagram: &[u8],
+    rx: &RxMeta,
+    dst_port: u16,
+    touched: &mut Vec<Arc<QpSlot>>,
+) {
+    let segment = rx.gro_segment.unwrap_or(datagram.len()).max(1);
+    for (k, packet) in datagram.chunks(segment).enumerate() {
+        if let Some(slot) = receive(shared, packet, rx, dst_port, k)
+            && !touched.iter().any(|t| Arc::ptr_eq(t, &slot))
+        {
+            touched.push(slot);
+        }
+    }
+    for slot in touched.drain(..) {
+        transmit(shared, &slot);
+    }
+}
+
+/// One packet, the `k`th of its datagram: to its QP, if the ICRC holds.
+/// Returns the QP it reached.
+fn receive(
+    shared: &Shared,
+    packet: &[u8],
+    rx: &RxMeta,
+    dst_port: u16,
+    k: usize,
+) -> Option<Arc<QpSlot>> {
     let from = rx.from;
     shared.stats.received.fetch_add(1, Ordering::Relaxed);
     let udp_len = (8 + packet.len()) as u16;
@@ -648,9 +789,17 @@ fn receive(shared: &Shared, packet: &[u8], rx: &RxMeta, dst_port: u16) {
     }
     .header(udp_len);
     let udp = icrc::udp_header(from.port(), dst_port, udp_len);
-    // softrdma peers send IP ID 0; others (rxe) a counting ID that the socket
-    // does not show: then the ID is solved from the ICRC.
-    let ident = if icrc::verify(&ip, &udp, packet).is_ok() {
+    // softrdma peers send IP ID 0, or k for the kth segment of a GSO send
+    // (the kernel numbers segments from 0); others (rxe) a counting ID that
+    // the socket does not show: then the ID is solved from the ICRC.
+    let with_id = |id: u16| {
+        let mut ip = ip;
+        ip[4..6].copy_from_slice(&id.to_be_bytes());
+        icrc::verify(&ip, &udp, packet).is_ok()
+    };
+    let ident = if with_id(k as u16) {
+        Some(k as u16)
+    } else if k != 0 && with_id(0) {
         Some(0)
     } else {
         icrc::solve_ipv4_identification(&ip, &udp, packet)
@@ -669,11 +818,11 @@ fn receive(shared: &Shared, packet: &[u8], rx: &RxMeta, dst_port: u16) {
     }
     let Some(ident) = ident else {
         shared.stats.bad_icrc.fetch_add(1, Ordering::Relaxed);
-        return;
+        return None;
     };
     let Ok(h) = bth::Header::new_checked(packet) else {
         shared.stats.no_qp.fetch_add(1, Ordering::Relaxed);
-        return;
+        return None;
     };
     let Some(slot) = shared
         .qps
@@ -683,14 +832,14 @@ fn receive(shared: &Shared, packet: &[u8], rx: &RxMeta, dst_port: u16) {
         .cloned()
     else {
         shared.stats.no_qp.fetch_add(1, Ordering::Relaxed);
-        return;
+        return None;
     };
     // As rxe: an RC QP takes packets only from its peer's address.
     if let Some(peer) = *slot.peer.lock().expect("peer lock")
         && peer.ip() != from.ip()
     {
         shared.stats.wrong_source.fetch_add(1, Ordering::Relaxed);
-        return;
+        return None;
     }
     let meta = RecvMeta::V4 {
         src: from.ip().octets(),
@@ -708,5 +857,5 @@ fn receive(shared: &Shared, packet: &[u8], rx: &RxMeta, dst_port: u16) {
         drain_completions(&mut qp, &slot, &shared.events, &mut signal);
     }
     signal_cqs(&slot, signal);
-    transmit(shared, &slot);
+    Some(slot)
 }
