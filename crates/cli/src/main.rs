@@ -40,7 +40,7 @@ enum Command {
         /// Local IPv4 address for both endpoints.
         #[arg(long, default_value = "127.0.0.1")]
         addr: std::net::Ipv4Addr,
-        /// Busy-poll in the progress threads instead of sleeping (lower latency, burns CPU).
+        /// Busy-poll: the demo thread spins on completions and receives the devices' packets itself instead of sleeping (lower latency, burns CPU).
         #[arg(long)]
         busy_poll: bool,
     },

@@ -1,6 +1,6 @@
 //! RC over real UDP sockets on loopback: two devices in one process.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use softrdma::cm::{self, ConnInfo, RcOptions};
 use softrdma::verbs::*;
@@ -355,4 +355,117 @@ fn multi_packet_messages_go_out_in_gso_sends_whose_icrcs_hold() {
         max_id >= 10,
         "segments numbered within GSO sends (max ID {max_id})"
     );
+}
+
+/// A connected pair of busy-poll devices, with a long ACK timeout (about
+/// 4 s): what completes sooner was not rescued by a retransmission.
+fn busy_pair() -> (End, End) {
+    let end = |ip: &str| {
+        let ctx = Device::udp(format!("{ip}:0").parse().unwrap())
+            .busy_poll(true)
+            .open()
+            .unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let mr = pd.register(1 << 20, Access::ALL).unwrap();
+        let cq = ctx.create_cq(256).unwrap();
+        let qp = pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
+        let info = ConnInfo::local(&qp, Some(&mr)).unwrap();
+        End {
+            ctx,
+            _pd: pd,
+            mr,
+            cq,
+            qp,
+            info,
+        }
+    };
+    let (a, b) = (end("127.0.0.1"), end("127.0.0.1"));
+    let o = RcOptions {
+        timeout: 20,
+        ..RcOptions::default()
+    };
+    cm::connect(&a.qp, &a.info, &b.info, &o).unwrap();
+    cm::connect(&b.qp, &b.info, &a.info, &o).unwrap();
+    (a, b)
+}
+
+fn write(from: &End, to: &End, wr_id: u64, len: u32) {
+    from.qp
+        .post_send(SendWr::new(
+            wr_id,
+            SendOp::Write {
+                remote_addr: to.info.va,
+                rkey: to.info.rkey,
+            },
+            [from.mr.sge(0, len)],
+        ))
+        .unwrap();
+}
+
+/// Busy-poll mode: the polling threads do the receiving (a ping-pong of
+/// WRITEs, each side spinning on its memory as perftest's write_lat), and a
+/// target whose application never polls is still served by its progress
+/// thread.
+#[test]
+fn busy_poll_pingpong_and_a_target_that_does_not_poll() {
+    let (a, b) = busy_pair();
+    for round in 1..=200u8 {
+        let (from, to) = if round % 2 == 1 { (&a, &b) } else { (&b, &a) };
+        from.mr.write(0, &[round; 8]).unwrap();
+        write(from, to, u64::from(round), 8);
+        let done = Instant::now() + T;
+        while to.mr.read_vec(0, 8).unwrap() != [round; 8] {
+            to.cq.progress();
+            assert!(
+                Instant::now() < done,
+                "round {round}: the WRITE never landed"
+            );
+        }
+        let t0 = Instant::now();
+        let wc = from
+            .cq
+            .wait(T)
+            .unwrap()
+            .unwrap_or_else(|| panic!("round {round}: no completion"));
+        // Not rescued by a retransmission (seconds): the ACK the target
+        // deferred went out with its next WRITE or from its progress thread.
+        assert!(
+            t0.elapsed() < Duration::from_secs(1),
+            "round {round}: {:?}",
+            t0.elapsed()
+        );
+        assert_eq!((wc.wr_id, wc.status), (u64::from(round), WcStatus::Success));
+    }
+    // b's application goes quiet: within the 1 ms standby its progress
+    // thread takes over, and a's WRITE lands and completes (no retransmit:
+    // that would take seconds).
+    std::thread::sleep(Duration::from_millis(20));
+    a.mr.write(0, &[0xAB; 4096]).unwrap();
+    let t = Instant::now();
+    write(&a, &b, 1000, 4096);
+    let wc = a.cq.wait(T).unwrap().expect("a completion");
+    assert_eq!((wc.wr_id, wc.status), (1000, WcStatus::Success));
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    assert_eq!(b.mr.read_vec(0, 4096).unwrap(), vec![0xAB; 4096]);
+}
+
+/// A busy-poll receiver defers its ACK to leave with its next request; if
+/// its application stops polling instead, the progress thread sends the ACK
+/// when it takes the sockets back (within about 1 ms, not at the sender's
+/// seconds-long ACK timeout).
+#[test]
+fn a_deferred_ack_is_sent_when_the_poller_goes_away() {
+    let (a, b) = busy_pair();
+    a.mr.write(0, &[7; 64]).unwrap();
+    let t = Instant::now();
+    write(&a, &b, 1, 64);
+    // b's thread receives the WRITE (its ACK deferred), then stops polling.
+    while b.mr.read_vec(0, 64).unwrap() != [7; 64] {
+        b.cq.progress();
+        assert!(t.elapsed() < T, "the WRITE never landed");
+    }
+    // a waits without polling b: only b's progress thread can answer.
+    let wc = a.cq.wait(T).unwrap().expect("a completion");
+    assert_eq!(wc.status, WcStatus::Success);
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
 }

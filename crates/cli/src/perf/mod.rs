@@ -160,6 +160,11 @@ pub struct PerfArgs {
     /// shm; the exchange still runs on the TCP port).
     #[arg(long, value_enum, default_value_t = ProviderKind::Roce)]
     pub provider: ProviderKind,
+    /// RoCEv2: spin on completions (and target memory) instead of blocking,
+    /// this thread receiving the device's packets itself: perftest's own
+    /// polling, and no thread wake-up per message (a CPU per side).
+    #[arg(long)]
+    pub busy_poll: bool,
 }
 
 /// `--provider`.
@@ -211,6 +216,8 @@ struct Config {
     cm: bool,
     /// Shared memory.
     shm: bool,
+    /// RoCEv2 busy-poll mode.
+    busy_poll: bool,
 }
 
 fn config(a: &PerfArgs) -> Result<Config, String> {
@@ -262,6 +269,13 @@ fn config(a: &PerfArgs) -> Result<Config, String> {
     }
     let rdma_cm = a.rdma_cm || a.provider == ProviderKind::Iwarp;
     let shm = a.provider == ProviderKind::Shm;
+    if a.busy_poll && (rdma_cm || shm) {
+        return Err(
+            " --busy-poll is for RoCEv2 (shm completes on the poster's thread; \
+                    iWARP's receiving stays on its thread)"
+                .into(),
+        );
+    }
     if shm {
         if a.rdma_cm {
             return Err(" --provider shm connects through shared memory, not rdma_cm (-R)".into());
@@ -373,6 +387,7 @@ fn config(a: &PerfArgs) -> Result<Config, String> {
         ud,
         cm: rdma_cm,
         shm,
+        busy_poll: a.busy_poll,
     })
 }
 
@@ -505,7 +520,7 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
         if let Some(p) = &a.pcap {
             dev = dev.pcap(p);
         }
-        dev.open()
+        dev.busy_poll(a.busy_poll).open()
     }
     .map_err(|e| e.to_string())?;
     let port = ctx.query_port();
@@ -1585,7 +1600,11 @@ fn write_lat(s: &Setup, size: u64, clock: Option<Window>) -> Result<Vec<Instant>
                     break;
                 }
                 // perftest spins on the byte; so does this, looking at the
-                // clock and giving the CPU away only now and then.
+                // clock and giving the CPU away only now and then (in
+                // busy-poll mode, receiving the peer's WRITE meanwhile).
+                if s.cfg.busy_poll {
+                    s.scq.progress();
+                }
                 spins += 1;
                 if spins.is_multiple_of(256) {
                     if clock.is_some_and(|c| c.over()) {

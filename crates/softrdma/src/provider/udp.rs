@@ -135,7 +135,17 @@ pub(crate) struct Shared {
     /// When the progress thread will wake by itself (engine time; MAX = never).
     sleep_until: AtomicU64,
     stop: AtomicBool,
+    /// Busy-poll mode: application threads polling the device's CQs receive
+    /// (see [`poll_now`]); the progress thread stands by while they do.
     busy_poll: AtomicBool,
+    /// When an application thread last polled (engine time, ns).
+    app_polled: AtomicU64,
+    /// The progress thread sleeps with the sockets left to a polling
+    /// thread, and wakes within the standby time to take them back.
+    standing_by: AtomicBool,
+    /// Held by whichever thread is receiving from the sockets; holds the
+    /// QPs whose answers a polling thread deferred (see [`poll_now`]).
+    rx_lock: Mutex<Vec<Arc<QpSlot>>>,
     /// Packets of a QP go out in UDP GSO sends (off after the kernel refuses).
     gso: AtomicBool,
 }
@@ -148,6 +158,11 @@ impl Shared {
 
     pub fn now(&self) -> Time {
         Time(self.epoch.elapsed().as_nanos() as u64)
+    }
+
+    /// Whether the device is in busy-poll mode.
+    pub fn busy_poll(&self) -> bool {
+        self.busy_poll.load(Ordering::Relaxed)
     }
 
     fn wake(&self) {
@@ -165,7 +180,96 @@ struct TxSlot {
     ah: Option<AhId>,
 }
 
+/// The BTH opcode of an RC ACKNOWLEDGE.
+const ACK_OPCODE: u8 = 0x11;
+
+/// How long the progress thread leaves the sockets to an application
+/// thread that polled (busy-poll mode): if it stops polling, the progress
+/// thread is receiving again within this time.
+const STANDBY_NS: u64 = 1_000_000;
+
+/// A receiving thread's buffers.
+struct RxBuffers {
+    rx: Vec<u8>,
+    cmsg: Vec<u8>,
+    touched: Vec<Arc<QpSlot>>,
+    polls: u32,
+}
+
+impl RxBuffers {
+    fn new() -> RxBuffers {
+        RxBuffers {
+            rx: vec![0u8; RX_BUF],
+            cmsg: nix::cmsg_space!(i32, u8, i32),
+            touched: Vec::new(),
+            polls: 0,
+        }
+    }
+
+    /// Receives and handles everything waiting on the device's sockets
+    /// (`defer`: see [`receive_datagram`]).
+    fn drain_sockets(&mut self, shared: &Shared, readable: Option<&[bool; SOCKETS]>, defer: bool) {
+        for (i, sock) in shared.sockets.iter().enumerate() {
+            if readable.is_some_and(|r| !r[i]) {
+                continue;
+            }
+            while let Some((n, meta)) = recv_datagram(sock, &mut self.rx, &mut self.cmsg) {
+                receive_datagram(
+                    shared,
+                    &self.rx[..n],
+                    &meta,
+                    shared.ports[i],
+                    &mut self.touched,
+                    defer,
+                );
+            }
+        }
+    }
+}
+
+/// Busy-poll mode: the calling application thread (polling a CQ) receives
+/// what waits on the device's sockets and handles it, so that a ping-pong
+/// takes no thread wake-up (libfabric's manual progress). Returns at once
+/// when another thread is receiving, or outside busy-poll mode.
+pub(crate) fn poll_now(shared: &Shared) {
+    if !shared.busy_poll.load(Ordering::Relaxed) {
+        return;
+    }
+    shared.app_polled.store(shared.now().0, Ordering::Relaxed);
+    let Ok(mut deferred) = shared.rx_lock.try_lock() else {
+        return;
+    };
+    // What the last look received answers now, unless a post sent it
+    // already: deferred so that an answer (an ACK) can leave with the
+    // application's next request in one GSO send.
+    for slot in deferred.drain(..) {
+        transmit(shared, &slot);
+    }
+    APP_RX.with_borrow_mut(|b| {
+        // Peers send to the device's address, the first socket: each look
+        // is one recvmsg there; the others (source ports) every 64th.
+        b.polls = b.polls.wrapping_add(1);
+        let mut which = [false; SOCKETS];
+        which[0] = true;
+        if b.polls.is_multiple_of(64) {
+            which = [true; SOCKETS];
+        }
+        b.drain_sockets(shared, Some(&which), true);
+        deferred.append(&mut b.touched);
+    });
+    let waiting = !deferred.is_empty();
+    drop(deferred);
+    // A progress thread asleep on the sockets would not wake to send what
+    // was deferred if this thread stopped polling: wake it into standby.
+    // (It clears the flag before it takes the deferred list: one of the two
+    // sees the other.)
+    if waiting && !shared.standing_by.load(Ordering::SeqCst) {
+        shared.wake();
+    }
+}
+
 thread_local! {
+    static APP_RX: RefCell<RxBuffers> = RefCell::new(RxBuffers::new());
     static TX: RefCell<Vec<TxSlot>> = RefCell::new(
         (0..BATCH)
             .map(|_| TxSlot {
@@ -258,6 +362,9 @@ impl UdpDevice {
             sleep_until: AtomicU64::new(u64::MAX),
             stop: AtomicBool::new(false),
             busy_poll: AtomicBool::new(busy_poll),
+            app_polled: AtomicU64::new(0),
+            standing_by: AtomicBool::new(false),
+            rx_lock: Mutex::new(Vec::new()),
             gso: AtomicBool::new(offload),
         });
         shared.events.push(AsyncEvent::PortActive);
@@ -286,7 +393,8 @@ impl UdpDevice {
         }
     }
 
-    /// Busy polling on or off (latency against CPU).
+    /// Busy-poll mode on or off: application threads polling CQs receive
+    /// (latency against CPU).
     pub fn set_busy_poll(&self, on: bool) {
         self.shared.busy_poll.store(on, Ordering::Release);
         self.shared.wake();
@@ -379,6 +487,24 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
                     (n, *slot.peer.lock().expect("peer lock"))
                 };
                 signal_cqs(slot, signal);
+                // ACKs (the responder's, a PSN space of their own) after
+                // the requests, so that a request and the ACK it follows
+                // can share a GSO send (the last segment may be shorter).
+                if n > 1 {
+                    let is_ack = |s: &TxSlot| s.ah.is_none() && s.buf[0] == ACK_OPCODE;
+                    if let Some(first) = tx[..n].iter().position(is_ack)
+                        && tx[first..n].iter().any(|s| !is_ack(s))
+                    {
+                        // A stable partition of tx[first..n].
+                        let mut w = first;
+                        for r in first..n {
+                            if !is_ack(&tx[r]) {
+                                tx[w..=r].rotate_right(1);
+                                w += 1;
+                            }
+                        }
+                    }
+                }
                 let mut i = 0;
                 while i < n {
                     let dest = match tx[i].ah {
@@ -570,9 +696,7 @@ fn send_packets(shared: &Shared, peer: SocketAddrV4, tx: &[TxSlot], qpn: u32) {
 
 /// The progress thread: receives, runs timers, sleeps in poll(2).
 fn progress(shared: &Arc<Shared>) {
-    let mut rx = vec![0u8; RX_BUF];
-    let mut cmsg = nix::cmsg_space!(i32, u8, i32);
-    let mut touched: Vec<Arc<QpSlot>> = Vec::new();
+    let mut b = RxBuffers::new();
     let mut slots: Vec<Arc<QpSlot>> = Vec::new();
     let mut uplink_open = shared.uplink.is_some();
     while !shared.stop.load(Ordering::Acquire) {
@@ -614,20 +738,33 @@ fn progress(shared: &Arc<Shared>) {
             }
         }
         shared.sleep_until.store(next, Ordering::SeqCst);
-        // Sleep until a datagram, a wake-up or the next timer.
-        let busy = shared.busy_poll.load(Ordering::Acquire);
-        let timeout = if busy {
-            Some(Duration::ZERO)
-        } else if next == u64::MAX {
-            None
-        } else {
-            Some(Duration::from_nanos(next.saturating_sub(shared.now().0)))
-        };
+        // Sleep until a datagram, a wake-up or the next timer. In busy-poll
+        // mode, while an application thread polls, the sockets are its.
+        let now = shared.now().0;
+        let app_since = shared.app_polled.load(Ordering::Relaxed);
+        let standby =
+            shared.busy_poll.load(Ordering::Relaxed) && now.saturating_sub(app_since) < STANDBY_NS;
+        shared.standing_by.store(standby, Ordering::SeqCst);
+        if !standby && shared.busy_poll.load(Ordering::Relaxed) {
+            // No thread polls (any more): send what one deferred (see
+            // `poll_now`), which woke this thread if it was not standing by.
+            let deferred = std::mem::take(&mut *shared.rx_lock.lock().expect("rx lock"));
+            for slot in &deferred {
+                transmit(shared, slot);
+            }
+        }
+        if standby {
+            next = next.min(app_since + STANDBY_NS);
+            // Waking by then anyway: a post's timer needs no wake-up.
+            shared.sleep_until.store(next, Ordering::SeqCst);
+        }
+        let timeout = (next != u64::MAX).then(|| Duration::from_nanos(next.saturating_sub(now)));
         let ts = timeout.map(|d| rustix::time::Timespec {
             tv_sec: d.as_secs() as i64,
             tv_nsec: i64::from(d.subsec_nanos()),
         });
         let mut fds: [PollFd; SOCKETS + 2] = std::array::from_fn(|i| match i {
+            _ if i < SOCKETS && standby => PollFd::new(&shared.sockets[i], PollFlags::empty()),
             _ if i < SOCKETS => PollFd::new(&shared.sockets[i], PollFlags::IN),
             _ if i == SOCKETS => PollFd::new(&shared.wake, PollFlags::IN),
             _ => match (&shared.uplink, uplink_open) {
@@ -644,20 +781,24 @@ fn progress(shared: &Arc<Shared>) {
         }
         let readable: [bool; SOCKETS] = std::array::from_fn(|i| !fds[i].revents().is_empty());
         // Everything that is there.
-        for (i, sock) in shared.sockets.iter().enumerate() {
-            if !readable[i] {
-                continue;
+        if readable.iter().any(|&r| r) {
+            let mut deferred = shared.rx_lock.lock().expect("rx lock");
+            for slot in deferred.drain(..) {
+                transmit(shared, &slot);
             }
-            while let Some((n, meta)) = recv_datagram(sock, &mut rx, &mut cmsg) {
-                receive_datagram(shared, &rx[..n], &meta, shared.ports[i], &mut touched);
-            }
+            b.drain_sockets(shared, Some(&readable), false);
         }
         if let (Some(uplink), true) = (&shared.uplink, uplink_open) {
             loop {
-                match super::hostd::recv_forwarded(uplink, &mut rx) {
-                    Ok(Some((n, meta))) => {
-                        receive_datagram(shared, &rx[..n], &meta, shared.local.port(), &mut touched)
-                    }
+                match super::hostd::recv_forwarded(uplink, &mut b.rx) {
+                    Ok(Some((n, meta))) => receive_datagram(
+                        shared,
+                        &b.rx[..n],
+                        &meta,
+                        shared.local.port(),
+                        &mut b.touched,
+                        false,
+                    ),
                     Ok(None) => break,
                     Err(_) => {
                         // The daemon is gone: nothing reaches the device now.
@@ -748,13 +889,15 @@ pub(crate) fn recv_datagram(
 
 /// A datagram (with UDP GRO, several packets of one segment size): each
 /// packet to its QP, then each QP it reached sends what it has (ACKs
-/// coalesce over the datagram).
+/// coalesce over the datagram) — unless `defer`, when the QPs are left in
+/// `touched` for the caller to transmit later.
 fn receive_datagram(
     shared: &Shared,
     datagram: &[u8],
     rx: &RxMeta,
     dst_port: u16,
     touched: &mut Vec<Arc<QpSlot>>,
+    defer: bool,
 ) {
     let segment = rx.gro_segment.unwrap_or(datagram.len()).max(1);
     for (k, packet) in datagram.chunks(segment).enumerate() {
@@ -764,8 +907,10 @@ fn receive_datagram(
             touched.push(slot);
         }
     }
-    for slot in touched.drain(..) {
-        transmit(shared, &slot);
+    if !defer {
+        for slot in touched.drain(..) {
+            transmit(shared, &slot);
+        }
     }
 }
 

@@ -106,6 +106,8 @@ impl CqInner {
 #[derive(Debug, Clone)]
 pub struct Cq {
     pub(crate) inner: Arc<CqInner>,
+    /// The RoCEv2 device whose receiving a poll may do (busy-poll mode).
+    driver: Option<std::sync::Weak<crate::provider::udp::Shared>>,
 }
 
 impl Cq {
@@ -116,7 +118,32 @@ impl Cq {
     ) -> std::io::Result<Cq> {
         Ok(Cq {
             inner: Arc::new(CqInner::new(capacity, id, events)?),
+            driver: None,
         })
+    }
+
+    /// A CQ of a RoCEv2 device: in the device's busy-poll mode, polling it
+    /// receives for the device.
+    pub(crate) fn driven_by(mut self, device: &Arc<crate::provider::udp::Shared>) -> Cq {
+        self.driver = Some(Arc::downgrade(device));
+        self
+    }
+
+    /// In busy-poll mode (`Device::busy_poll`), receives and handles what
+    /// waits for the CQ's device on this thread, as every poll of an empty
+    /// CQ does; a thread spinning on memory (a WRITE ping-pong) calls this
+    /// between looks. Otherwise, and on iWARP and shm, does nothing.
+    pub fn progress(&self) {
+        if let Some(d) = self.driver.as_ref().and_then(|d| d.upgrade()) {
+            crate::provider::udp::poll_now(&d);
+        }
+    }
+
+    fn busy(&self) -> bool {
+        self.driver
+            .as_ref()
+            .and_then(|d| d.upgrade())
+            .is_some_and(|d| d.busy_poll())
     }
 
     /// The CQ's number (as async events name it).
@@ -134,6 +161,9 @@ impl Cq {
         if self.inner.overrun.load(Ordering::Acquire) {
             return Err(CqError::Overrun(self.inner.capacity));
         }
+        if self.driver.is_some() && self.is_empty() {
+            self.progress();
+        }
         let mut s = self.inner.state.lock().expect("CQ lock");
         let n = out.len().min(s.queue.len());
         for (slot, wc) in out.iter_mut().zip(s.queue.drain(..n)) {
@@ -147,13 +177,34 @@ impl Cq {
         if self.inner.overrun.load(Ordering::Acquire) {
             return Err(CqError::Overrun(self.inner.capacity));
         }
+        if self.driver.is_some() && self.is_empty() {
+            self.progress();
+        }
         Ok(self.inner.state.lock().expect("CQ lock").queue.pop_front())
     }
 
-    /// Blocks until a completion is there, then takes it; `Ok(None)` after
-    /// `timeout`. No busy polling.
+    fn is_empty(&self) -> bool {
+        self.inner.state.lock().expect("CQ lock").queue.is_empty()
+    }
+
+    /// Waits until a completion is there, then takes it; `Ok(None)` after
+    /// `timeout`. Blocks, except in busy-poll mode, where it polls (and so
+    /// receives for the device) until then.
     pub fn wait(&self, timeout: Duration) -> Result<Option<WorkCompletion>, CqError> {
         let deadline = Instant::now() + timeout;
+        if self.busy() {
+            let mut spins = 0u32;
+            loop {
+                if let Some(wc) = self.poll_one()? {
+                    return Ok(Some(wc));
+                }
+                spins = spins.wrapping_add(1);
+                if spins.is_multiple_of(64) && Instant::now() >= deadline {
+                    return Ok(None);
+                }
+                std::hint::spin_loop();
+            }
+        }
         let mut s = self.inner.state.lock().expect("CQ lock");
         loop {
             if self.inner.overrun.load(Ordering::Acquire) {
