@@ -563,6 +563,17 @@ pub enum QpEngine {
 }
 
 impl QpEngine {
+    /// RC packets sent and not yet acknowledged (0 on UD).
+    pub fn packets_in_flight(&self) -> u32 {
+        match self {
+            QpEngine::Rc(q) => {
+                let (oldest, next) = q.requester_window();
+                next.distance(oldest).max(0) as u32
+            }
+            QpEngine::Ud(_) => 0,
+        }
+    }
+
     /// QP number.
     pub fn qpn(&self) -> u32 {
         match self {

@@ -180,6 +180,10 @@ struct TxSlot {
     ah: Option<AhId>,
 }
 
+/// Packets in flight from which a post leaves transmitting to the thread
+/// that receives the ACKs (the poster transmits while the queue is short).
+const POSTER_LEAVES_AT: u32 = 16;
+
 /// The BTH opcode of an RC ACKNOWLEDGE.
 const ACK_OPCODE: u8 = 0x11;
 
@@ -386,6 +390,12 @@ impl UdpDevice {
     /// Sends what a QP has to send now (after a post), and makes sure the
     /// progress thread wakes for the QP's timers.
     pub fn kick(&self, slot: &QpSlot) {
+        // With this many packets in flight, their ACKs bring a transmit
+        // soon (or their timer does): the new work waits for it, and leaves
+        // with others in GSO sends instead of one datagram per post.
+        if slot.engine.lock().expect("QP lock").packets_in_flight() >= POSTER_LEAVES_AT {
+            return;
+        }
         if let Some(t) = transmit(&self.shared, slot)
             && t.0 < self.shared.sleep_until.load(Ordering::SeqCst)
         {
