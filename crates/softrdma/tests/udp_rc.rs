@@ -469,3 +469,53 @@ fn a_deferred_ack_is_sent_when_the_poller_goes_away() {
     assert_eq!(wc.status, WcStatus::Success);
     assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
 }
+
+/// perftest's write_lat pattern in blocking mode, one thread per side: each
+/// spins on its memory for the peer's WRITE, then posts its own at once —
+/// while its progress thread may still be sending the ACK of what just
+/// landed. A post that lost the transmit hand-off to that thread hung here
+/// (about once in 30 000 rounds before the fix).
+#[test]
+fn write_ping_pong_posts_racing_the_ack_all_leave() {
+    const ROUNDS: u32 = 3_000;
+    let (a, b) = pair();
+    let side = |me: End, peer: ConnInfo, first: bool| {
+        std::thread::spawn(move || {
+            for r in 1..=ROUNDS {
+                let want = (r as u8).to_ne_bytes();
+                if !(first && r == 1) {
+                    let until = Instant::now() + T;
+                    let expect = if first { r - 1 } else { r };
+                    let expect = (expect as u8).to_ne_bytes();
+                    while me.mr.read_vec(64, 1).unwrap() != expect {
+                        assert!(Instant::now() < until, "round {r}: no WRITE from the peer");
+                        std::hint::spin_loop();
+                    }
+                }
+                me.mr.write(0, &want).unwrap();
+                me.qp
+                    .post_send(SendWr::new(
+                        u64::from(r),
+                        SendOp::Write {
+                            remote_addr: peer.va + 64,
+                            rkey: peer.rkey,
+                        },
+                        [me.mr.sge(0, 1)],
+                    ))
+                    .unwrap();
+                let wc = me
+                    .cq
+                    .wait(T)
+                    .unwrap()
+                    .unwrap_or_else(|| panic!("round {r}: the WRITE never completed"));
+                assert_eq!(wc.status, WcStatus::Success);
+            }
+            me
+        })
+    };
+    let (ai, bi) = (a.info, b.info);
+    let ta = side(a, bi, true);
+    let tb = side(b, ai, false);
+    ta.join().unwrap();
+    tb.join().unwrap();
+}

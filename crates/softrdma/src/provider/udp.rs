@@ -466,8 +466,12 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
     // A Dekker-style hand-off between threads: each side stores one flag and
     // then reads the other's, so every access is SeqCst (with acquire/release
     // the final load may be ordered before the store, and a post is lost).
+    // `tx_again` is raised before `tx_busy` is tried: raised after, it could
+    // come just after the holder's last look at it, leaving a posted WR
+    // unsent with nothing in flight to bring a transmit (perf write-lat hung
+    // so, 1 run in 10).
+    slot.tx_again.store(true, Ordering::SeqCst);
     if slot.tx_busy.swap(true, Ordering::SeqCst) {
-        slot.tx_again.store(true, Ordering::SeqCst);
         return None;
     }
     let mut timer = None;
