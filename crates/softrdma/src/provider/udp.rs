@@ -186,6 +186,9 @@ const POSTER_LEAVES_AT: u32 = 16;
 
 /// The BTH opcode of an RC ACKNOWLEDGE.
 const ACK_OPCODE: u8 = 0x11;
+/// RC opcodes a responder sends: READ RESPONSE FIRST..ONLY, ACKNOWLEDGE,
+/// ATOMIC ACKNOWLEDGE.
+const RESPONSE_OPCODES: std::ops::RangeInclusive<u8> = 0x0D..=0x12;
 
 /// How long the progress thread leaves the sockets to an application
 /// thread that polled (busy-poll mode): if it stops polling, the progress
@@ -504,10 +507,14 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
                 // ACKs (the responder's, a PSN space of their own) after
                 // the requests, so that a request and the ACK it follows
                 // can share a GSO send (the last segment may be shorter).
+                // Only past requests: the responder's own packets (READ
+                // responses, atomic ACKs) keep their order with its ACKs.
                 if n > 1 {
                     let is_ack = |s: &TxSlot| s.ah.is_none() && s.buf[0] == ACK_OPCODE;
+                    let is_response = |s: &TxSlot| RESPONSE_OPCODES.contains(&s.buf[0]);
                     if let Some(first) = tx[..n].iter().position(is_ack)
                         && tx[first..n].iter().any(|s| !is_ack(s))
+                        && !tx[first..n].iter().any(|s| !is_ack(s) && is_response(s))
                     {
                         // A stable partition of tx[first..n].
                         let mut w = first;
