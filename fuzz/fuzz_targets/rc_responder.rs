@@ -95,7 +95,7 @@ fuzz_target!(|data: &[u8]| {
             let _ = qp.post_send(SendWr {
                 wr_id: 2,
                 op,
-                sgl: sge(len),
+                sgl: sge(len).into(),
                 flags,
                 ud: None,
                 inline_data: vec![],
