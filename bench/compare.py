@@ -332,11 +332,8 @@ ROWS = ([f"{v} {KIB[s]}" for v in ("WRITE", "READ", "SEND") for s in SIZES]
 
 
 def unit(row):
-    if "latency" in row:
-        return ""
-    if "rate" in row or "CPU" in row:
-        return ""
-    return " (GB/s)"
+    """Bandwidth rows' unit; the others name theirs."""
+    return "" if "latency" in row or "rate" in row or "CPU" in row else " (GB/s)"
 
 
 # ---------------------------------------------------------------- targets

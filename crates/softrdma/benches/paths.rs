@@ -73,13 +73,7 @@ fn iwarp_write_segmentation(b: Bencher, len: usize) {
     let mut mrs = MrTable::new();
     let iova = 0x10_0000_0000;
     mrs.insert(Region::new(1, (0x100, 0x200), mem, 0, 2 << 20, iova, Access::ALL).unwrap());
-    let caps = QpCaps {
-        max_send_wr: 64,
-        max_recv_wr: 64,
-        max_send_sge: 1,
-        max_recv_sge: 1,
-        max_inline_data: 0,
-    };
+    let caps = bench_caps();
     let mut qp = IwarpQp::new(0x11, 1, caps, IwarpConfig::default());
     let mut buf = vec![0u8; MAX_HEADER_LEN + 64];
     let mut pieces = Vec::new();
@@ -133,6 +127,17 @@ fn copy_libc_memcpy<const SKEW: usize>(b: Bencher, len: usize) {
         .bench_local(|| black_box(&mut *dst).copy_from_slice(black_box(&*src)));
 }
 
+/// A QP of 64 WRs each way, one SGE, no inline data.
+fn bench_caps() -> QpCaps {
+    QpCaps {
+        max_send_wr: 64,
+        max_recv_wr: 64,
+        max_send_sge: 1,
+        max_recv_sge: 1,
+        max_inline_data: 0,
+    }
+}
+
 /// Two RC engines (sans I/O) connected back to back, path MTU 4096.
 struct EnginePair {
     qp: [RcQp; 2],
@@ -142,13 +147,7 @@ struct EnginePair {
 const ENGINE_IOVA: u64 = 0x10_0000_0000;
 
 fn engine_pair() -> EnginePair {
-    let caps = QpCaps {
-        max_send_wr: 64,
-        max_recv_wr: 64,
-        max_send_sge: 1,
-        max_recv_sge: 1,
-        max_inline_data: 0,
-    };
+    let caps = bench_caps();
     let mut qp = [RcQp::new(0x11, 1, caps), RcQp::new(0x12, 1, caps)];
     let mrs = [0u32, 1].map(|i| {
         let mem = Arc::new(RegionMemory::zeroed(1 << 20).unwrap());

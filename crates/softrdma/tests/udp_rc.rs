@@ -17,9 +17,11 @@ struct End {
 }
 
 fn end(ip: &str) -> End {
-    let ctx = Device::udp(format!("{ip}:0").parse().unwrap())
-        .open()
-        .unwrap();
+    end_on(Device::udp(format!("{ip}:0").parse().unwrap()))
+}
+
+fn end_on(device: Device) -> End {
+    let ctx = device.open().unwrap();
     let pd = ctx.alloc_pd().unwrap();
     let mr = pd.register(1 << 20, Access::ALL).unwrap();
     let cq = ctx.create_cq(256).unwrap();
@@ -283,25 +285,7 @@ fn an_rc_qp_ignores_packets_from_another_address() {
 #[test]
 fn multi_packet_messages_go_out_in_gso_sends_whose_icrcs_hold() {
     let pcap = std::env::temp_dir().join(format!("softrdma-gso-{}.pcap", std::process::id()));
-    let a = {
-        let ctx = Device::udp("127.0.0.1:0".parse().unwrap())
-            .pcap(&pcap)
-            .open()
-            .unwrap();
-        let pd = ctx.alloc_pd().unwrap();
-        let mr = pd.register(1 << 20, Access::ALL).unwrap();
-        let cq = ctx.create_cq(256).unwrap();
-        let qp = pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
-        let info = ConnInfo::local(&qp, Some(&mr)).unwrap();
-        End {
-            ctx,
-            _pd: pd,
-            mr,
-            cq,
-            qp,
-            info,
-        }
-    };
+    let a = end_on(Device::udp("127.0.0.1:0".parse().unwrap()).pcap(&pcap));
     let b = end("127.0.0.1");
     cm::connect(&a.qp, &a.info, &b.info, &RcOptions::default()).unwrap();
     cm::connect(&b.qp, &b.info, &a.info, &RcOptions::default()).unwrap();
@@ -360,26 +344,8 @@ fn multi_packet_messages_go_out_in_gso_sends_whose_icrcs_hold() {
 /// A connected pair of busy-poll devices, with a long ACK timeout (about
 /// 4 s): what completes sooner was not rescued by a retransmission.
 fn busy_pair() -> (End, End) {
-    let end = |ip: &str| {
-        let ctx = Device::udp(format!("{ip}:0").parse().unwrap())
-            .busy_poll(true)
-            .open()
-            .unwrap();
-        let pd = ctx.alloc_pd().unwrap();
-        let mr = pd.register(1 << 20, Access::ALL).unwrap();
-        let cq = ctx.create_cq(256).unwrap();
-        let qp = pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
-        let info = ConnInfo::local(&qp, Some(&mr)).unwrap();
-        End {
-            ctx,
-            _pd: pd,
-            mr,
-            cq,
-            qp,
-            info,
-        }
-    };
-    let (a, b) = (end("127.0.0.1"), end("127.0.0.1"));
+    let end = || end_on(Device::udp("127.0.0.1:0".parse().unwrap()).busy_poll(true));
+    let (a, b) = (end(), end());
     let o = RcOptions {
         timeout: 20,
         ..RcOptions::default()

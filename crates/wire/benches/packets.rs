@@ -23,13 +23,19 @@ fn ip(len: usize) -> [u8; 20] {
     .header((8 + len) as u16)
 }
 
-fn write_packet(payload_len: usize) -> Vec<u8> {
+/// An RC WRITE ONLY of `payload_len` bytes.
+fn write_repr(payload_len: usize) -> Repr {
     let mut r = Repr::new(Opcode::RC_RDMA_WRITE_ONLY, 0x11, Psn::new(7), payload_len);
     r.reth = Some(reth::Repr {
         va: 0x7f00_0000_1000,
         rkey: 0x1234,
         dma_len: payload_len as u32,
     });
+    r
+}
+
+fn write_packet(payload_len: usize) -> Vec<u8> {
+    let r = write_repr(payload_len);
     let mut buf = vec![0u8; r.buffer_len().unwrap()];
     r.emit(&mut buf, &vec![0x5a; payload_len]).unwrap();
     let n = buf.len();
@@ -40,12 +46,7 @@ fn write_packet(payload_len: usize) -> Vec<u8> {
 #[divan::bench(args = [8, 1024, 4096])]
 fn emit_rc_write_with_icrc(b: Bencher, len: usize) {
     let payload = vec![0x5au8; len];
-    let mut r = Repr::new(Opcode::RC_RDMA_WRITE_ONLY, 0x11, Psn::new(7), len);
-    r.reth = Some(reth::Repr {
-        va: 0x7f00_0000_1000,
-        rkey: 0x1234,
-        dma_len: len as u32,
-    });
+    let r = write_repr(len);
     let mut buf = vec![0u8; r.buffer_len().unwrap()];
     let ip = ip(buf.len());
     b.counter(divan::counter::BytesCount::new(len))

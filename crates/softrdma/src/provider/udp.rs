@@ -26,6 +26,7 @@ use rustix::event::{EventfdFlags, PollFd, PollFlags, eventfd};
 use rustix::net::sockopt;
 use softrdma_wire::bth;
 use softrdma_wire::icrc::{self, Icrc, Ipv4Pseudo};
+use softrdma_wire::opcode::Opcode;
 
 use super::pcap::{PacketMeta, PcapWriter};
 use crate::engine::rc::MAX_HEADER_LEN;
@@ -181,14 +182,10 @@ struct TxSlot {
 }
 
 /// Packets in flight from which a post leaves transmitting to the thread
-/// that receives the ACKs (the poster transmits while the queue is short).
-const POSTER_LEAVES_AT: u32 = 16;
-
-/// The BTH opcode of an RC ACKNOWLEDGE.
-const ACK_OPCODE: u8 = 0x11;
-/// RC opcodes a responder sends: READ RESPONSE FIRST..ONLY, ACKNOWLEDGE,
-/// ATOMIC ACKNOWLEDGE.
-const RESPONSE_OPCODES: std::ops::RangeInclusive<u8> = 0x0D..=0x12;
+/// that receives the ACKs (the poster transmits while the queue is short):
+/// their ACKs bring a transmit soon (or their timer does), and the new work
+/// leaves with others in GSO sends instead of one datagram per post.
+pub(crate) const POSTER_LEAVES_AT: u32 = 16;
 
 /// How long the progress thread leaves the sockets to an application
 /// thread that polled (busy-poll mode): if it stops polling, the progress
@@ -215,9 +212,9 @@ impl RxBuffers {
 
     /// Receives and handles everything waiting on the device's sockets
     /// (`defer`: see [`receive_datagram`]).
-    fn drain_sockets(&mut self, shared: &Shared, readable: Option<&[bool; SOCKETS]>, defer: bool) {
+    fn drain_sockets(&mut self, shared: &Shared, readable: &[bool; SOCKETS], defer: bool) {
         for (i, sock) in shared.sockets.iter().enumerate() {
-            if readable.is_some_and(|r| !r[i]) {
+            if !readable[i] {
                 continue;
             }
             while let Some((n, meta)) = recv_datagram(sock, &mut self.rx, &mut self.cmsg) {
@@ -261,7 +258,7 @@ pub(crate) fn poll_now(shared: &Shared) {
         if b.polls.is_multiple_of(64) {
             which = [true; SOCKETS];
         }
-        b.drain_sockets(shared, Some(&which), true);
+        b.drain_sockets(shared, &which, true);
         deferred.append(&mut b.touched);
     });
     let waiting = !deferred.is_empty();
@@ -393,12 +390,6 @@ impl UdpDevice {
     /// Sends what a QP has to send now (after a post), and makes sure the
     /// progress thread wakes for the QP's timers.
     pub fn kick(&self, slot: &QpSlot) {
-        // With this many packets in flight, their ACKs bring a transmit
-        // soon (or their timer does): the new work waits for it, and leaves
-        // with others in GSO sends instead of one datagram per post.
-        if slot.engine.lock().expect("QP lock").packets_in_flight() >= POSTER_LEAVES_AT {
-            return;
-        }
         if let Some(t) = transmit(&self.shared, slot)
             && t.0 < self.shared.sleep_until.load(Ordering::SeqCst)
         {
@@ -510,11 +501,13 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
                 // Only past requests: the responder's own packets (READ
                 // responses, atomic ACKs) keep their order with its ACKs.
                 if n > 1 {
-                    let is_ack = |s: &TxSlot| s.ah.is_none() && s.buf[0] == ACK_OPCODE;
-                    let is_response = |s: &TxSlot| RESPONSE_OPCODES.contains(&s.buf[0]);
+                    let is_ack =
+                        |s: &TxSlot| s.ah.is_none() && s.buf[0] == Opcode::RC_ACKNOWLEDGE.0;
+                    let is_request =
+                        |s: &TxSlot| Opcode(s.buf[0]).info().is_some_and(|i| i.is_request());
                     if let Some(first) = tx[..n].iter().position(is_ack)
                         && tx[first..n].iter().any(|s| !is_ack(s))
-                        && !tx[first..n].iter().any(|s| !is_ack(s) && is_response(s))
+                        && tx[first..n].iter().all(|s| is_ack(s) || is_request(s))
                     {
                         // A stable partition of tx[first..n].
                         let mut w = first;
@@ -807,7 +800,7 @@ fn progress(shared: &Arc<Shared>) {
             for slot in deferred.drain(..) {
                 transmit(shared, &slot);
             }
-            b.drain_sockets(shared, Some(&readable), false);
+            b.drain_sockets(shared, &readable, false);
         }
         if let (Some(uplink), true) = (&shared.uplink, uplink_open) {
             loop {

@@ -139,11 +139,23 @@ impl Cq {
         }
     }
 
+    /// The CQ's device, if it is in busy-poll mode.
+    fn busy_device(&self) -> Option<Arc<crate::provider::udp::Shared>> {
+        self.driver.as_ref()?.upgrade().filter(|d| d.busy_poll())
+    }
+
     fn busy(&self) -> bool {
-        self.driver
-            .as_ref()
-            .and_then(|d| d.upgrade())
-            .is_some_and(|d| d.busy_poll())
+        self.busy_device().is_some()
+    }
+
+    /// Busy-poll mode: an empty CQ's poll receives for the device first (the
+    /// CQ lock is taken only in that mode).
+    fn poll_device_if_empty(&self) {
+        if let Some(d) = self.busy_device()
+            && self.is_empty()
+        {
+            crate::provider::udp::poll_now(&d);
+        }
     }
 
     /// The CQ's number (as async events name it).
@@ -161,9 +173,7 @@ impl Cq {
         if self.inner.overrun.load(Ordering::Acquire) {
             return Err(CqError::Overrun(self.inner.capacity));
         }
-        if self.driver.is_some() && self.is_empty() {
-            self.progress();
-        }
+        self.poll_device_if_empty();
         let mut s = self.inner.state.lock().expect("CQ lock");
         let n = out.len().min(s.queue.len());
         for (slot, wc) in out.iter_mut().zip(s.queue.drain(..n)) {
@@ -177,9 +187,7 @@ impl Cq {
         if self.inner.overrun.load(Ordering::Acquire) {
             return Err(CqError::Overrun(self.inner.capacity));
         }
-        if self.driver.is_some() && self.is_empty() {
-            self.progress();
-        }
+        self.poll_device_if_empty();
         Ok(self.inner.state.lock().expect("CQ lock").queue.pop_front())
     }
 

@@ -1185,8 +1185,16 @@ impl Qp {
     pub fn post_send(&self, wr: SendWr) -> Result<()> {
         match &self.kind {
             QpKind::Roce(slot) => {
-                slot.engine.lock().expect("QP lock").post_send(wr)?;
-                self.kick(slot);
+                let in_flight = {
+                    let mut qp = slot.engine.lock().expect("QP lock");
+                    qp.post_send(wr)?;
+                    qp.packets_in_flight()
+                };
+                // The poster transmits while the queue is short; beyond that
+                // the thread taking the ACKs sends the new work in batches.
+                if in_flight < crate::provider::udp::POSTER_LEAVES_AT {
+                    self.kick(slot);
+                }
             }
             QpKind::Iwarp(s) => s.post_send(wr)?,
             QpKind::Shm(s) => s.post_send(wr)?,
