@@ -396,9 +396,15 @@ impl Oob {
                 let mut buf = [0u8; 64];
                 while matches!(stream.read(&mut buf), Ok(n) if n > 0) {}
             }
-            // TCP delivers what this side wrote even after it closes (its
-            // last WRITE has completed, so it is in the socket): no need to
-            // stay.
+            // The client's last WRITE answers the server's last, whose
+            // completion the server may not have seen yet: siw fails a WRITE
+            // still in its transmit path with LOC_QP_OP_ERR when the
+            // connection goes (seen once in 130 runs). So the client waits
+            // for the server to disconnect, which flushes the receive posted
+            // here; the server, done last, leaves at once.
+            Link::Cm(c) if self.client => {
+                let _ = c.rcq.wait(limit.min(Duration::from_secs(2)));
+            }
             Link::Cm(_) => {}
         }
     }
