@@ -231,6 +231,51 @@ fn remote_errors_fail_both_qps_and_flush() {
     }
 }
 
+/// A WRITE with immediate takes the target's receive before any byte moves:
+/// when it then fails, that receive completes too (with the remote error,
+/// or flushed when the initiator's own buffer was bad), never lost.
+#[test]
+fn a_failed_write_with_immediate_completes_the_receive_it_took() {
+    for (k, case) in ["rkey", "lkey"].into_iter().enumerate() {
+        let (a, b) = pair(&pid_name(&format!("wimm{k}")));
+        b.qp.post_recv(RecvWr {
+            wr_id: 9,
+            sgl: vec![],
+        })
+        .unwrap();
+        let (rkey, lkey) = match case {
+            "rkey" => (b.mr.rkey() ^ 0x0101, a.mr.lkey()),
+            _ => (b.mr.rkey(), a.mr.lkey() ^ 0x0101),
+        };
+        let mut sge = a.mr.sge(0, 64);
+        sge.lkey = lkey;
+        a.qp.post_send(SendWr::new(
+            1,
+            SendOp::WriteWithImm {
+                remote_addr: b.mr.addr(),
+                rkey,
+                imm: 0x1234,
+            },
+            [sge],
+        ))
+        .unwrap();
+        let (mine, theirs) = match case {
+            "rkey" => (WcStatus::RemAccessErr, WcStatus::RemAccessErr),
+            _ => (WcStatus::LocProtErr, WcStatus::WrFlushErr),
+        };
+        assert_eq!(one(&a.scq).status, mine, "{case}");
+        let wc = one(&b.rcq);
+        assert_eq!((wc.wr_id, wc.status), (9, theirs), "{case}");
+        wait_state(&a.qp, QpState::Err);
+        wait_state(&b.qp, QpState::Err);
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(
+            b.rcq.poll_one().unwrap().is_none(),
+            "{case}: completed once"
+        );
+    }
+}
+
 #[test]
 fn a_send_longer_than_the_receive_fails_both_ends() {
     let (a, b) = pair(&pid_name("long"));

@@ -102,7 +102,7 @@ pub fn lat_row(size: u64, iters: u64, s: &LatStats) -> String {
 }
 
 /// The one-way (or whole, for READ and atomics) times between posts, in µs.
-pub fn post_deltas(posted: &[std::time::Instant], halve: bool) -> Vec<f64> {
+pub fn post_deltas(posted: &[quanta::Instant], halve: bool) -> Vec<f64> {
     posted
         .windows(2)
         .map(|w| {

@@ -11,6 +11,7 @@
 
 mod backing;
 
+use std::borrow::Borrow;
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
@@ -204,15 +205,32 @@ impl Region {
 }
 
 /// A checked range of a region: what an SGE or a remote address resolves to.
+/// It owns a reference to its region (`Segment`), or borrows it from the
+/// table for one operation ([`SegmentRef`]: no reference count touched,
+/// which is most of a lookup's cost on the shared-memory path).
 #[derive(Debug, Clone)]
-pub struct Segment {
-    region: Arc<Region>,
+pub struct Segment<R = Arc<Region>> {
+    region: R,
     /// Offset in the backing memory.
     offset: usize,
     len: usize,
 }
 
+/// A [`Segment`] borrowing its region from an [`MrTable`] (so it lives no
+/// longer than the table's read lock).
+pub type SegmentRef<'a> = Segment<&'a Region>;
+
 impl Segment {
+    /// The region.
+    pub fn region(&self) -> &Arc<Region> {
+        &self.region
+    }
+}
+
+impl<R: Borrow<Region>> Segment<R> {
+    fn memory(&self) -> &RegionMemory {
+        &self.region.borrow().memory
+    }
     /// Bytes in the segment.
     pub fn len(&self) -> usize {
         self.len
@@ -221,12 +239,11 @@ impl Segment {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
-    /// The region.
-    pub fn region(&self) -> &Arc<Region> {
-        &self.region
-    }
     /// A sub-range, `at..at + len` of this segment.
-    pub fn slice(&self, at: usize, len: usize) -> Option<Segment> {
+    pub fn slice(&self, at: usize, len: usize) -> Option<Segment<R>>
+    where
+        R: Clone,
+    {
         let end = at.checked_add(len)?;
         (end <= self.len).then(|| Segment {
             region: self.region.clone(),
@@ -240,7 +257,7 @@ impl Segment {
     /// If the data does not fit: callers size their copies from the segment.
     pub fn write(&self, at: usize, data: &[u8]) {
         assert!(at + data.len() <= self.len, "write past the segment");
-        self.region.memory.write(self.offset + at, data);
+        self.memory().write(self.offset + at, data);
     }
     /// Copies from the segment at `at` into `out`.
     ///
@@ -248,31 +265,33 @@ impl Segment {
     /// If `out` reaches past the segment.
     pub fn read(&self, at: usize, out: &mut [u8]) {
         assert!(at + out.len() <= self.len, "read past the segment");
-        self.region.memory.read(self.offset + at, out);
+        self.memory().read(self.offset + at, out);
     }
     /// Copies `len` bytes from `src` (at `src_at`) into this segment at `at`:
     /// region to region, the one copy of a shared-memory transfer.
     ///
     /// # Panics
     /// If either range reaches past its segment.
-    pub fn copy_from(&self, at: usize, src: &Segment, src_at: usize, len: usize) {
+    pub fn copy_from<S: Borrow<Region>>(
+        &self,
+        at: usize,
+        src: &Segment<S>,
+        src_at: usize,
+        len: usize,
+    ) {
         assert!(at + len <= self.len, "write past the segment");
         assert!(src_at + len <= src.len, "read past the segment");
-        self.region.memory.copy_from(
-            self.offset + at,
-            &src.region.memory,
-            src.offset + src_at,
-            len,
-        );
+        self.memory()
+            .copy_from(self.offset + at, src.memory(), src.offset + src_at, len);
     }
     /// Atomic compare-and-swap of the 8-byte word at the start of the segment
     /// (in host byte order, as rxe and NICs keep it); returns the old value.
     pub fn compare_swap(&self, compare: u64, swap: u64) -> u64 {
-        self.region.memory.compare_swap(self.offset, compare, swap)
+        self.memory().compare_swap(self.offset, compare, swap)
     }
     /// Atomic fetch-and-add of the 8 bytes at the start of the segment; returns the old value.
     pub fn fetch_add(&self, add: u64) -> u64 {
-        self.region.memory.fetch_add(self.offset, add)
+        self.memory().fetch_add(self.offset, add)
     }
     /// Reads from `fd` into the segment at `at`, at most `len` bytes (one
     /// `read(2)`); returns how many came, 0 at end of stream.
@@ -286,7 +305,7 @@ impl Segment {
         fd: std::os::fd::BorrowedFd<'_>,
     ) -> std::io::Result<usize> {
         assert!(at + len <= self.len, "read past the segment");
-        self.region.memory.read_from_fd(self.offset + at, len, fd)
+        self.memory().read_from_fd(self.offset + at, len, fd)
     }
     /// The bytes of the segment for gather I/O.
     ///
@@ -297,7 +316,7 @@ impl Segment {
     pub unsafe fn bytes(&self) -> &[u8] {
         // SAFETY: the range was checked against the region, which keeps the
         // memory alive; the caller takes the aliasing contract above.
-        unsafe { self.region.memory.slice(self.offset, self.len) }
+        unsafe { self.memory().slice(self.offset, self.len) }
     }
 }
 
@@ -406,14 +425,29 @@ impl MrTable {
         len: u32,
         need: Access,
     ) -> Result<Segment, AccessError> {
-        let r = self
-            .regions
-            .get(&lkey)
-            .ok_or(AccessError::UnknownKey(lkey))?;
-        if r.lkey != lkey {
-            return Err(AccessError::WrongKeyKind(lkey));
-        }
-        Self::check(r, pd, lkey, addr, u64::from(len), need)
+        let (r, offset) = self.find(pd, lkey, false, addr, u64::from(len), need)?;
+        Ok(Segment {
+            region: r.clone(),
+            offset,
+            len: len as usize,
+        })
+    }
+
+    /// As [`MrTable::local`], borrowing the region for one operation.
+    pub fn local_ref(
+        &self,
+        pd: PdId,
+        lkey: u32,
+        addr: u64,
+        len: u32,
+        need: Access,
+    ) -> Result<SegmentRef<'_>, AccessError> {
+        let (r, offset) = self.find(pd, lkey, false, addr, u64::from(len), need)?;
+        Ok(Segment {
+            region: &**r,
+            offset,
+            len: len as usize,
+        })
     }
 
     /// Resolves a remote access: `rkey`, `va`, `len`, from a QP in `pd`, needing
@@ -426,24 +460,46 @@ impl MrTable {
         len: u64,
         need: Access,
     ) -> Result<Segment, AccessError> {
-        let r = self
-            .regions
-            .get(&rkey)
-            .ok_or(AccessError::UnknownKey(rkey))?;
-        if r.rkey != rkey {
-            return Err(AccessError::WrongKeyKind(rkey));
-        }
-        Self::check(r, pd, rkey, va, len, need)
+        let (r, offset) = self.find(pd, rkey, true, va, len, need)?;
+        Ok(Segment {
+            region: r.clone(),
+            offset,
+            len: len as usize,
+        })
     }
 
-    fn check(
-        r: &Arc<Region>,
+    /// As [`MrTable::remote`], borrowing the region for one operation.
+    pub fn remote_ref(
+        &self,
+        pd: PdId,
+        rkey: u32,
+        va: u64,
+        len: u64,
+        need: Access,
+    ) -> Result<SegmentRef<'_>, AccessError> {
+        let (r, offset) = self.find(pd, rkey, true, va, len, need)?;
+        Ok(Segment {
+            region: &**r,
+            offset,
+            len: len as usize,
+        })
+    }
+
+    /// The region `key` names (as an rkey if `remote`, else as an lkey) and
+    /// the backing offset of `addr`, once every check passed.
+    fn find(
+        &self,
         pd: PdId,
         key: u32,
+        remote: bool,
         addr: u64,
         len: u64,
         need: Access,
-    ) -> Result<Segment, AccessError> {
+    ) -> Result<(&Arc<Region>, usize), AccessError> {
+        let r = self.regions.get(&key).ok_or(AccessError::UnknownKey(key))?;
+        if (if remote { r.rkey } else { r.lkey }) != key {
+            return Err(AccessError::WrongKeyKind(key));
+        }
         if r.pd != pd {
             return Err(AccessError::WrongPd { key });
         }
@@ -460,11 +516,7 @@ impl MrTable {
         {
             return Err(AccessError::Unaligned(addr));
         }
-        Ok(Segment {
-            region: r.clone(),
-            offset,
-            len: len as usize,
-        })
+        Ok((r, offset))
     }
 }
 

@@ -46,7 +46,9 @@ use crate::engine::rc::QpCaps;
 use crate::engine::{
     PostError, QpState, RecvWr, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
 };
-use crate::memory::{Access, AccessError, MrTable, PdId, Region, RegionMemory, Segment};
+use smallvec::SmallVec;
+
+use crate::memory::{Access, AccessError, MrTable, PdId, Region, RegionMemory, SegmentRef};
 use crate::verbs::cq::CqInner;
 use crate::verbs::events::{AsyncEvent, EventQueue};
 
@@ -537,12 +539,12 @@ impl ShmQp {
         &self,
         wr: &SendWr,
         need: Access,
-        mut f: impl FnMut(&Segment),
+        mut f: impl FnMut(&SegmentRef<'_>),
     ) -> Result<(), WcStatus> {
         let mrs = self.mrs.read().expect("MR table lock");
         for s in &wr.sgl {
             let seg = mrs
-                .local(self.pd, s.lkey, s.addr, s.len, need)
+                .local_ref(self.pd, s.lkey, s.addr, s.len, need)
                 .map_err(|e| match e {
                     AccessError::OutOfBounds { .. } => WcStatus::LocLenErr,
                     _ => WcStatus::LocProtErr,
@@ -552,12 +554,22 @@ impl ShmQp {
         Ok(())
     }
 
-    fn remote(&self, rkey: u32, addr: u64, len: u64, need: Access) -> Result<Segment, WcStatus> {
-        self.peer_regions
-            .read()
-            .expect("peer regions lock")
-            .remote(PEER_PD, rkey, addr, len, need)
-            .map_err(|_| WcStatus::RemAccessErr)
+    /// Runs `f` on the peer's region range `rkey`, `addr`, `len` once its
+    /// rights are checked. The range is borrowed under the peer table's read
+    /// lock, so a deregistration the peer announces waits for `f` to finish.
+    fn with_remote<T>(
+        &self,
+        rkey: u32,
+        addr: u64,
+        len: u64,
+        need: Access,
+        f: impl FnOnce(&SegmentRef<'_>) -> Result<T, WcStatus>,
+    ) -> Result<T, WcStatus> {
+        let peer = self.peer_regions.read().expect("peer regions lock");
+        let seg = peer
+            .remote_ref(PEER_PD, rkey, addr, len, need)
+            .map_err(|_| WcStatus::RemAccessErr)?;
+        f(&seg)
     }
 
     fn execute(&self, wr: &SendWr) -> Outcome {
@@ -592,27 +604,30 @@ impl ShmQp {
                     },
                     None => None,
                 };
-                let dst = match self.remote(rkey, remote_addr, len, Access::REMOTE_WRITE) {
-                    Ok(d) => d,
-                    Err(s) => {
-                        if let Some(t) = taken {
-                            self.put_completion(&t, 0, true, WcStatus::RemAccessErr, imm);
-                        }
-                        return Err(s);
-                    }
-                };
-                self.gather_into(wr, &[dst])?;
+                let moved = self.with_remote(rkey, remote_addr, len, Access::REMOTE_WRITE, |dst| {
+                    self.gather_into(wr, std::slice::from_ref(dst))
+                });
                 if let Some(t) = taken {
-                    self.put_completion(&t, len as u32, true, WcStatus::Success, imm);
+                    // The receive is taken already: it completes either way
+                    // (flushed if this side's own buffers failed, as this QP
+                    // goes to ERR and takes the connection down).
+                    let status = match moved {
+                        Ok(()) => WcStatus::Success,
+                        Err(WcStatus::RemAccessErr) => WcStatus::RemAccessErr,
+                        Err(_) => WcStatus::WrFlushErr,
+                    };
+                    let byte_len = if moved.is_ok() { len as u32 } else { 0 };
+                    self.put_completion(&t, byte_len, true, status, imm);
                 }
-                Ok(Some(()))
+                moved.map(Some)
             }
             SendOp::Read { remote_addr, rkey } => {
-                let src = self.remote(rkey, remote_addr, len, Access::REMOTE_READ)?;
-                let mut at = 0;
-                self.each_local(wr, Access::LOCAL_WRITE, |seg| {
-                    seg.copy_from(0, &src, at, seg.len());
-                    at += seg.len();
+                self.with_remote(rkey, remote_addr, len, Access::REMOTE_READ, |src| {
+                    let mut at = 0;
+                    self.each_local(wr, Access::LOCAL_WRITE, |seg| {
+                        seg.copy_from(0, src, at, seg.len());
+                        at += seg.len();
+                    })
                 })?;
                 Ok(Some(()))
             }
@@ -630,12 +645,16 @@ impl ShmQp {
                 if !remote_addr.is_multiple_of(8) {
                     return Err(WcStatus::RemInvReqErr);
                 }
-                let word = self.remote(rkey, remote_addr, 8, Access::REMOTE_ATOMIC)?;
-                let old = match wr.op {
-                    SendOp::CompareSwap { compare, swap, .. } => word.compare_swap(compare, swap),
-                    SendOp::FetchAdd { add, .. } => word.fetch_add(add),
-                    _ => unreachable!("an atomic"),
-                };
+                let old =
+                    self.with_remote(rkey, remote_addr, 8, Access::REMOTE_ATOMIC, |word| {
+                        Ok(match wr.op {
+                            SendOp::CompareSwap { compare, swap, .. } => {
+                                word.compare_swap(compare, swap)
+                            }
+                            SendOp::FetchAdd { add, .. } => word.fetch_add(add),
+                            _ => unreachable!("an atomic"),
+                        })
+                    })?;
                 self.each_local(wr, Access::LOCAL_WRITE, |seg| {
                     seg.write(0, &old.to_ne_bytes())
                 })?;
@@ -649,42 +668,43 @@ impl ShmQp {
                 let Some(t) = self.take_receive() else {
                     return Ok(None);
                 };
-                let dst = {
+                let moved = {
                     let peer = self.peer_regions.read().expect("peer regions lock");
-                    t.sges()
+                    let dst = t
+                        .sges()
                         .map(|(lkey, addr, len)| {
-                            peer.local(PEER_PD, lkey, addr, len, Access::LOCAL_WRITE)
+                            peer.local_ref(PEER_PD, lkey, addr, len, Access::LOCAL_WRITE)
                         })
-                        .collect::<Result<Vec<_>, _>>()
-                };
-                let dst = match dst {
-                    Ok(d) if d.iter().map(|s| s.len() as u64).sum::<u64>() >= len => d,
-                    Ok(_) => {
-                        self.put_completion(&t, 0, false, WcStatus::LocLenErr, None);
-                        return Err(WcStatus::RemInvReqErr);
-                    }
-                    Err(_) => {
-                        self.put_completion(&t, 0, false, WcStatus::LocProtErr, None);
-                        return Err(WcStatus::RemOpErr);
+                        .collect::<Result<SmallVec<[SegmentRef<'_>; MAX_RECV_SGE]>, _>>();
+                    match dst {
+                        Ok(d) if d.iter().map(|s| s.len() as u64).sum::<u64>() >= len => self
+                            .gather_into(wr, &d)
+                            .map_err(|s| (WcStatus::RemOpErr, s)),
+                        Ok(_) => Err((WcStatus::LocLenErr, WcStatus::RemInvReqErr)),
+                        Err(_) => Err((WcStatus::LocProtErr, WcStatus::RemOpErr)),
                     }
                 };
-                if let Err(s) = self.gather_into(wr, &dst) {
-                    self.put_completion(&t, 0, false, WcStatus::RemOpErr, None);
-                    return Err(s);
+                match moved {
+                    Ok(()) => {
+                        self.put_completion(&t, len as u32, false, WcStatus::Success, imm);
+                        Ok(Some(()))
+                    }
+                    Err((theirs, mine)) => {
+                        self.put_completion(&t, 0, false, theirs, None);
+                        Err(mine)
+                    }
                 }
-                self.put_completion(&t, len as u32, false, WcStatus::Success, imm);
-                Ok(Some(()))
             }
             SendOp::SendWithInv(_) | SendOp::LocalInv(_) => Err(WcStatus::LocQpOpErr),
         }
     }
 
     /// Copies the payload of `wr` (its SGEs or inline bytes) into `dst`.
-    fn gather_into(&self, wr: &SendWr, dst: &[Segment]) -> Result<(), WcStatus> {
+    fn gather_into(&self, wr: &SendWr, dst: &[SegmentRef<'_>]) -> Result<(), WcStatus> {
         let mut d = dst.iter();
         let mut cur = d.next();
         let mut cur_at = 0;
-        let mut put = |src: Option<&Segment>, bytes: &[u8], mut n: usize| {
+        let mut put = |src: Option<&SegmentRef<'_>>, bytes: &[u8], mut n: usize| {
             let mut from = 0;
             while n > 0 {
                 let Some(seg) = cur else { return };
