@@ -309,6 +309,17 @@ impl RegionMemory {
         }
     }
 
+    /// The iovec of `offset..offset + len` for a scatter read into this
+    /// memory (see [`read_vectored_from_fd`](super::read_vectored_from_fd)).
+    pub(super) fn iovec_mut(&self, offset: usize, len: usize) -> libc::iovec {
+        self.check(offset, len);
+        libc::iovec {
+            // SAFETY: in bounds (checked); only a pointer is formed here.
+            iov_base: unsafe { self.ptr.as_ptr().add(offset) }.cast::<libc::c_void>(),
+            iov_len: len,
+        }
+    }
+
     /// A view of `offset..offset + len` for gather I/O.
     ///
     /// # Safety

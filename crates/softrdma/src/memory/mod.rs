@@ -320,6 +320,46 @@ impl<R: Borrow<Region>> Segment<R> {
     }
 }
 
+/// One `readv(2)` from `fd`: into the region ranges `spans` (each a segment
+/// and a range `at..at + len` of it) in order, then into the buffers of
+/// `tail`. Returns how many bytes came (0 at end of stream). How a stream
+/// provider places a payload with no staging buffer and reads the bytes after
+/// it (trailer, next header) in the same system call.
+///
+/// # Panics
+/// If a range reaches past its segment.
+pub fn read_vectored_from_fd<R: Borrow<Region>>(
+    fd: std::os::fd::BorrowedFd<'_>,
+    spans: &[(&Segment<R>, usize, usize)],
+    tail: &mut [&mut [u8]],
+) -> std::io::Result<usize> {
+    use std::os::fd::AsRawFd;
+    let mut iov: smallvec::SmallVec<[libc::iovec; 16]> = smallvec::SmallVec::new();
+    for &(seg, at, len) in spans {
+        assert!(at + len <= seg.len, "read past the segment");
+        if len > 0 {
+            iov.push(seg.memory().iovec_mut(seg.offset + at, len));
+        }
+    }
+    for b in tail.iter_mut().filter(|b| !b.is_empty()) {
+        iov.push(libc::iovec {
+            iov_base: b.as_mut_ptr().cast::<libc::c_void>(),
+            iov_len: b.len(),
+        });
+    }
+    // SAFETY: every iovec points into live memory for its length: region
+    // ranges checked against their segments (the regions outlive this call
+    // through `spans`), and `tail`, borrowed mutably here. The kernel writes
+    // through raw pointers; no Rust reference to region bytes is formed, and
+    // what a concurrent reader sees of them is unspecified, as with DMA.
+    let n = unsafe { libc::readv(fd.as_raw_fd(), iov.as_ptr(), iov.len() as libc::c_int) };
+    if n < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}
+
 /// Keys are random 32-bit numbers: a multiplicative hash spreads them
 /// (SipHash, the default, costs more than the rest of a lookup).
 type KeyHash = std::hash::BuildHasherDefault<KeyHasher>;

@@ -2,8 +2,9 @@
 //!
 //! A receive thread per connection reads each FPDU's length and DDP header,
 //! asks the engine where the payload goes, and reads the payload from the
-//! socket straight into the region; then pad and CRC. A transmit thread per
-//! connection writes FPDUs with gather I/O from the region. Two threads, so
+//! socket straight into the region, with the pad, CRC and the start of the
+//! next FPDU in the same `readv`. A transmit thread per connection writes
+//! FPDUs with gather I/O from the region, many per `writev`. Two threads, so
 //! that receiving never waits for a blocked send: a peer that is itself
 //! blocked sending to us is always drained.
 //!
@@ -21,7 +22,7 @@ use std::thread::JoinHandle;
 use softrdma_wire::ddp;
 use softrdma_wire::mpa::{self, Crc32c};
 
-use crate::engine::iwarp::{IwarpQp, MAX_HEADER_LEN, Placement};
+use crate::engine::iwarp::{IwarpQp, MAX_HEADER_LEN, Placement, Transmit};
 use crate::engine::{CqKind, PostError, QpEvent, RecvWr, SendWr};
 use crate::memory::{MrTable, Segment};
 use crate::verbs::cq::CqInner;
@@ -219,8 +220,7 @@ impl Shared {
 }
 
 fn transmit_loop(s: &Shared) {
-    let mut buf = vec![0u8; MAX_HEADER_LEN + 4096];
-    let mut pieces: Vec<Segment> = Vec::new();
+    let mut batch: Vec<TxFpdu> = (0..TX_BATCH).map(|_| TxFpdu::new()).collect();
     loop {
         {
             let mut p = s.tx_pending.lock().expect("tx lock");
@@ -231,10 +231,10 @@ fn transmit_loop(s: &Shared) {
         }
         if s.closed.load(Ordering::Acquire) {
             // Send a queued Terminate before leaving, if the socket still takes it.
-            let _ = send_all(s, &mut buf, &mut pieces);
+            let _ = send_all(s, &mut batch);
             return;
         }
-        if send_all(s, &mut buf, &mut pieces).is_err() {
+        if send_all(s, &mut batch).is_err() {
             s.lost();
             return;
         }
@@ -246,45 +246,97 @@ fn transmit_loop(s: &Shared) {
     }
 }
 
-/// Sends every FPDU the engine has.
-fn send_all(s: &Shared, buf: &mut [u8], pieces: &mut Vec<Segment>) -> io::Result<()> {
-    loop {
-        let t = {
-            let mrs = s.mrs.read().expect("MR table lock");
-            s.engine
-                .lock()
-                .expect("QP lock")
-                .poll_transmit(&mrs, buf, pieces)
-        };
-        s.drain();
-        let Some(t) = t else { return Ok(()) };
-        let pad = mpa::pad_len(t.ulpdu_len);
-        let mut crc = Crc32c::default();
-        let mut iov = [IoSlice::new(&[]); MAX_PIECES + 2];
-        iov[0] = IoSlice::new(&buf[..t.header_len]);
-        if s.crc {
-            crc.update(&buf[..t.header_len]);
+/// Most FPDUs in one `writev`, and about the most bytes (small messages go
+/// out many per system call; large ones a few FPDUs at a time).
+const TX_BATCH: usize = 16;
+const TX_BATCH_BYTES: usize = 256 << 10;
+
+/// An FPDU being framed: its headers (and inline payload), region pieces,
+/// and pad and CRC.
+struct TxFpdu {
+    buf: Vec<u8>,
+    pieces: Vec<Segment>,
+    trailer: [u8; 7],
+    t: Transmit,
+}
+
+impl TxFpdu {
+    fn new() -> TxFpdu {
+        TxFpdu {
+            buf: vec![0u8; MAX_HEADER_LEN + 4096],
+            pieces: Vec::new(),
+            trailer: [0; 7],
+            t: Transmit {
+                header_len: 0,
+                payload_len: 0,
+                ulpdu_len: 0,
+            },
         }
-        let mut n = 1;
-        for p in pieces.iter().take(MAX_PIECES) {
-            // SAFETY: the bytes go to the kernel now and are not kept; a
-            // concurrent remote write into them makes what is sent
-            // unspecified, as DMA from a changing buffer would on a NIC.
-            let bytes = unsafe { p.bytes() };
-            if s.crc {
-                crc.update(bytes);
+    }
+
+    /// Fills in pad and CRC; returns the trailer's length.
+    fn seal(&mut self, with_crc: bool) -> usize {
+        let pad = mpa::pad_len(self.t.ulpdu_len);
+        self.trailer = [0; 7];
+        if with_crc {
+            let mut crc = Crc32c::default();
+            crc.update(&self.buf[..self.t.header_len]);
+            for p in &self.pieces {
+                // SAFETY: read now, not kept; a concurrent remote write into
+                // these bytes makes what is sent unspecified, as on a NIC.
+                crc.update(unsafe { p.bytes() });
             }
-            iov[n] = IoSlice::new(bytes);
-            n += 1;
+            crc.update(&self.trailer[..pad]);
+            self.trailer[pad..pad + 4].copy_from_slice(&crc.finish().to_le_bytes());
         }
-        let mut trailer = [0u8; 7];
-        if s.crc {
-            crc.update(&trailer[..pad]);
-            trailer[pad..pad + 4].copy_from_slice(&crc.finish().to_le_bytes());
+        pad + mpa::CRC_LEN
+    }
+}
+
+/// Sends every FPDU the engine has, a batch per `writev`. Completions are
+/// handed over only once their bytes are in the socket: the application
+/// may reuse a buffer as soon as it sees its completion.
+fn send_all(s: &Shared, batch: &mut [TxFpdu]) -> io::Result<()> {
+    loop {
+        let mut n = 0;
+        {
+            let mrs = s.mrs.read().expect("MR table lock");
+            let mut qp = s.engine.lock().expect("QP lock");
+            let mut bytes = 0;
+            while n < batch.len() && bytes < TX_BATCH_BYTES {
+                let f = &mut batch[n];
+                let Some(t) = qp.poll_transmit(&mrs, &mut f.buf, &mut f.pieces) else {
+                    break;
+                };
+                f.t = t;
+                bytes += t.ulpdu_len;
+                n += 1;
+            }
         }
-        iov[n] = IoSlice::new(&trailer[..pad + 4]);
-        n += 1;
-        write_all_vectored(&s.stream, &mut iov[..n])?;
+        if n == 0 {
+            s.drain();
+            return Ok(());
+        }
+        let mut trailer_lens = [0usize; TX_BATCH];
+        for (f, len) in batch[..n].iter_mut().zip(trailer_lens.iter_mut()) {
+            *len = f.seal(s.crc);
+        }
+        {
+            let mut iov: smallvec::SmallVec<[IoSlice<'_>; 64]> = smallvec::SmallVec::new();
+            for (f, &len) in batch[..n].iter().zip(trailer_lens.iter()) {
+                iov.push(IoSlice::new(&f.buf[..f.t.header_len]));
+                for p in f.pieces.iter().take(MAX_PIECES) {
+                    // SAFETY: as in `seal`: the kernel copies them in this call.
+                    iov.push(IoSlice::new(unsafe { p.bytes() }));
+                }
+                iov.push(IoSlice::new(&f.trailer[..len]));
+            }
+            write_all_vectored(&s.stream, &mut iov)?;
+        }
+        for f in &mut batch[..n] {
+            f.pieces.clear();
+        }
+        s.drain();
     }
 }
 
@@ -303,8 +355,9 @@ fn write_all_vectored(mut stream: &TcpStream, mut iov: &mut [IoSlice<'_>]) -> io
 fn receive_loop(s: &Shared) {
     let mut control = Vec::new();
     let mut pieces = Vec::new();
+    let mut ahead = Lookahead::default();
     loop {
-        match receive_one(s, &mut control, &mut pieces) {
+        match receive_one(s, &mut control, &mut pieces, &mut ahead) {
             Ok(()) => {}
             Err(_) => {
                 // Closed, reset, or framing the stream cannot recover from.
@@ -320,19 +373,105 @@ fn receive_loop(s: &Shared) {
     }
 }
 
-/// Reads, places and hands one FPDU to the engine.
-fn receive_one(s: &Shared, control: &mut Vec<u8>, pieces: &mut Vec<Segment>) -> io::Result<()> {
-    let mut stream = &s.stream;
-    let mut crc = Crc32c::default();
-    let mut len = [0u8; 2];
-    stream.read_exact(&mut len)?;
-    let ulpdu_len = usize::from(u16::from_be_bytes(len));
-    let mut hdr = [0u8; ddp::UNTAGGED_HEADER_LEN];
-    if ulpdu_len < 2 {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, "FPDU too short"));
+/// The start of the next FPDU, read with the end of the one before: every
+/// FPDU has at least this many bytes before its payload (length field and
+/// tagged DDP header), so a read ahead never takes payload bytes.
+const LOOKAHEAD: usize = mpa::LENGTH_FIELD_LEN + ddp::TAGGED_HEADER_LEN;
+
+/// Bytes of the stream read ahead (`buf[at..len]` not yet used).
+#[derive(Default)]
+struct Lookahead {
+    buf: [u8; LOOKAHEAD],
+    at: usize,
+    len: usize,
+}
+
+impl Lookahead {
+    /// Fills `out` from the bytes read ahead, then from the stream.
+    fn read_exact(&mut self, mut stream: &TcpStream, out: &mut [u8]) -> io::Result<()> {
+        let k = (self.len - self.at).min(out.len());
+        out[..k].copy_from_slice(&self.buf[self.at..self.at + k]);
+        self.at += k;
+        stream.read_exact(&mut out[k..])
     }
-    stream.read_exact(&mut hdr[..2])?;
-    let hlen = if hdr[0] & 0x80 != 0 {
+
+    fn is_empty(&self) -> bool {
+        self.at == self.len
+    }
+}
+
+/// Reads an FPDU's payload straight into `pieces` (or into `control`, which
+/// is not empty when the payload goes there), then its `trailer`, and as
+/// many bytes of the next FPDU as came (at most [`LOOKAHEAD`]): one `readv`
+/// per FPDU when the stream keeps up, instead of one read for each part.
+fn read_rest(
+    stream: &TcpStream,
+    pieces: &[Segment],
+    control: &mut [u8],
+    trailer: &mut [u8],
+    ahead: &mut Lookahead,
+) -> io::Result<()> {
+    // Header reads consume whole read-aheads: a payload never starts in one.
+    debug_assert!(ahead.is_empty());
+    let placed: usize = pieces.iter().map(Segment::len).sum();
+    let want = placed + control.len() + trailer.len();
+    let mut done = 0;
+    while done < want {
+        let mut spans: smallvec::SmallVec<[(&Segment, usize, usize); MAX_PIECES]> =
+            smallvec::SmallVec::new();
+        let mut skip = done;
+        for p in pieces {
+            if skip >= p.len() {
+                skip -= p.len();
+                continue;
+            }
+            spans.push((p, skip, p.len() - skip));
+            skip = 0;
+        }
+        let after = done.saturating_sub(placed);
+        let in_control = after.min(control.len());
+        let in_trailer = after - in_control;
+        let n = crate::memory::read_vectored_from_fd(
+            stream.as_fd(),
+            &spans,
+            &mut [
+                &mut control[in_control..],
+                &mut trailer[in_trailer..],
+                &mut ahead.buf[..],
+            ],
+        );
+        let n = match n {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if done + n > want {
+            *ahead = Lookahead {
+                buf: ahead.buf,
+                at: 0,
+                len: done + n - want,
+            };
+        }
+        done = (done + n).min(want);
+    }
+    Ok(())
+}
+
+/// Reads, places and hands one FPDU to the engine.
+fn receive_one(
+    s: &Shared,
+    control: &mut Vec<u8>,
+    pieces: &mut Vec<Segment>,
+    ahead: &mut Lookahead,
+) -> io::Result<()> {
+    let stream = &s.stream;
+    let mut crc = Crc32c::default();
+    // The length field and the shorter (tagged) header in one read.
+    let mut head = [0u8; mpa::LENGTH_FIELD_LEN + ddp::UNTAGGED_HEADER_LEN];
+    ahead.read_exact(stream, &mut head[..LOOKAHEAD])?;
+    let ulpdu_len = usize::from(u16::from_be_bytes([head[0], head[1]]));
+    let hlen = if head[2] & 0x80 != 0 {
         ddp::TAGGED_HEADER_LEN
     } else {
         ddp::UNTAGGED_HEADER_LEN
@@ -343,32 +482,29 @@ fn receive_one(s: &Shared, control: &mut Vec<u8>, pieces: &mut Vec<Segment>) -> 
             "ULPDU shorter than its DDP header",
         ));
     }
-    stream.read_exact(&mut hdr[2..hlen])?;
+    let head = &mut head[..mpa::LENGTH_FIELD_LEN + hlen];
+    ahead.read_exact(stream, &mut head[LOOKAHEAD..])?;
     if s.crc {
-        crc.update(&len);
-        crc.update(&hdr[..hlen]);
+        crc.update(head);
     }
+    let hdr = &head[mpa::LENGTH_FIELD_LEN..];
     let payload_len = ulpdu_len - hlen;
     let placement = {
         let mrs = s.mrs.read().expect("MR table lock");
         s.engine
             .lock()
             .expect("QP lock")
-            .accept_header(&hdr[..hlen], payload_len, &mrs, pieces)
+            .accept_header(hdr, payload_len, &mrs, pieces)
     };
+    let pad = mpa::pad_len(ulpdu_len);
+    let mut trailer = [0u8; 7];
+    let trailer = &mut trailer[..pad + mpa::CRC_LEN];
     control.clear();
     match placement {
         Placement::Data => {
-            for p in pieces.iter() {
-                let mut at = 0;
-                while at < p.len() {
-                    let n = p.read_from_fd(at, p.len() - at, s.stream.as_fd())?;
-                    if n == 0 {
-                        return Err(io::ErrorKind::UnexpectedEof.into());
-                    }
-                    at += n;
-                }
-                if s.crc {
+            read_rest(stream, pieces, &mut [], trailer, ahead)?;
+            if s.crc {
+                for p in pieces.iter() {
                     // SAFETY: read right after placing, not kept; a concurrent
                     // write by the application makes the CRC fail, as on a NIC.
                     crc.update(unsafe { p.bytes() });
@@ -377,15 +513,12 @@ fn receive_one(s: &Shared, control: &mut Vec<u8>, pieces: &mut Vec<Segment>) -> 
         }
         Placement::Control | Placement::Discard => {
             control.resize(payload_len, 0);
-            stream.read_exact(&mut control[..])?;
+            read_rest(stream, &[], control, trailer, ahead)?;
             if s.crc {
                 crc.update(control);
             }
         }
     }
-    let pad = mpa::pad_len(ulpdu_len);
-    let mut trailer = [0u8; 7];
-    stream.read_exact(&mut trailer[..pad + 4])?;
     let sent = u32::from_le_bytes([
         trailer[pad],
         trailer[pad + 1],

@@ -163,6 +163,140 @@ fn send_write_and_read_over_tcp_with_and_without_crc() {
     }
 }
 
+/// Copies `from` to `to` a few bytes per write (1 to 13, then again), so
+/// that the receiver's reads end anywhere: inside a header, a payload, a
+/// trailer or the bytes read ahead of the next FPDU.
+fn dribble(mut from: TcpStream, mut to: TcpStream) {
+    let _ = to.set_nodelay(true);
+    let mut buf = [0u8; 4096];
+    let mut k = 0usize;
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        let mut at = 0;
+        while at < n {
+            k += 1;
+            let m = (k % 13 + 1).min(n - at);
+            if to.write_all(&buf[at..at + m]).is_err() {
+                return;
+            }
+            at += m;
+        }
+    }
+    let _ = to.shutdown(Shutdown::Write);
+}
+
+/// Two ends connected through MPA, the bytes each way going through
+/// [`dribble`].
+fn dribbled_pair(crc: bool) -> (End, End) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let at = l.local_addr().unwrap();
+    let relay = TcpListener::bind("127.0.0.1:0").unwrap();
+    let relay_at = relay.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let (c, _) = relay.accept().unwrap();
+        let s = TcpStream::connect(at).unwrap();
+        let (c2, s2) = (c.try_clone().unwrap(), s.try_clone().unwrap());
+        std::thread::spawn(move || dribble(c, s));
+        dribble(s2, c2);
+    });
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let out = cm_mpa::accept(&mut s, &MpaConfig::default(), |_| Decision::Accept).unwrap();
+        (s, out)
+    });
+    let mut c = TcpStream::connect(relay_at).unwrap();
+    let cfg = MpaConfig {
+        crc: if crc {
+            cm_mpa::CrcPolicy::Required
+        } else {
+            cm_mpa::CrcPolicy::IfAsked
+        },
+        ..MpaConfig::default()
+    };
+    let co = cm_mpa::connect(&mut c, &cfg).unwrap();
+    let (s, so) = server.join().unwrap();
+    (end(0, c, co.crc), end(1, s, so.crc))
+}
+
+#[test]
+fn fpdus_cut_anywhere_by_the_stream_are_placed_whole() {
+    for crc in [false, true] {
+        let (a, b) = dribbled_pair(crc);
+        let data = pattern(100_000, 5);
+        a.mem.write(0, &data);
+        // Small SENDs (untagged) and WRITEs (tagged) in turn, then a large
+        // WRITE and a READ of it back (Read Request, then responses).
+        for k in 0..20u32 {
+            b.qp.post_recv(RecvWr {
+                wr_id: u64::from(k),
+                sgl: vec![sge(&b, 3_000_000 + 64 * u64::from(k), 64)],
+            })
+            .unwrap();
+        }
+        let mut id = 0;
+        for k in 0..20u32 {
+            id += 1;
+            a.qp.post_send(SendWr::new(id, SendOp::Send, vec![sge(&a, 0, k + 1)]))
+                .unwrap();
+            id += 1;
+            a.qp.post_send(SendWr::new(
+                id,
+                SendOp::Write {
+                    remote_addr: b.iova + 2_000_000 + 64 * u64::from(k),
+                    rkey: b.rkey,
+                },
+                vec![sge(&a, 0, 2 * k + 1)],
+            ))
+            .unwrap();
+        }
+        for (op, wr) in [
+            (
+                SendOp::Write {
+                    remote_addr: b.iova + 1_000_000,
+                    rkey: b.rkey,
+                },
+                sge(&a, 0, 100_000),
+            ),
+            (
+                SendOp::Read {
+                    remote_addr: b.iova + 1_000_000,
+                    rkey: b.rkey,
+                },
+                sge(&a, 500_000, 100_000),
+            ),
+        ] {
+            id += 1;
+            a.qp.post_send(SendWr::new(id, op, vec![wr])).unwrap();
+        }
+        for k in 1..=id {
+            let wc = one(&a.scq);
+            assert_eq!((wc.wr_id, wc.status), (k, WcStatus::Success), "crc {crc}");
+        }
+        for k in 0..20u32 {
+            let wc = one(&b.rcq);
+            assert_eq!(
+                (wc.wr_id, wc.status, wc.byte_len),
+                (u64::from(k), WcStatus::Success, k + 1),
+                "crc {crc}"
+            );
+            let mut got = vec![0u8; k as usize + 1];
+            b.mem.read(3_000_000 + 64 * k as usize, &mut got);
+            assert_eq!(got, data[..got.len()], "SEND {k}");
+            let mut got = vec![0u8; 2 * k as usize + 1];
+            b.mem.read(2_000_000 + 64 * k as usize, &mut got);
+            assert_eq!(got, data[..got.len()], "WRITE {k}");
+        }
+        let mut got = vec![0u8; 100_000];
+        b.mem.read(1_000_000, &mut got);
+        assert_eq!(got, data, "large WRITE, crc {crc}");
+        a.mem.read(500_000, &mut got);
+        assert_eq!(got, data, "READ, crc {crc}");
+    }
+}
+
 #[test]
 fn a_bad_stag_is_terminated_and_the_connection_closes() {
     let (a, b) = pair(false);
