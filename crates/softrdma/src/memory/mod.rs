@@ -228,6 +228,13 @@ impl Segment {
 }
 
 impl<R: Borrow<Region>> Segment<R> {
+    fn at(region: R, offset: usize, len: usize) -> Segment<R> {
+        Segment {
+            region,
+            offset,
+            len,
+        }
+    }
     fn memory(&self) -> &RegionMemory {
         &self.region.borrow().memory
     }
@@ -466,11 +473,7 @@ impl MrTable {
         need: Access,
     ) -> Result<Segment, AccessError> {
         let (r, offset) = self.find(pd, lkey, false, addr, u64::from(len), need)?;
-        Ok(Segment {
-            region: r.clone(),
-            offset,
-            len: len as usize,
-        })
+        Ok(Segment::at(r.clone(), offset, len as usize))
     }
 
     /// As [`MrTable::local`], borrowing the region for one operation.
@@ -483,11 +486,7 @@ impl MrTable {
         need: Access,
     ) -> Result<SegmentRef<'_>, AccessError> {
         let (r, offset) = self.find(pd, lkey, false, addr, u64::from(len), need)?;
-        Ok(Segment {
-            region: &**r,
-            offset,
-            len: len as usize,
-        })
+        Ok(Segment::at(&**r, offset, len as usize))
     }
 
     /// Resolves a remote access: `rkey`, `va`, `len`, from a QP in `pd`, needing
@@ -501,11 +500,7 @@ impl MrTable {
         need: Access,
     ) -> Result<Segment, AccessError> {
         let (r, offset) = self.find(pd, rkey, true, va, len, need)?;
-        Ok(Segment {
-            region: r.clone(),
-            offset,
-            len: len as usize,
-        })
+        Ok(Segment::at(r.clone(), offset, len as usize))
     }
 
     /// As [`MrTable::remote`], borrowing the region for one operation.
@@ -518,11 +513,7 @@ impl MrTable {
         need: Access,
     ) -> Result<SegmentRef<'_>, AccessError> {
         let (r, offset) = self.find(pd, rkey, true, va, len, need)?;
-        Ok(Segment {
-            region: &**r,
-            offset,
-            len: len as usize,
-        })
+        Ok(Segment::at(&**r, offset, len as usize))
     }
 
     /// The region `key` names (as an rkey if `remote`, else as an lkey) and

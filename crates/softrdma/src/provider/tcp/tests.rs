@@ -73,8 +73,26 @@ fn end(i: u32, stream: TcpStream, crc: bool) -> End {
 
 /// Two ends connected through MPA on loopback.
 fn pair(crc: bool) -> (End, End) {
+    connected(crc, false)
+}
+
+/// Two ends connected through MPA, the bytes each way going through
+/// [`dribble`] if `dribbled`.
+fn connected(crc: bool, dribbled: bool) -> (End, End) {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let at = l.local_addr().unwrap();
+    let mut at = l.local_addr().unwrap();
+    if dribbled {
+        let relay = TcpListener::bind("127.0.0.1:0").unwrap();
+        let server_at = at;
+        at = relay.local_addr().unwrap();
+        std::thread::spawn(move || {
+            let (c, _) = relay.accept().unwrap();
+            let s = TcpStream::connect(server_at).unwrap();
+            let (c2, s2) = (c.try_clone().unwrap(), s.try_clone().unwrap());
+            std::thread::spawn(move || dribble(c, s));
+            dribble(s2, c2);
+        });
+    }
     let server = std::thread::spawn(move || {
         let (mut s, _) = l.accept().unwrap();
         let out = cm_mpa::accept(&mut s, &MpaConfig::default(), |_| Decision::Accept).unwrap();
@@ -188,43 +206,10 @@ fn dribble(mut from: TcpStream, mut to: TcpStream) {
     let _ = to.shutdown(Shutdown::Write);
 }
 
-/// Two ends connected through MPA, the bytes each way going through
-/// [`dribble`].
-fn dribbled_pair(crc: bool) -> (End, End) {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let at = l.local_addr().unwrap();
-    let relay = TcpListener::bind("127.0.0.1:0").unwrap();
-    let relay_at = relay.local_addr().unwrap();
-    std::thread::spawn(move || {
-        let (c, _) = relay.accept().unwrap();
-        let s = TcpStream::connect(at).unwrap();
-        let (c2, s2) = (c.try_clone().unwrap(), s.try_clone().unwrap());
-        std::thread::spawn(move || dribble(c, s));
-        dribble(s2, c2);
-    });
-    let server = std::thread::spawn(move || {
-        let (mut s, _) = l.accept().unwrap();
-        let out = cm_mpa::accept(&mut s, &MpaConfig::default(), |_| Decision::Accept).unwrap();
-        (s, out)
-    });
-    let mut c = TcpStream::connect(relay_at).unwrap();
-    let cfg = MpaConfig {
-        crc: if crc {
-            cm_mpa::CrcPolicy::Required
-        } else {
-            cm_mpa::CrcPolicy::IfAsked
-        },
-        ..MpaConfig::default()
-    };
-    let co = cm_mpa::connect(&mut c, &cfg).unwrap();
-    let (s, so) = server.join().unwrap();
-    (end(0, c, co.crc), end(1, s, so.crc))
-}
-
 #[test]
 fn fpdus_cut_anywhere_by_the_stream_are_placed_whole() {
     for crc in [false, true] {
-        let (a, b) = dribbled_pair(crc);
+        let (a, b) = connected(crc, true);
         let data = pattern(100_000, 5);
         a.mem.write(0, &data);
         // Small SENDs (untagged) and WRITEs (tagged) in turn, then a large
