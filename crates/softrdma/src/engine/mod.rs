@@ -664,6 +664,13 @@ impl QpEngine {
             QpEngine::Ud(q) => q.poll_completion(),
         }
     }
+    /// What `poll_transmit` gave is in the socket (UD send completions wait
+    /// for this; RC ones for the peer's ACK).
+    pub fn transmitted(&mut self) {
+        if let QpEngine::Ud(q) = self {
+            q.transmitted();
+        }
+    }
     /// The next asynchronous event.
     pub fn poll_event(&mut self) -> Option<QpEvent> {
         match self {

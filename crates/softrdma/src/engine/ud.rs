@@ -98,7 +98,11 @@ pub struct UdQp {
     psn: Psn,
     sq: VecDeque<UdWqe>,
     rq: VecDeque<RecvWr>,
-    completions: VecDeque<(CqKind, WorkCompletion)>,
+    /// Completions in order; `true` marks a send's, held until the
+    /// provider says its datagram is in the socket ([`UdQp::transmitted`]).
+    completions: VecDeque<(CqKind, WorkCompletion, bool)>,
+    /// How many completions are held.
+    held: usize,
     stats: UdStats,
     srq: Option<Arc<Mutex<Srq>>>,
     events: VecDeque<QpEvent>,
@@ -118,6 +122,7 @@ impl UdQp {
             sq: VecDeque::new(),
             rq: VecDeque::new(),
             completions: VecDeque::new(),
+            held: 0,
             stats: UdStats::default(),
             srq: None,
             events: VecDeque::new(),
@@ -212,14 +217,14 @@ impl UdQp {
         self.flush_sq();
         while let Some(r) = self.rq.pop_front() {
             let wc = self.wc(r.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv);
-            self.completions.push_back((CqKind::Recv, wc));
+            self.completions.push_back((CqKind::Recv, wc, false));
         }
     }
 
     fn flush_sq(&mut self) {
         while let Some(w) = self.sq.pop_front() {
             let wc = self.wc(w.wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Send);
-            self.completions.push_back((CqKind::Send, wc));
+            self.completions.push_back((CqKind::Send, wc, false));
         }
     }
 
@@ -264,7 +269,7 @@ impl UdQp {
         }
         if matches!(self.state, QpState::Err | QpState::Sqe) {
             let wc = self.wc(wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Send);
-            self.completions.push_back((CqKind::Send, wc));
+            self.completions.push_back((CqKind::Send, wc, false));
             return Ok(());
         }
         self.sq.push_back(UdWqe { wr, len });
@@ -282,7 +287,7 @@ impl UdQp {
         )?;
         if self.state == QpState::Err {
             let wc = self.wc(wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv);
-            self.completions.push_back((CqKind::Recv, wc));
+            self.completions.push_back((CqKind::Recv, wc, false));
             return Ok(());
         }
         self.rq.push_back(wr);
@@ -311,7 +316,7 @@ impl UdQp {
                         pieces.clear();
                         // A send error moves a UD QP to SQE; the rest is flushed.
                         let wc = self.wc(w.wr.wr_id, WcStatus::LocProtErr, WcOpcode::Send);
-                        self.completions.push_back((CqKind::Send, wc));
+                        self.completions.push_back((CqKind::Send, wc, false));
                         self.state = QpState::Sqe;
                         self.flush_sq();
                         return None;
@@ -344,9 +349,12 @@ impl UdQp {
         }
         self.stats.sent += 1;
         if w.wr.flags.signaled {
-            // A UD send is complete once it is on the wire.
+            // A UD send is complete once it is on the wire: held until the
+            // provider has handed the datagram to the kernel, so that the
+            // application cannot reuse the buffer before its bytes are copied.
             let wc = self.wc(w.wr.wr_id, WcStatus::Success, WcOpcode::Send);
-            self.completions.push_back((CqKind::Send, wc));
+            self.completions.push_back((CqKind::Send, wc, true));
+            self.held += 1;
         }
         Some((
             Transmit {
@@ -401,7 +409,7 @@ impl UdQp {
                 }
                 Err(_) => {
                     let wc = self.wc(wqe.wr_id, WcStatus::LocProtErr, WcOpcode::Recv);
-                    self.completions.push_back((CqKind::Recv, wc));
+                    self.completions.push_back((CqKind::Recv, wc, false));
                     self.enter_error(true);
                     return;
                 }
@@ -413,7 +421,7 @@ impl UdQp {
         if total > room {
             // Too big for the buffer: this receive fails, the QP goes on.
             wc.status = WcStatus::LocLenErr;
-            self.completions.push_back((CqKind::Recv, wc));
+            self.completions.push_back((CqKind::Recv, wc, false));
             return;
         }
         let mut area = [0u8; grh::HEADER_LEN];
@@ -427,12 +435,33 @@ impl UdQp {
         wc.grh = true;
         wc.solicited = p.bth().solicited();
         self.stats.received += 1;
-        self.completions.push_back((CqKind::Recv, wc));
+        self.completions.push_back((CqKind::Recv, wc, false));
     }
 
-    /// The next work completion.
+    /// The next work completion: receives' in their order, sends' in theirs,
+    /// none past a send completion still held.
     pub fn poll_completion(&mut self) -> Option<(CqKind, WorkCompletion)> {
-        self.completions.pop_front()
+        let at = if self.held == 0 {
+            0
+        } else {
+            let mut sends_held = false;
+            self.completions.iter().position(|&(kind, _, held)| {
+                sends_held |= held;
+                kind == CqKind::Recv || !sends_held
+            })?
+        };
+        self.completions.remove(at).map(|(kind, wc, _)| (kind, wc))
+    }
+
+    /// The datagrams [`UdQp::poll_transmit`] gave are in the socket: their
+    /// completions may go to the application.
+    pub fn transmitted(&mut self) {
+        if self.held > 0 {
+            for c in &mut self.completions {
+                c.2 = false;
+            }
+            self.held = 0;
+        }
     }
 }
 

@@ -540,6 +540,18 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
                     send_packets(shared, d, &tx[i..i + k], slot.qpn);
                     i += k;
                 }
+                // UD send completions wait for their datagrams to be in the
+                // socket (the application may reuse a buffer once it sees
+                // its completion).
+                if tx[..n].iter().any(|s| s.ah.is_some()) {
+                    let mut signal = [false; 2];
+                    {
+                        let mut qp = slot.engine.lock().expect("QP lock");
+                        qp.transmitted();
+                        drain_completions(&mut qp, slot, &shared.events, &mut signal);
+                    }
+                    signal_cqs(slot, signal);
+                }
                 for s in &mut tx[..n] {
                     s.pieces.clear();
                 }

@@ -110,6 +110,7 @@ fn deliver(from: &mut Node, to: &mut Node) -> Vec<AhId> {
             s.read(0, &mut pkt[at..]);
         }
         pkt.resize(pkt.len() + usize::from(t.pad) + 4, 0);
+        from.qp.transmitted();
         to.qp.handle_packet(&pkt, &META, &to.mrs);
         ahs.push(ah);
     }
@@ -170,6 +171,36 @@ fn datagram_with_grh_and_immediate() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+/// A send's completion waits until the provider says the datagram is in the
+/// socket; receive completions and earlier ones do not wait for it.
+#[test]
+fn a_send_completes_only_once_transmitted() {
+    let (mut a, mut b) = (node(0x20, QKEY), node(0x21, QKEY));
+    a.qp.post_recv(RecvWr {
+        wr_id: 7,
+        sgl: vec![a.sge(1000, 40 + 64)],
+    })
+    .unwrap();
+    b.qp.post_send(SendWr::new(3, SendOp::Send, vec![b.sge(0, 5)]).to(dest(1, 0x20, QKEY)))
+        .unwrap();
+    a.qp.post_send(SendWr::new(1, SendOp::Send, vec![a.sge(0, 5)]).to(dest(9, 0x21, QKEY)))
+        .unwrap();
+    let (mut buf, mut pieces) = (vec![0u8; 64 + 4096], vec![]);
+    assert!(a.qp.poll_transmit(&a.mrs, &mut buf, &mut pieces).is_some());
+    assert_eq!(a.qp.poll_completion(), None, "held until transmitted");
+    // A receive completing meanwhile is not held behind it.
+    deliver(&mut b, &mut a);
+    let (k, wc) = a.qp.poll_completion().unwrap();
+    assert_eq!((k, wc.wr_id), (CqKind::Recv, 7));
+    assert_eq!(a.qp.poll_completion(), None);
+    a.qp.transmitted();
+    let (k, wc) = a.qp.poll_completion().unwrap();
+    assert_eq!(
+        (k, wc.wr_id, wc.status),
+        (CqKind::Send, 1, WcStatus::Success)
+    );
 }
 
 #[test]
