@@ -96,6 +96,7 @@ fn iwarp_write_segmentation(b: Bencher, len: usize) {
             while qp.poll_transmit(&mrs, &mut buf, &mut pieces).is_some() {
                 fpdus += 1;
             }
+            qp.transmitted();
             while qp.poll_completion().is_some() {}
             black_box(fpdus)
         });

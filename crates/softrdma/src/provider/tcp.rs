@@ -293,9 +293,9 @@ impl TxFpdu {
     }
 }
 
-/// Sends every FPDU the engine has, a batch per `writev`. Completions are
-/// handed over only once their bytes are in the socket: the application
-/// may reuse a buffer as soon as it sees its completion.
+/// Sends every FPDU the engine has, a batch per `writev`. The engine
+/// completes a SEND or WRITE only once told its bytes are in the socket: the
+/// application may reuse a buffer as soon as it sees its completion.
 fn send_all(s: &Shared, batch: &mut [TxFpdu]) -> io::Result<()> {
     loop {
         let mut n = 0;
@@ -317,6 +317,8 @@ fn send_all(s: &Shared, batch: &mut [TxFpdu]) -> io::Result<()> {
             s.drain();
             return Ok(());
         }
+        // (A failed write leaves this batch unconfirmed: the connection is
+        // lost and the engine flushes them.)
         let mut trailer_lens = [0usize; TX_BATCH];
         for (f, len) in batch[..n].iter_mut().zip(trailer_lens.iter_mut()) {
             *len = f.seal(s.crc);
@@ -336,6 +338,7 @@ fn send_all(s: &Shared, batch: &mut [TxFpdu]) -> io::Result<()> {
         for f in &mut batch[..n] {
             f.pieces.clear();
         }
+        s.engine.lock().expect("QP lock").transmitted();
         s.drain();
     }
 }

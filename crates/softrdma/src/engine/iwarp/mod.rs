@@ -227,6 +227,8 @@ pub struct IwarpQp {
     state: State,
     next_seq: u64,
     pending: VecDeque<Pending>,
+    /// WQEs whose last FPDU went to the provider, not yet confirmed sent.
+    unconfirmed: Vec<u64>,
     sq: VecDeque<SqEntry>,
     reads_out: VecDeque<OutRead>,
     irq: VecDeque<InRead>,
@@ -278,6 +280,7 @@ impl IwarpQp {
             state: State::Rts,
             next_seq: 0,
             pending: VecDeque::new(),
+            unconfirmed: Vec::new(),
             sq: VecDeque::new(),
             reads_out: VecDeque::new(),
             irq: VecDeque::new(),
@@ -807,7 +810,17 @@ impl IwarpQp {
     fn after_segment(&mut self, last: bool) {
         if last {
             let e = self.sq.pop_front().expect("front");
-            self.complete(e.seq, WcStatus::Success);
+            // Complete once the provider has the bytes in the socket.
+            self.unconfirmed.push(e.seq);
+        }
+    }
+
+    /// Everything [`IwarpQp::poll_transmit`] gave is in the socket: the SENDs
+    /// and WRITEs it finished complete (until then their buffers may still be
+    /// read; if the connection fails first, they are flushed).
+    pub fn transmitted(&mut self) {
+        for seq in std::mem::take(&mut self.unconfirmed) {
+            self.complete(seq, WcStatus::Success);
         }
     }
 

@@ -95,6 +95,7 @@ impl Pair {
             };
             self.wire[i].extend_from_slice(&crc.to_le_bytes());
         }
+        s.qp.transmitted();
         while let Some(c) = s.qp.poll_completion() {
             s.wcs.push(c);
         }
@@ -461,6 +462,45 @@ fn a_crc_error_ends_the_connection() {
     p.receive(0);
     assert_eq!(p.s[1].qp.state(), QpState::Err);
     assert_eq!(p.statuses(1, CqKind::Recv), [(9, WcStatus::WrFlushErr)]);
+}
+
+/// A WRITE completes only once the provider says its FPDUs are in the
+/// socket; a connection lost before that flushes it instead.
+#[test]
+fn a_write_completes_once_transmitted_and_is_flushed_if_the_connection_goes_first() {
+    for lost_first in [false, true] {
+        let mut p = Pair::new();
+        p.post(
+            0,
+            SendWr::new(
+                4,
+                SendOp::Write {
+                    remote_addr: IOVA[1],
+                    rkey: RKEY[1],
+                },
+                vec![sge(0, 0, 64)],
+            ),
+        );
+        let q = &mut p.s[0].qp;
+        let (mut buf, mut pieces) = (vec![0u8; MAX_HEADER_LEN], Vec::new());
+        assert!(
+            q.poll_transmit(&p.s[0].mrs, &mut buf, &mut pieces)
+                .is_some()
+        );
+        assert!(q.poll_completion().is_none(), "not before it is sent");
+        if lost_first {
+            q.connection_lost();
+        }
+        q.transmitted();
+        let (k, wc) = q.poll_completion().expect("a completion");
+        let want = if lost_first {
+            WcStatus::WrFlushErr
+        } else {
+            WcStatus::Success
+        };
+        assert_eq!((k, wc.wr_id, wc.status), (CqKind::Send, 4, want));
+        assert!(q.poll_completion().is_none(), "completed once");
+    }
 }
 
 #[test]
