@@ -279,36 +279,6 @@ impl RegionMemory {
         self.word(offset).fetch_add(add, Ordering::SeqCst)
     }
 
-    /// Reads from `fd` straight into `offset..offset + len` (one `read(2)`;
-    /// returns how many bytes came, 0 at end of stream): how a stream
-    /// provider places a payload with no staging buffer.
-    pub fn read_from_fd(
-        &self,
-        offset: usize,
-        len: usize,
-        fd: std::os::fd::BorrowedFd<'_>,
-    ) -> std::io::Result<usize> {
-        use std::os::fd::AsRawFd;
-        self.check(offset, len);
-        // SAFETY: the range is inside the allocation (checked) and stays alive
-        // for `&self`. The kernel writes through the raw pointer and no Rust
-        // reference to the bytes is formed; concurrent accesses to region
-        // memory go through raw pointers and atomics, and what a reader sees
-        // of bytes being written is unspecified, as with DMA on hardware.
-        let n = unsafe {
-            libc::read(
-                fd.as_raw_fd(),
-                self.ptr.as_ptr().add(offset).cast::<libc::c_void>(),
-                len,
-            )
-        };
-        if n < 0 {
-            Err(std::io::Error::last_os_error())
-        } else {
-            Ok(n as usize)
-        }
-    }
-
     /// The iovec of `offset..offset + len` for a scatter read into this
     /// memory (see [`read_vectored_from_fd`](super::read_vectored_from_fd)).
     pub(super) fn iovec_mut(&self, offset: usize, len: usize) -> libc::iovec {

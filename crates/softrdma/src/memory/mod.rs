@@ -300,20 +300,6 @@ impl<R: Borrow<Region>> Segment<R> {
     pub fn fetch_add(&self, add: u64) -> u64 {
         self.memory().fetch_add(self.offset, add)
     }
-    /// Reads from `fd` into the segment at `at`, at most `len` bytes (one
-    /// `read(2)`); returns how many came, 0 at end of stream.
-    ///
-    /// # Panics
-    /// If the range reaches past the segment.
-    pub fn read_from_fd(
-        &self,
-        at: usize,
-        len: usize,
-        fd: std::os::fd::BorrowedFd<'_>,
-    ) -> std::io::Result<usize> {
-        assert!(at + len <= self.len, "read past the segment");
-        self.memory().read_from_fd(self.offset + at, len, fd)
-    }
     /// The bytes of the segment for gather I/O.
     ///
     /// # Safety

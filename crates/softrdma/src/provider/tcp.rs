@@ -274,8 +274,13 @@ impl TxFpdu {
         }
     }
 
-    /// Fills in pad and CRC; returns the trailer's length.
-    fn seal(&mut self, with_crc: bool) -> usize {
+    /// Pad and CRC: the bytes of `trailer` that follow the payload.
+    fn trailer_len(&self) -> usize {
+        mpa::pad_len(self.t.ulpdu_len) + mpa::CRC_LEN
+    }
+
+    /// Fills in pad and CRC.
+    fn seal(&mut self, with_crc: bool) {
         let pad = mpa::pad_len(self.t.ulpdu_len);
         self.trailer = [0; 7];
         if with_crc {
@@ -289,7 +294,6 @@ impl TxFpdu {
             crc.update(&self.trailer[..pad]);
             self.trailer[pad..pad + 4].copy_from_slice(&crc.finish().to_le_bytes());
         }
-        pad + mpa::CRC_LEN
     }
 }
 
@@ -319,19 +323,18 @@ fn send_all(s: &Shared, batch: &mut [TxFpdu]) -> io::Result<()> {
         }
         // (A failed write leaves this batch unconfirmed: the connection is
         // lost and the engine flushes them.)
-        let mut trailer_lens = [0usize; TX_BATCH];
-        for (f, len) in batch[..n].iter_mut().zip(trailer_lens.iter_mut()) {
-            *len = f.seal(s.crc);
+        for f in &mut batch[..n] {
+            f.seal(s.crc);
         }
         {
             let mut iov: smallvec::SmallVec<[IoSlice<'_>; 64]> = smallvec::SmallVec::new();
-            for (f, &len) in batch[..n].iter().zip(trailer_lens.iter()) {
+            for f in &batch[..n] {
                 iov.push(IoSlice::new(&f.buf[..f.t.header_len]));
                 for p in f.pieces.iter().take(MAX_PIECES) {
                     // SAFETY: as in `seal`: the kernel copies them in this call.
                     iov.push(IoSlice::new(unsafe { p.bytes() }));
                 }
-                iov.push(IoSlice::new(&f.trailer[..len]));
+                iov.push(IoSlice::new(&f.trailer[..f.trailer_len()]));
             }
             write_all_vectored(&s.stream, &mut iov)?;
         }
@@ -450,11 +453,8 @@ fn read_rest(
             Err(e) => return Err(e),
         };
         if done + n > want {
-            *ahead = Lookahead {
-                buf: ahead.buf,
-                at: 0,
-                len: done + n - want,
-            };
+            ahead.at = 0;
+            ahead.len = done + n - want;
         }
         done = (done + n).min(want);
     }
