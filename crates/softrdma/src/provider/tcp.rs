@@ -321,8 +321,6 @@ fn send_all(s: &Shared, batch: &mut [TxFpdu]) -> io::Result<()> {
             s.drain();
             return Ok(());
         }
-        // (A failed write leaves this batch unconfirmed: the connection is
-        // lost and the engine flushes them.)
         for f in &mut batch[..n] {
             f.seal(s.crc);
         }
@@ -336,7 +334,10 @@ fn send_all(s: &Shared, batch: &mut [TxFpdu]) -> io::Result<()> {
                 }
                 iov.push(IoSlice::new(&f.trailer[..f.trailer_len()]));
             }
-            write_all_vectored(&s.stream, &mut iov)?;
+            if let Err(e) = write_all_vectored(&s.stream, &mut iov) {
+                s.engine.lock().expect("QP lock").transmit_failed();
+                return Err(e);
+            }
         }
         for f in &mut batch[..n] {
             f.pieces.clear();

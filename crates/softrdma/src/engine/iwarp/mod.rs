@@ -452,18 +452,27 @@ impl IwarpQp {
     /// The QP fails: `head` (a send WQE) completes with `status`, everything
     /// else is flushed.
     fn fail(&mut self, head_status: Option<WcStatus>) {
-        if self.state == State::Error && self.pending.iter().all(|p| p.done.is_some()) {
+        // WQEs whose bytes are being written are the transmit side's to
+        // settle (`transmitted` or `transmit_failed`), whatever the receive
+        // side learns meanwhile: they went out before it.
+        let unconfirmed = &self.unconfirmed;
+        let open = |p: &Pending| p.done.is_none() && !unconfirmed.contains(&p.seq);
+        if self.state == State::Error && !self.pending.iter().any(open) {
             return;
         }
         self.state = State::Error;
         // The oldest unreported WQE takes the error; everything after it is
         // flushed, even what already went out (completions stay in order).
         let mut first = head_status;
-        for p in &mut self.pending {
+        for p in self
+            .pending
+            .iter_mut()
+            .filter(|p| !unconfirmed.contains(&p.seq))
+        {
             p.done = Some(first.take().unwrap_or(WcStatus::WrFlushErr));
         }
-        if let Some(seq) = self.pending.front().map(|p| p.seq) {
-            self.complete(seq, self.pending[0].done.expect("just set"));
+        if let Some((seq, status)) = self.pending.iter().find_map(|p| Some((p.seq, p.done?))) {
+            self.complete(seq, status);
         }
         self.sq.clear();
         self.reads_out.clear();
@@ -817,10 +826,18 @@ impl IwarpQp {
 
     /// Everything [`IwarpQp::poll_transmit`] gave is in the socket: the SENDs
     /// and WRITEs it finished complete (until then their buffers may still be
-    /// read; if the connection fails first, they are flushed).
+    /// read).
     pub fn transmitted(&mut self) {
         for seq in std::mem::take(&mut self.unconfirmed) {
             self.complete(seq, WcStatus::Success);
+        }
+    }
+
+    /// Writing what [`IwarpQp::poll_transmit`] gave failed: the SENDs and
+    /// WRITEs it finished are flushed (the connection is lost with them).
+    pub fn transmit_failed(&mut self) {
+        for seq in std::mem::take(&mut self.unconfirmed) {
+            self.complete(seq, WcStatus::WrFlushErr);
         }
     }
 

@@ -465,10 +465,15 @@ fn a_crc_error_ends_the_connection() {
 }
 
 /// A WRITE completes only once the provider says its FPDUs are in the
-/// socket; a connection lost before that flushes it instead.
+/// socket, even if the receive side loses the connection meanwhile (the
+/// bytes went out before); a failed write flushes it instead.
 #[test]
-fn a_write_completes_once_transmitted_and_is_flushed_if_the_connection_goes_first() {
-    for lost_first in [false, true] {
+fn a_write_completes_once_transmitted_and_is_flushed_if_its_write_fails() {
+    for (case, want) in [
+        ("written", WcStatus::Success),
+        ("lost, then written", WcStatus::Success),
+        ("write failed", WcStatus::WrFlushErr),
+    ] {
         let mut p = Pair::new();
         p.post(
             0,
@@ -487,19 +492,25 @@ fn a_write_completes_once_transmitted_and_is_flushed_if_the_connection_goes_firs
             q.poll_transmit(&p.s[0].mrs, &mut buf, &mut pieces)
                 .is_some()
         );
-        assert!(q.poll_completion().is_none(), "not before it is sent");
-        if lost_first {
-            q.connection_lost();
+        assert!(
+            q.poll_completion().is_none(),
+            "{case}: not before it is sent"
+        );
+        match case {
+            "written" => q.transmitted(),
+            "lost, then written" => {
+                q.connection_lost();
+                assert!(q.poll_completion().is_none(), "{case}: still the writer's");
+                q.transmitted();
+            }
+            _ => {
+                q.transmit_failed();
+                q.connection_lost();
+            }
         }
-        q.transmitted();
         let (k, wc) = q.poll_completion().expect("a completion");
-        let want = if lost_first {
-            WcStatus::WrFlushErr
-        } else {
-            WcStatus::Success
-        };
-        assert_eq!((k, wc.wr_id, wc.status), (CqKind::Send, 4, want));
-        assert!(q.poll_completion().is_none(), "completed once");
+        assert_eq!((k, wc.wr_id, wc.status), (CqKind::Send, 4, want), "{case}");
+        assert!(q.poll_completion().is_none(), "{case}: completed once");
     }
 }
 
