@@ -56,11 +56,11 @@ fuzz_target!(|data: &[u8]| {
     if ctl & 0x10 != 0 {
         let _ = qp.post_recv(RecvWr {
             wr_id: 1,
-            sgl: vec![Sge {
+            sgl: [Sge {
                 addr: IOVA,
                 len: 3000,
                 lkey: 0x100,
-            }],
+            }].into_iter().collect(),
         });
     }
     if ctl & 0x20 != 0 {

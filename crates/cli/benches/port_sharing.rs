@@ -78,7 +78,7 @@ fn latency(p: &Pair) -> Vec<f64> {
     let recv = |qp: &Qp, mr: &Mr| {
         qp.post_recv(RecvWr {
             wr_id: 0,
-            sgl: vec![mr.sge(0, 8)],
+            sgl: [mr.sge(0, 8)].into_iter().collect(),
         })
         .unwrap()
     };

@@ -65,7 +65,7 @@ fn run_op(a: &End, b: &End, op: &str, size: usize, seed: u8) -> Result<(), Strin
             b.mr.write(0, &vec![0; size]).map_err(e)?;
             b.qp.post_recv(RecvWr {
                 wr_id: 1,
-                sgl: vec![b.mr.sge(0, size as u32)],
+                sgl: [b.mr.sge(0, size as u32)].into_iter().collect(),
             })
             .map_err(e)?;
             let imm = u32::from_be_bytes([seed, 1, 2, 3]);
@@ -94,7 +94,7 @@ fn run_op(a: &End, b: &End, op: &str, size: usize, seed: u8) -> Result<(), Strin
             } else {
                 b.qp.post_recv(RecvWr {
                     wr_id: 3,
-                    sgl: vec![],
+                    sgl: [].into_iter().collect(),
                 })
                 .map_err(e)?;
                 SendOp::WriteWithImm {

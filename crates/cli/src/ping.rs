@@ -238,7 +238,7 @@ fn run_inner(a: &PingArgs) -> Result<(), String> {
     qp.modify(&init_attr, None).map_err(e)?;
     let recv_wr = || RecvWr {
         wr_id: RECV_WRID,
-        sgl: vec![mr.sge(0, buf_len as u32)],
+        sgl: [mr.sge(0, buf_len as u32)].into_iter().collect(),
     };
     let mut routs = 0;
     for _ in 0..a.rx_depth {

@@ -170,7 +170,7 @@ impl Side {
         self.qp
             .post_recv(RecvWr {
                 wr_id: 1,
-                sgl: vec![self.mr.sge(RECV, INFO_LEN as u32)],
+                sgl: [self.mr.sge(RECV, INFO_LEN as u32)].into_iter().collect(),
             })
             .map_err(|e| e.to_string())
     }

@@ -96,7 +96,9 @@ fn mesh_process() {
     for slot in 0..peers.len() * DATAGRAMS {
         ud.post_recv(RecvWr {
             wr_id: 1_000_000 + slot as u64,
-            sgl: vec![mr.sge(UD_RECV + slot * 1024, 40 + UD_LEN as u32)],
+            sgl: [mr.sge(UD_RECV + slot * 1024, 40 + UD_LEN as u32)]
+                .into_iter()
+                .collect(),
         })
         .unwrap();
     }
@@ -129,7 +131,9 @@ fn mesh_process() {
         for k in 0..SENDS {
             qp.post_recv(RecvWr {
                 wr_id: (p * SENDS + k) as u64,
-                sgl: vec![mr.sge(RC_RECV + (p * SENDS + k) * 1024, 1024)],
+                sgl: [mr.sge(RC_RECV + (p * SENDS + k) * 1024, 1024)]
+                    .into_iter()
+                    .collect(),
             })
             .unwrap();
         }

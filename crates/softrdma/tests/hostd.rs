@@ -109,7 +109,7 @@ fn a_peer_at_4791_reaches_qps_of_two_devices_sharing_an_address() {
         // And the shared device SENDs to the peer.
         pqp.post_recv(RecvWr {
             wr_id: 7,
-            sgl: vec![pmr.sge(16384, 64)],
+            sgl: [pmr.sge(16384, 64)].into_iter().collect(),
         })
         .unwrap();
         mr.write(0, b"from a shared port").unwrap();

@@ -61,7 +61,9 @@ fn every_operation_with_crc_on_and_off() {
             for k in 0..3 {
                 b.qp.post_recv(RecvWr {
                     wr_id: 100 + k,
-                    sgl: vec![b.mr.sge(k as usize * 100_000, 100_000)],
+                    sgl: [b.mr.sge(k as usize * 100_000, 100_000)]
+                        .into_iter()
+                        .collect(),
                 })
                 .unwrap();
             }
@@ -145,7 +147,7 @@ fn a_bad_stag_gets_a_terminate_and_both_qps_fail() {
     let (a, b) = pair(MpaConfig::default(), |b| {
         b.qp.post_recv(RecvWr {
             wr_id: 9,
-            sgl: vec![b.mr.sge(0, 64)],
+            sgl: [b.mr.sge(0, 64)].into_iter().collect(),
         })
         .unwrap();
     });
@@ -202,7 +204,7 @@ fn send_with_invalidate_revokes_the_named_stag_and_only_it() {
     let (a, b) = pair(MpaConfig::default(), |b| {
         b.qp.post_recv(RecvWr {
             wr_id: 7,
-            sgl: vec![b.mr.sge(0, 64)],
+            sgl: [b.mr.sge(0, 64)].into_iter().collect(),
         })
         .unwrap();
     });
@@ -246,7 +248,7 @@ fn send_with_invalidate_of_a_stag_not_the_receivers_terminates() {
     let (a, b) = pair(MpaConfig::default(), |b| {
         b.qp.post_recv(RecvWr {
             wr_id: 7,
-            sgl: vec![b.mr.sge(0, 64)],
+            sgl: [b.mr.sge(0, 64)].into_iter().collect(),
         })
         .unwrap();
     });
@@ -277,7 +279,7 @@ fn send_with_invalidate_of_a_stag_not_the_receivers_terminates() {
     let (a, b) = pair(MpaConfig::default(), |b| {
         b.qp.post_recv(RecvWr {
             wr_id: 8,
-            sgl: vec![b.mr.sge(0, 64)],
+            sgl: [b.mr.sge(0, 64)].into_iter().collect(),
         })
         .unwrap();
     });
@@ -364,7 +366,7 @@ fn peer_to_peer_mode_sends_and_awaits_the_rtr_message() {
             .qp
             .post_recv(RecvWr {
                 wr_id: 5,
-                sgl: vec![client.mr.sge(0, 64)],
+                sgl: [client.mr.sge(0, 64)].into_iter().collect(),
             })
             .unwrap();
         let out = iwarp::connect(&client.qp, at, &p2p).unwrap();
@@ -493,7 +495,7 @@ fn a_peer_that_closes_mid_transfer_flushes_everything() {
     let (a, b) = pair(MpaConfig::default(), |_| {});
     a.qp.post_recv(RecvWr {
         wr_id: 77,
-        sgl: vec![a.mr.sge(0, 64)],
+        sgl: [a.mr.sge(0, 64)].into_iter().collect(),
     })
     .unwrap();
     for k in 0..6 {

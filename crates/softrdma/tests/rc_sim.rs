@@ -359,7 +359,7 @@ fn run_seed(seed: u64) -> Result<bool, String> {
                 .qp
                 .post_recv(RecvWr {
                     wr_id: r.wr_id,
-                    sgl,
+                    sgl: sgl.into(),
                 })
                 .map_err(|e| e.to_string())?;
         }
@@ -416,7 +416,7 @@ fn run_seed(seed: u64) -> Result<bool, String> {
                     .qp
                     .post_recv(RecvWr {
                         wr_id: r.wr_id,
-                        sgl,
+                        sgl: sgl.into(),
                     })
                     .map_err(|e| e.to_string())?;
                 s.posted_recvs += 1;

@@ -113,13 +113,17 @@ fn every_operation_moves_the_right_bytes() {
     // immediate).
     b.qp.post_recv(RecvWr {
         wr_id: 10,
-        sgl: vec![b.mr.sge(600_000, 1000), b.mr.sge(700_000, 1000)],
+        sgl: [b.mr.sge(600_000, 1000), b.mr.sge(700_000, 1000)]
+            .into_iter()
+            .collect(),
     })
     .unwrap();
     for id in 11..14 {
         b.qp.post_recv(RecvWr {
             wr_id: id,
-            sgl: vec![b.mr.sge(800_000 + (id as usize - 11) * 4096, 4096)],
+            sgl: [b.mr.sge(800_000 + (id as usize - 11) * 4096, 4096)]
+                .into_iter()
+                .collect(),
         })
         .unwrap();
     }
@@ -179,7 +183,7 @@ fn a_send_waits_for_its_receive() {
     assert!(a.scq.wait(Duration::from_millis(100)).unwrap().is_none());
     b.qp.post_recv(RecvWr {
         wr_id: 9,
-        sgl: vec![b.mr.sge(100, 64)],
+        sgl: [b.mr.sge(100, 64)].into_iter().collect(),
     })
     .unwrap();
     assert_eq!(one(&a.scq).wr_id, 1);
@@ -197,7 +201,7 @@ fn remote_errors_fail_both_qps_and_flush() {
         let read_only = b.pd.register(4096, Access::REMOTE_READ).unwrap();
         b.qp.post_recv(RecvWr {
             wr_id: 77,
-            sgl: vec![b.mr.sge(0, 64)],
+            sgl: [b.mr.sge(0, 64)].into_iter().collect(),
         })
         .unwrap();
         let (addr, rkey) = match case {
@@ -240,7 +244,7 @@ fn a_failed_write_with_immediate_completes_the_receive_it_took() {
         let (a, b) = pair(&pid_name(&format!("wimm{k}")));
         b.qp.post_recv(RecvWr {
             wr_id: 9,
-            sgl: vec![],
+            sgl: [].into_iter().collect(),
         })
         .unwrap();
         let (rkey, lkey) = match case {
@@ -281,7 +285,7 @@ fn a_send_longer_than_the_receive_fails_both_ends() {
     let (a, b) = pair(&pid_name("long"));
     b.qp.post_recv(RecvWr {
         wr_id: 5,
-        sgl: vec![b.mr.sge(0, 16)],
+        sgl: [b.mr.sge(0, 16)].into_iter().collect(),
     })
     .unwrap();
     a.qp.post_send(SendWr::new(1, SendOp::Send, vec![a.mr.sge(0, 17)]))
@@ -329,7 +333,7 @@ fn a_destroyed_peer_flushes_the_survivor() {
     let (a, b) = pair(&pid_name("gone"));
     a.qp.post_recv(RecvWr {
         wr_id: 3,
-        sgl: vec![a.mr.sge(0, 64)],
+        sgl: [a.mr.sge(0, 64)].into_iter().collect(),
     })
     .unwrap();
     // A SEND waiting for a receive the peer will never post.
@@ -393,7 +397,7 @@ fn a_receive_fires_the_completion_channel() {
     let (a, b) = pair(&pid_name("event"));
     b.qp.post_recv(RecvWr {
         wr_id: 1,
-        sgl: vec![b.mr.sge(0, 64)],
+        sgl: [b.mr.sge(0, 64)].into_iter().collect(),
     })
     .unwrap();
     b.rcq.req_notify(false);

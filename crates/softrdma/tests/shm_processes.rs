@@ -64,7 +64,7 @@ fn sleeping_target() {
     for k in 0..3 {
         s.qp.post_recv(RecvWr {
             wr_id: k,
-            sgl: vec![s.mr.sge(k as usize * 4096, 4096)],
+            sgl: [s.mr.sge(k as usize * 4096, 4096)].into_iter().collect(),
         })
         .unwrap();
     }
@@ -269,7 +269,7 @@ fn a_killed_peer_flushes_the_survivor() {
     // behind three that take the target's receives.
     s.qp.post_recv(RecvWr {
         wr_id: 5,
-        sgl: vec![s.mr.sge(0, 64)],
+        sgl: [s.mr.sge(0, 64)].into_iter().collect(),
     })
     .unwrap();
     for _ in 0..3 {

@@ -43,7 +43,7 @@ fn eight_rc_qps_share_one_srq_under_load() {
         assert!(
             r.post_recv(RecvWr {
                 wr_id: 0,
-                sgl: vec![]
+                sgl: [].into_iter().collect()
             })
             .is_err()
         );
@@ -57,7 +57,7 @@ fn eight_rc_qps_share_one_srq_under_load() {
             let slot = *next % 2048;
             srq.post_recv(RecvWr {
                 wr_id: slot as u64,
-                sgl: vec![rmr.sge(slot * 4096, SIZE as u32)],
+                sgl: [rmr.sge(slot * 4096, SIZE as u32)].into_iter().collect(),
             })
             .unwrap();
             *next += 1;
@@ -154,7 +154,7 @@ fn rnr_on_an_empty_srq_recovers() {
     assert!(cq.poll_one().unwrap().is_none());
     srq.post_recv(RecvWr {
         wr_id: 9,
-        sgl: vec![mr.sge(1000, 64)],
+        sgl: [mr.sge(1000, 64)].into_iter().collect(),
     })
     .unwrap();
     let mut got = cq.wait_for(2, T).unwrap();

@@ -57,7 +57,7 @@ fn every_operation_over_loopback() {
     // SEND/RECV, multi-packet.
     b.qp.post_recv(RecvWr {
         wr_id: 1,
-        sgl: vec![b.mr.sge(0, 100_000)],
+        sgl: [b.mr.sge(0, 100_000)].into_iter().collect(),
     })
     .unwrap();
     a.qp.post_send(SendWr::new(2, SendOp::Send, vec![a.mr.sge(0, 100_000)]))
@@ -127,7 +127,7 @@ fn every_operation_over_loopback() {
     // WRITE with immediate.
     b.qp.post_recv(RecvWr {
         wr_id: 7,
-        sgl: vec![],
+        sgl: [].into_iter().collect(),
     })
     .unwrap();
     a.qp.post_send(SendWr::new(
@@ -190,12 +190,12 @@ fn thousands_of_ping_pongs_lose_no_post() {
     for _ in 0..4 {
         b.qp.post_recv(RecvWr {
             wr_id: 0,
-            sgl: vec![b.mr.sge(0, 64)],
+            sgl: [b.mr.sge(0, 64)].into_iter().collect(),
         })
         .unwrap();
         a.qp.post_recv(RecvWr {
             wr_id: 0,
-            sgl: vec![a.mr.sge(0, 64)],
+            sgl: [a.mr.sge(0, 64)].into_iter().collect(),
         })
         .unwrap();
     }
@@ -212,7 +212,7 @@ fn thousands_of_ping_pongs_lose_no_post() {
         to.qp
             .post_recv(RecvWr {
                 wr_id: 0,
-                sgl: vec![to.mr.sge(0, 64)],
+                sgl: [to.mr.sge(0, 64)].into_iter().collect(),
             })
             .unwrap();
     }
@@ -231,7 +231,7 @@ fn an_rc_qp_ignores_packets_from_another_address() {
     for k in 0..2 {
         b.qp.post_recv(RecvWr {
             wr_id: k,
-            sgl: vec![b.mr.sge(k as usize * 64, 64)],
+            sgl: [b.mr.sge(k as usize * 64, 64)].into_iter().collect(),
         })
         .unwrap();
     }

@@ -44,7 +44,7 @@ fn one_ud_qp_and_sixty_four_peers() {
             for (i, q) in qps.iter().enumerate() {
                 q.post_recv(RecvWr {
                     wr_id: i as u64,
-                    sgl: vec![mr.sge(i * 1024, 40 + 256)],
+                    sgl: [mr.sge(i * 1024, 40 + 256)].into_iter().collect(),
                 })
                 .unwrap();
             }
@@ -100,7 +100,7 @@ fn one_ud_qp_and_sixty_four_peers() {
     for k in 0..64 {
         qp.post_recv(RecvWr {
             wr_id: 1000 + k,
-            sgl: vec![mr.sge(k as usize * 1024, 40 + 256)],
+            sgl: [mr.sge(k as usize * 1024, 40 + 256)].into_iter().collect(),
         })
         .unwrap();
     }
@@ -157,7 +157,7 @@ fn qkey_mismatch_and_oversize_over_sockets() {
         .unwrap();
     b.post_recv(RecvWr {
         wr_id: 1,
-        sgl: vec![mr.sge(0, 40 + 8)],
+        sgl: [mr.sge(0, 40 + 8)].into_iter().collect(),
     })
     .unwrap();
     // Wrong Q_Key: dropped, counted, the receive stays.
@@ -199,7 +199,7 @@ fn a_foreign_ip_id_is_solved_from_the_icrc() {
     let qp = ud_qp(&pd, &cq, QKEY);
     qp.post_recv(RecvWr {
         wr_id: 1,
-        sgl: vec![mr.sge(0, 40 + 64)],
+        sgl: [mr.sge(0, 40 + 64)].into_iter().collect(),
     })
     .unwrap();
     let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();

@@ -119,7 +119,7 @@ fn completion_channel_fires_on_the_fd() {
     for solicited in [false, true] {
         b.post_recv(RecvWr {
             wr_id: 7,
-            sgl: vec![mr.sge(100, 16)],
+            sgl: [mr.sge(100, 16)].into_iter().collect(),
         })
         .unwrap();
         a.post_send(SendWr {
@@ -147,7 +147,7 @@ fn completion_channel_fires_on_the_fd() {
     // Any completion fires a plain notification; one already waiting fires at once.
     b.post_recv(RecvWr {
         wr_id: 8,
-        sgl: vec![mr.sge(100, 16)],
+        sgl: [mr.sge(100, 16)].into_iter().collect(),
     })
     .unwrap();
     a.post_send(SendWr {
@@ -221,7 +221,7 @@ fn qp_transitions_through_the_verbs() {
     ));
     qp.post_recv(RecvWr {
         wr_id: 1,
-        sgl: vec![],
+        sgl: [].into_iter().collect(),
     })
     .unwrap();
     let rts = QpAttr {

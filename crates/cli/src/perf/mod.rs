@@ -1461,7 +1461,9 @@ fn post_recvs_at(s: &Setup, size: u64, count: u64, same_place: bool) -> Result<(
             };
             qp.post_recv(RecvWr {
                 wr_id: ((i as u64) << 40) | k,
-                sgl: vec![s.mr.sge(s.target(i) + step, s.span(size) as u32)],
+                sgl: [s.mr.sge(s.target(i) + step, s.span(size) as u32)]
+                    .into_iter()
+                    .collect(),
             })
             .map_err(|e| e.to_string())?;
         }
@@ -1512,9 +1514,11 @@ fn send_bw_server(s: &Setup, size: u64, first_rx: Option<&AtomicBool>) -> Result
                 s.qps[i]
                     .post_recv(RecvWr {
                         wr_id: ((i as u64) << 40) | k,
-                        sgl: vec![
-                            s.mr.sge(s.target(i) + s.step(s.span(size), k), s.span(size) as u32),
-                        ],
+                        sgl: [s
+                            .mr
+                            .sge(s.target(i) + s.step(s.span(size), k), s.span(size) as u32)]
+                        .into_iter()
+                        .collect(),
                     })
                     .map_err(|e| e.to_string())?;
                 posted[i] += 1;
@@ -1701,7 +1705,9 @@ fn send_lat(s: &Setup, size: u64, clock: Option<Window>) -> Result<Vec<Instant>,
                 s.qps[0]
                     .post_recv(RecvWr {
                         wr_id: rcnt,
-                        sgl: vec![s.mr.sge(s.target(0), s.span(size) as u32)],
+                        sgl: [s.mr.sge(s.target(0), s.span(size) as u32)]
+                            .into_iter()
+                            .collect(),
                     })
                     .map_err(|e| e.to_string())?;
             }

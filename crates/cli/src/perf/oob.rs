@@ -191,7 +191,9 @@ impl Control {
         self.qp
             .post_recv(RecvWr {
                 wr_id: slot as u64,
-                sgl: vec![self.mr.sge(slot * CONTROL_MSG, CONTROL_MSG as u32)],
+                sgl: [self.mr.sge(slot * CONTROL_MSG, CONTROL_MSG as u32)]
+                    .into_iter()
+                    .collect(),
             })
             .map_err(|e| format!("out-of-band exchange: {e}"))
     }

@@ -240,7 +240,7 @@ pub struct RecvWr {
     /// Caller's identifier, returned in the completion.
     pub wr_id: u64,
     /// Where an incoming SEND's payload goes.
-    pub sgl: Vec<Sge>,
+    pub sgl: SgList,
 }
 
 /// Work completion status (libibverbs' `ibv_wc_status` values).

@@ -100,7 +100,7 @@ mod tests {
         for i in 0..5 {
             s.post_recv(RecvWr {
                 wr_id: i,
-                sgl: vec![],
+                sgl: [].into_iter().collect(),
             })
             .unwrap();
         }
@@ -118,14 +118,14 @@ mod tests {
         for i in 0..7 {
             s.post_recv(RecvWr {
                 wr_id: i,
-                sgl: vec![],
+                sgl: [].into_iter().collect(),
             })
             .unwrap();
         }
         assert_eq!(
             s.post_recv(RecvWr {
                 wr_id: 9,
-                sgl: vec![]
+                sgl: [].into_iter().collect()
             }),
             Err(PostError::QueueFull(8))
         );

@@ -162,7 +162,10 @@ impl Pair {
         self.next_wr += 1;
         self.sim.ends[i]
             .qp
-            .post_recv(RecvWr { wr_id, sgl })
+            .post_recv(RecvWr {
+                wr_id,
+                sgl: sgl.into(),
+            })
             .unwrap();
         wr_id
     }
@@ -736,7 +739,7 @@ fn post_errors_are_reported_on_the_call() {
         fresh
             .post_recv(RecvWr {
                 wr_id: 1,
-                sgl: vec![]
+                sgl: [].into_iter().collect()
             })
             .is_err()
     );

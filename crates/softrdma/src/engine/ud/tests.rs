@@ -131,7 +131,7 @@ fn datagram_with_grh_and_immediate() {
     a.write(0, b"ping ud");
     b.qp.post_recv(RecvWr {
         wr_id: 5,
-        sgl: vec![b.sge(100, 40 + 64)],
+        sgl: [b.sge(100, 40 + 64)].into_iter().collect(),
     })
     .unwrap();
     let wr = SendWr::new(1, SendOp::SendWithImm(0xfeed), vec![a.sge(0, 7)]).to(dest(9, 0x21, QKEY));
@@ -180,7 +180,7 @@ fn a_send_completes_only_once_transmitted() {
     let (mut a, mut b) = (node(0x20, QKEY), node(0x21, QKEY));
     a.qp.post_recv(RecvWr {
         wr_id: 7,
-        sgl: vec![a.sge(1000, 40 + 64)],
+        sgl: [a.sge(1000, 40 + 64)].into_iter().collect(),
     })
     .unwrap();
     b.qp.post_send(SendWr::new(3, SendOp::Send, vec![b.sge(0, 5)]).to(dest(1, 0x20, QKEY)))
@@ -208,7 +208,7 @@ fn qkey_rules() {
     let (mut a, mut b) = (node(0x20, QKEY), node(0x21, QKEY));
     b.qp.post_recv(RecvWr {
         wr_id: 1,
-        sgl: vec![b.sge(0, 100)],
+        sgl: [b.sge(0, 100)].into_iter().collect(),
     })
     .unwrap();
     // A wrong Q_Key is dropped and counted; the receive stays posted.
@@ -229,12 +229,12 @@ fn oversized_datagram_is_loc_len_err_and_the_qp_goes_on() {
     let (mut a, mut b) = (node(0x20, QKEY), node(0x21, QKEY));
     b.qp.post_recv(RecvWr {
         wr_id: 1,
-        sgl: vec![b.sge(0, 40 + 10)],
+        sgl: [b.sge(0, 40 + 10)].into_iter().collect(),
     })
     .unwrap();
     b.qp.post_recv(RecvWr {
         wr_id: 2,
-        sgl: vec![b.sge(1000, 40 + 100)],
+        sgl: [b.sge(1000, 40 + 100)].into_iter().collect(),
     })
     .unwrap();
     a.qp.post_send(SendWr::new(1, SendOp::Send, vec![a.sge(0, 11)]).to(dest(1, 0x21, QKEY)))

@@ -137,7 +137,7 @@ fn send_write_and_read_over_tcp_with_and_without_crc() {
         a.mem.write(0, &data);
         b.qp.post_recv(RecvWr {
             wr_id: 9,
-            sgl: vec![sge(&b, 0, 400_000)],
+            sgl: [sge(&b, 0, 400_000)].into_iter().collect(),
         })
         .unwrap();
         a.qp.post_send(SendWr::new(1, SendOp::Send, vec![sge(&a, 0, 300_000)]))
@@ -217,7 +217,9 @@ fn fpdus_cut_anywhere_by_the_stream_are_placed_whole() {
         for k in 0..20u32 {
             b.qp.post_recv(RecvWr {
                 wr_id: u64::from(k),
-                sgl: vec![sge(&b, 3_000_000 + 64 * u64::from(k), 64)],
+                sgl: [sge(&b, 3_000_000 + 64 * u64::from(k), 64)]
+                    .into_iter()
+                    .collect(),
             })
             .unwrap();
         }
@@ -320,7 +322,7 @@ fn a_peer_that_vanishes_mid_transfer_flushes_and_never_hangs() {
     let (a, b) = pair(false);
     a.qp.post_recv(RecvWr {
         wr_id: 50,
-        sgl: vec![sge(&a, 0, 64)],
+        sgl: [sge(&a, 0, 64)].into_iter().collect(),
     })
     .unwrap();
     for k in 0..8 {
