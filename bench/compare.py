@@ -41,11 +41,13 @@ APT = ["iperf3", "sockperf", "ucx-utils", "libfabric-dev", "gcc", "libc6-dev"]
 # same write size: our libfabric program is checked against them.
 FABTESTS = {65536: (3.22, 1.83), 1048576: (4.94, 3.98)}
 
-STACKS = ["softrdma RoCEv2", "softrdma RoCEv2 busy-poll", "softrdma iWARP", "softrdma shm", "UDP",
-          "TCP", "UCX tcp", "UCX sm", "libfabric tcp", "memcpy"]
+STACKS = ["softrdma RoCEv2", "softrdma RoCEv2 busy-poll", "softrdma iWARP",
+          "softrdma iWARP busy-poll", "softrdma shm", "UDP", "TCP", "UCX tcp", "UCX sm",
+          "libfabric tcp", "memcpy"]
 # softrdma perf's provider and extra flags per column.
 PROVIDER = {"softrdma RoCEv2": ("roce", []), "softrdma RoCEv2 busy-poll": ("roce", ["--busy-poll"]),
-            "softrdma iWARP": ("iwarp", []), "softrdma shm": ("shm", [])}
+            "softrdma iWARP": ("iwarp", []), "softrdma iWARP busy-poll": ("iwarp", ["--busy-poll"]),
+            "softrdma shm": ("shm", [])}
 SIZES = [4096, 65536, 1048576]
 KIB = {4096: "4 KiB", 65536: "64 KiB", 1048576: "1 MiB"}
 MIB = 1048576 / 1e9  # MiB/s -> GB/s
@@ -296,7 +298,7 @@ def plan():
             s, "READ", "READ 8 B latency (us, round trip)")))
         m.append((stack, "SEND lat", lambda s=stack: soft_lat(
             s, "SEND", "SEND 8 B latency (us, half round trip)")))
-        if stack != "softrdma iWARP":
+        if "iWARP" not in stack:
             m.append((stack, "FETCH_ADD lat", lambda s=stack: soft_lat(
                 s, "FETCH_ADD", "FETCH_ADD latency (us, round trip)")))
         m.append((stack, "rate", lambda s=stack: soft_rate(s)))
@@ -354,7 +356,7 @@ def targets(med):
     R, I, S = "softrdma RoCEv2", "softrdma iWARP", "softrdma shm"
     # Peers that spin (libfabric, UCX) against softrdma spinning; iperf3
     # and blocking sockperf against softrdma blocking.
-    B = "softrdma RoCEv2 busy-poll"
+    B, IB = "softrdma RoCEv2 busy-poll", "softrdma iWARP busy-poll"
     for size in ("64 KiB", "1 MiB"):
         add(f"RoCEv2 busy-poll WRITE {size} / libfabric tcp write", v(B, f"WRITE {size}"),
             v("libfabric tcp", f"WRITE {size}"), ">=", 1.2)
@@ -365,7 +367,7 @@ def targets(med):
     for size in ("64 KiB", "1 MiB"):
         add(f"RoCEv2 busy-poll READ {size} / libfabric tcp read", v(B, f"READ {size}"),
             v("libfabric tcp", f"READ {size}"), ">=", 1.5)
-    add("iWARP WRITE 1 MiB / libfabric tcp write", v(I, "WRITE 1 MiB"),
+    add("iWARP busy-poll WRITE 1 MiB / libfabric tcp write", v(IB, "WRITE 1 MiB"),
         v("libfabric tcp", "WRITE 1 MiB"), ">=", 1.0)
     add("iWARP WRITE 1 MiB / iperf3 -l 1M", v(I, "WRITE 1 MiB"), v("TCP", "WRITE 1 MiB"), ">=",
         0.95)
@@ -443,8 +445,8 @@ def svg(med):
                [f"{v} {s}" for v in ("WRITE", "READ") for s in ("64 KiB", "1 MiB")]),
               ("8 B latency p50, µs (log scale; shorter is better)",
                [f"{LAT_BUSY} p50", f"{LAT_BLOCK} p50"])]
-    colors = ["#1f77b4", "#aec7e8", "#ff7f0e", "#2ca02c", "#7f7f7f", "#8c564b", "#d62728",
-              "#9467bd", "#e377c2", "#17becf"]
+    colors = ["#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78", "#2ca02c", "#7f7f7f", "#8c564b",
+              "#d62728", "#9467bd", "#e377c2", "#17becf"]
     assert len(colors) >= len(STACKS)
     import math
     bar, gap, left, width = 9, 10, 330, 430

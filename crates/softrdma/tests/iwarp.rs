@@ -51,7 +51,12 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 
 #[test]
 fn every_operation_with_crc_on_and_off() {
-    for crc in [CrcPolicy::IfAsked, CrcPolicy::Required] {
+    for (crc, busy) in [
+        (CrcPolicy::IfAsked, false),
+        (CrcPolicy::Required, false),
+        (CrcPolicy::IfAsked, true),
+        (CrcPolicy::Required, true),
+    ] {
         let cfg = MpaConfig {
             crc,
             ..MpaConfig::default()
@@ -69,6 +74,9 @@ fn every_operation_with_crc_on_and_off() {
             }
         });
         assert_eq!(a.qp.state(), QpState::Rts);
+        // Busy-poll mode: the receiving threads spin before they read.
+        a.ctx.set_busy_poll(busy);
+        b.ctx.set_busy_poll(busy);
         let data = pattern(90_000, 7);
         a.mr.write(0, &data).unwrap();
         a.qp.post_send(SendWr::new(1, SendOp::Send, vec![a.mr.sge(0, 90_000)]).solicited())
@@ -97,7 +105,11 @@ fn every_operation_with_crc_on_and_off() {
         .unwrap();
         for k in 1..=5 {
             let wc = one(&a.scq);
-            assert_eq!((wc.wr_id, wc.status), (k, WcStatus::Success), "{crc:?}");
+            assert_eq!(
+                (wc.wr_id, wc.status),
+                (k, WcStatus::Success),
+                "{crc:?} busy {busy}"
+            );
         }
         let got: Vec<(u64, u32, bool)> = (0..3)
             .map(|_| {

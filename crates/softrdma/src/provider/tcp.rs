@@ -18,6 +18,7 @@ use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use softrdma_wire::ddp;
 use softrdma_wire::mpa::{self, Crc32c};
@@ -49,6 +50,8 @@ struct Shared {
     mrs: Arc<RwLock<MrTable>>,
     stream: TcpStream,
     crc: bool,
+    /// Busy-poll mode (the device's flag): see [`spin_for_bytes`].
+    busy_poll: Arc<AtomicBool>,
     send_cq: Arc<CqInner>,
     recv_cq: Arc<CqInner>,
     events: Arc<EventQueue>,
@@ -56,6 +59,15 @@ struct Shared {
     tx_wake: Condvar,
     tx_pending: Mutex<bool>,
     closed: AtomicBool,
+}
+
+/// How a connection runs.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ConnOptions {
+    /// MPA CRC32c on every FPDU (negotiated).
+    pub crc: bool,
+    /// Busy-poll mode, shared with the device (it may change at any time).
+    pub busy_poll: Arc<AtomicBool>,
 }
 
 /// An iWARP QP on its connection.
@@ -71,7 +83,7 @@ impl TcpQp {
         stream: TcpStream,
         engine: IwarpQp,
         mrs: Arc<RwLock<MrTable>>,
-        crc: bool,
+        options: ConnOptions,
         send_cq: Arc<CqInner>,
         recv_cq: Arc<CqInner>,
         events: Arc<EventQueue>,
@@ -82,7 +94,8 @@ impl TcpQp {
             engine: Mutex::new(engine),
             mrs,
             stream,
-            crc,
+            crc: options.crc,
+            busy_poll: options.busy_poll,
             send_cq,
             recv_cq,
             events,
@@ -380,6 +393,24 @@ fn receive_loop(s: &Shared) {
     }
 }
 
+/// How long a busy-polling receive thread spins on its socket before it
+/// sleeps in `read` (RoCEv2's standby span).
+const BUSY_SPIN: Duration = Duration::from_millis(1);
+
+/// In busy-poll mode, waits for the stream's next bytes by spinning (up to
+/// [`BUSY_SPIN`]) instead of sleeping in `read`: the peer's send then wakes
+/// no thread, and the kernel's receive work runs in this thread's `read`
+/// rather than in the sender's softirq. Returns at once outside the mode.
+fn spin_for_bytes(stream: &TcpStream, busy_poll: &AtomicBool) {
+    if !busy_poll.load(Ordering::Relaxed) {
+        return;
+    }
+    let t0 = Instant::now();
+    while matches!(rustix::io::ioctl_fionread(stream), Ok(0)) && t0.elapsed() < BUSY_SPIN {
+        std::hint::spin_loop();
+    }
+}
+
 /// The start of the next FPDU, read with the end of the one before: every
 /// FPDU has at least this many bytes before its payload (length field and
 /// tagged DDP header), so a read ahead never takes payload bytes.
@@ -395,10 +426,19 @@ struct Lookahead {
 
 impl Lookahead {
     /// Fills `out` from the bytes read ahead, then from the stream.
-    fn read_exact(&mut self, mut stream: &TcpStream, out: &mut [u8]) -> io::Result<()> {
+    fn read_exact(
+        &mut self,
+        mut stream: &TcpStream,
+        busy_poll: &AtomicBool,
+        out: &mut [u8],
+    ) -> io::Result<()> {
         let k = (self.len - self.at).min(out.len());
         out[..k].copy_from_slice(&self.buf[self.at..self.at + k]);
         self.at += k;
+        if k == out.len() {
+            return Ok(());
+        }
+        spin_for_bytes(stream, busy_poll);
         stream.read_exact(&mut out[k..])
     }
 
@@ -413,6 +453,7 @@ impl Lookahead {
 /// per FPDU when the stream keeps up, instead of one read for each part.
 fn read_rest(
     stream: &TcpStream,
+    busy_poll: &AtomicBool,
     pieces: &[Segment],
     control: &mut [u8],
     trailer: &mut [u8],
@@ -438,6 +479,7 @@ fn read_rest(
         let after = done.saturating_sub(placed);
         let in_control = after.min(control.len());
         let in_trailer = after - in_control;
+        spin_for_bytes(stream, busy_poll);
         let n = crate::memory::read_vectored_from_fd(
             stream.as_fd(),
             &spans,
@@ -473,7 +515,8 @@ fn receive_one(
     let mut crc = Crc32c::default();
     // The length field and the shorter (tagged) header in one read.
     let mut head = [0u8; mpa::LENGTH_FIELD_LEN + ddp::UNTAGGED_HEADER_LEN];
-    ahead.read_exact(stream, &mut head[..LOOKAHEAD])?;
+    let busy = &*s.busy_poll;
+    ahead.read_exact(stream, busy, &mut head[..LOOKAHEAD])?;
     let ulpdu_len = usize::from(u16::from_be_bytes([head[0], head[1]]));
     let hlen = if head[2] & 0x80 != 0 {
         ddp::TAGGED_HEADER_LEN
@@ -487,7 +530,7 @@ fn receive_one(
         ));
     }
     let head = &mut head[..mpa::LENGTH_FIELD_LEN + hlen];
-    ahead.read_exact(stream, &mut head[LOOKAHEAD..])?;
+    ahead.read_exact(stream, busy, &mut head[LOOKAHEAD..])?;
     if s.crc {
         crc.update(head);
     }
@@ -506,7 +549,7 @@ fn receive_one(
     control.clear();
     match placement {
         Placement::Data => {
-            read_rest(stream, pieces, &mut [], trailer, ahead)?;
+            read_rest(stream, busy, pieces, &mut [], trailer, ahead)?;
             if s.crc {
                 for p in pieces.iter() {
                     // SAFETY: read right after placing, not kept; a concurrent
@@ -517,7 +560,7 @@ fn receive_one(
         }
         Placement::Control | Placement::Discard => {
             control.resize(payload_len, 0);
-            read_rest(stream, &[], control, trailer, ahead)?;
+            read_rest(stream, busy, &[], control, trailer, ahead)?;
             if s.crc {
                 crc.update(control);
             }

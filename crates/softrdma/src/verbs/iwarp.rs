@@ -12,7 +12,7 @@ use crate::cm::mpa::MpaOutcome;
 use crate::engine::iwarp::{IwarpConfig, IwarpQp, IwarpStats, P2p};
 use crate::engine::rc::QpCaps;
 use crate::engine::{PostError, QpState, RecvWr, SendWr};
-use crate::provider::tcp::{TcpQp, max_ulpdu_for};
+use crate::provider::tcp::{ConnOptions, TcpQp, max_ulpdu_for};
 use softrdma_wire::rdmap::{TermEncoding, TerminateRepr};
 
 /// An iWARP QP's counters and the Terminates of its connection.
@@ -135,7 +135,10 @@ impl Qp {
             stream,
             engine,
             dev.mrs.clone(),
-            mpa.crc,
+            ConnOptions {
+                crc: mpa.crc,
+                busy_poll: dev.busy_poll.clone(),
+            },
             slot.send_cq.clone(),
             slot.recv_cq.clone(),
             dev.events.clone(),

@@ -24,7 +24,7 @@ pub use iwarp::IwarpQpStats;
 
 use std::fmt;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 pub use crate::engine::qp::{Mtu, QpType};
@@ -157,11 +157,14 @@ impl Device {
         self.shm
     }
 
-    /// Busy-poll mode (RoCEv2): a thread polling or waiting on one of the
+    /// Busy-poll mode. RoCEv2: a thread polling or waiting on one of the
     /// device's CQs receives and handles the device's packets itself,
     /// spinning instead of sleeping, and the progress thread stands by while
     /// it does (within 1 ms of the last poll). A ping-pong then takes no
     /// thread wake-up: lower latency, a CPU spent per polling thread.
+    /// iWARP: each connection's receiving thread spins on its socket for up
+    /// to 1 ms before it sleeps in `read`, so a stream of FPDUs wakes no
+    /// thread (the shared-memory device ignores the mode).
     #[must_use]
     pub fn busy_poll(mut self, on: bool) -> Device {
         self.busy_poll = on;
@@ -240,6 +243,7 @@ impl Device {
                     addr: *self.addr.ip(),
                     mrs: Arc::new(RwLock::new(MrTable::new())),
                     events,
+                    busy_poll: Arc::new(AtomicBool::new(self.busy_poll)),
                 }),
                 0,
             )
@@ -304,6 +308,8 @@ pub(crate) struct IwarpDevice {
     pub(crate) addr: Ipv4Addr,
     pub(crate) mrs: Arc<RwLock<MrTable>>,
     pub(crate) events: Arc<EventQueue>,
+    /// Busy-poll mode, shared with the device's connections.
+    pub(crate) busy_poll: Arc<AtomicBool>,
 }
 
 impl ContextInner {
@@ -528,8 +534,10 @@ impl Context {
 
     /// Busy polling on or off.
     pub fn set_busy_poll(&self, on: bool) {
-        if let Provider::Udp(d) = &self.inner.dev {
-            d.set_busy_poll(on);
+        match &self.inner.dev {
+            Provider::Udp(d) => d.set_busy_poll(on),
+            Provider::Iwarp(d) => d.busy_poll.store(on, Ordering::Relaxed),
+            Provider::Shm(_) => {}
         }
     }
 

@@ -54,7 +54,10 @@ fn end(i: u32, stream: TcpStream, crc: bool) -> End {
         stream,
         engine,
         mrs,
-        crc,
+        ConnOptions {
+            crc,
+            busy_poll: Default::default(),
+        },
         scq.inner.clone(),
         rcq.inner.clone(),
         events,

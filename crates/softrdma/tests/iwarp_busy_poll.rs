@@ -1,0 +1,88 @@
+//! iWARP busy-poll mode: the receiving thread spins on its socket only for
+//! a bounded time, so an idle connection costs no CPU. A file of its own:
+//! the CPU time of this process's iWARP threads is measured, and no other
+//! test's connections may run meanwhile.
+
+use std::net::Ipv4Addr;
+use std::time::Duration;
+
+use softrdma::cm::iwarp::{self, Listener};
+use softrdma::cm::mpa::{Decision, MpaConfig};
+use softrdma::verbs::*;
+
+mod common;
+use common::{End, one};
+
+fn end(ip: [u8; 4]) -> End {
+    let caps = QpCaps {
+        max_send_wr: 16,
+        max_recv_wr: 16,
+        max_send_sge: 1,
+        max_recv_sge: 1,
+        max_inline_data: 0,
+    };
+    End::new(
+        Device::iwarp(Ipv4Addr::from(ip)).busy_poll(true),
+        1 << 20,
+        64,
+        caps,
+    )
+}
+
+/// CPU time (clock ticks) of this process's iWARP threads.
+fn iwarp_threads_cpu() -> u64 {
+    let mut ticks = 0;
+    for t in std::fs::read_dir("/proc/self/task").unwrap() {
+        let dir = t.unwrap().path();
+        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        if !comm.starts_with("softrdma-iwarp") {
+            continue;
+        }
+        let stat = std::fs::read_to_string(dir.join("stat")).unwrap_or_default();
+        // Fields after the command's closing parenthesis; utime and stime
+        // are the 14th and 15th of the line.
+        let rest = &stat[stat.rfind(')').unwrap() + 2..];
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        ticks += f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+    }
+    ticks
+}
+
+#[test]
+fn an_idle_busy_polling_connection_sleeps() {
+    let server = end([127, 0, 0, 2]);
+    let listener = Listener::bind(&server.ctx, 0).unwrap();
+    let at = listener.local_addr();
+    let t = std::thread::spawn(move || {
+        listener
+            .accept(&server.qp, &MpaConfig::default(), |_| Decision::Accept)
+            .unwrap();
+        server
+    });
+    let a = end([127, 0, 0, 1]);
+    iwarp::connect(&a.qp, at, &MpaConfig::default()).unwrap();
+    let b = t.join().unwrap();
+    // Traffic both ways, so that both receiving threads have spun.
+    for (from, to) in [(&a, &b), (&b, &a)] {
+        from.mr.write(0, b"busy").unwrap();
+        from.qp
+            .post_send(SendWr::new(
+                1,
+                SendOp::Write {
+                    remote_addr: to.mr.addr() + 4096,
+                    rkey: to.mr.rkey(),
+                },
+                vec![from.mr.sge(0, 4)],
+            ))
+            .unwrap();
+        assert_eq!(one(&from.scq).status, WcStatus::Success);
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(to.mr.read_vec(4096, 4).unwrap(), b"busy");
+    }
+    // Idle now: two threads spinning for this long would take 100 ticks.
+    std::thread::sleep(Duration::from_millis(100));
+    let before = iwarp_threads_cpu();
+    std::thread::sleep(Duration::from_millis(500));
+    let used = iwarp_threads_cpu() - before;
+    assert!(used <= 5, "idle iWARP threads used {used} ticks in 500 ms");
+}
