@@ -283,6 +283,9 @@ def siw_cases():
     out.append(perf_case("write-lat", 64, 100, rdma_cm=True))
     out.append(perf_case("read-lat", 64, 100, rdma_cm=True))
     out.append(perf_case("send-lat", 64, 100, rdma_cm=True))
+    # softrdma's busy-poll mode (its receive threads spin) against siw.
+    out.append(perf_case("write-bw", 65536, 20, rdma_cm=True, ours_extra="--busy-poll"))
+    out.append(perf_case("write-lat", 64, 100, rdma_cm=True, ours_extra="--busy-poll"))
     # The error case: a wrong rkey. softrdma as client advertises one (siw's
     # READ fails, softrdma sends the Terminate); as server it WRITEs with one
     # (siw sends the Terminate).
@@ -291,9 +294,10 @@ def siw_cases():
     return out
 
 
-def perf_case(test, size, iters, extra="", pcap=False, sizes=None, rdma_cm=False):
+def perf_case(test, size, iters, extra="", pcap=False, sizes=None, rdma_cm=False, ours_extra=""):
     """A perftest case; with `rdma_cm`, over iWARP (-R: the device is the one
-    rdma_cm resolves, so no -d or -x)."""
+    rdma_cm resolves, so no -d or -x); `ours_extra`: flags for softrdma's side
+    only."""
     tool = f"ib_{test.replace('-', '_')}"
     flags = (f"-n {iters}" if iters else "") + (f" -s {size}" if size else "") \
         + (f" {extra}" if extra else "")
@@ -319,8 +323,9 @@ def perf_case(test, size, iters, extra="", pcap=False, sizes=None, rdma_cm=False
         return bw_result(out, want, rows_iters)
 
     if rdma_cm:
-        return Case(f"{tool} -R {flags}", f"{tool} -R -F {flags}",
-                    f"perf {test} -R -F {flags}", check=check, timeout=120)
+        name = f"{tool} -R {flags}" + (f" (softrdma {ours_extra})" if ours_extra else "")
+        return Case(name, f"{tool} -R -F {flags}",
+                    f"perf {test} -R -F {flags} {ours_extra}".strip(), check=check, timeout=120)
     return Case(f"{tool} {flags}", f"{tool} -d rxe0 -x 1 -F {flags}",
                 f"perf {test} -x 1 -F {flags}", check=check, pcap=pcap,
                 timeout=300 if sizes else 120)
