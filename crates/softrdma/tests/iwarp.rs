@@ -504,7 +504,16 @@ fn a_rejected_connection_is_an_error_on_both_sides() {
 
 #[test]
 fn a_peer_that_closes_mid_transfer_flushes_everything() {
+    // Both receive modes: blocking, and spinning on the socket (busy-poll).
+    for busy in [false, true] {
+        peer_closes_mid_transfer(busy);
+    }
+}
+
+fn peer_closes_mid_transfer(busy: bool) {
     let (a, b) = pair(MpaConfig::default(), |_| {});
+    a.ctx.set_busy_poll(busy);
+    b.ctx.set_busy_poll(busy);
     a.qp.post_recv(RecvWr {
         wr_id: 77,
         sgl: [a.mr.sge(0, 64)].into_iter().collect(),
@@ -537,7 +546,11 @@ fn a_peer_that_closes_mid_transfer_flushes_everything() {
         last = Some(one(&a.scq));
     }
     let last = last.unwrap();
-    assert_eq!((last.wr_id, last.status), (99, WcStatus::WrFlushErr));
+    assert_eq!(
+        (last.wr_id, last.status),
+        (99, WcStatus::WrFlushErr),
+        "busy {busy}"
+    );
     let r = one(&a.rcq);
     assert_eq!((r.wr_id, r.status), (77, WcStatus::WrFlushErr));
     assert_eq!(a.qp.state(), QpState::Err);
