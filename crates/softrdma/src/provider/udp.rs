@@ -198,6 +198,8 @@ struct RxBuffers {
     cmsg: Vec<u8>,
     touched: Vec<Arc<QpSlot>>,
     polls: u32,
+    /// Whether this thread's last look received anything.
+    found: bool,
 }
 
 impl RxBuffers {
@@ -207,24 +209,27 @@ impl RxBuffers {
             cmsg: nix::cmsg_space!(i32, u8, i32),
             touched: Vec::new(),
             polls: 0,
+            found: false,
         }
     }
 
     /// Receives and handles what waits on the device's sockets: everything,
     /// or (`one`) at most a datagram per socket (`defer`: see
-    /// [`receive_datagram`]).
+    /// [`receive_datagram`]). Returns whether anything came.
     fn drain_sockets(
         &mut self,
         shared: &Shared,
         readable: &[bool; SOCKETS],
         defer: bool,
         one: bool,
-    ) {
+    ) -> bool {
+        let mut any = false;
         for (i, sock) in shared.sockets.iter().enumerate() {
             if !readable[i] {
                 continue;
             }
             while let Some((n, meta)) = recv_datagram(sock, &mut self.rx, &mut self.cmsg) {
+                any = true;
                 receive_datagram(
                     shared,
                     &self.rx[..n],
@@ -238,6 +243,7 @@ impl RxBuffers {
                 }
             }
         }
+        any
     }
 }
 
@@ -268,10 +274,13 @@ pub(crate) fn poll_now(shared: &Shared) {
         if b.polls.is_multiple_of(64) {
             which = [true; SOCKETS];
         }
-        // One datagram a look: the answer to it (a ping-pong's next post)
-        // leaves without waiting for an empty `recvmsg` first (about 1 µs);
-        // this thread looks again at once anyway.
-        b.drain_sockets(shared, &which, true, true);
+        // After empty looks (waiting, as in a ping-pong), one datagram: the
+        // answer to it leaves without an empty `recvmsg` (about 1 µs) first,
+        // and this thread looks again at once anyway. After a look that
+        // found something (a stream, or a thread that looks seldom),
+        // everything that waits.
+        let one = !b.found;
+        b.found = b.drain_sockets(shared, &which, true, one);
         deferred.append(&mut b.touched);
     });
     let waiting = !deferred.is_empty();
