@@ -192,14 +192,16 @@ pub(crate) const POSTER_LEAVES_AT: u32 = 16;
 /// thread is receiving again within this time.
 const STANDBY_NS: u64 = 1_000_000;
 
+/// An application thread that looks at the sockets again within this time
+/// takes one datagram a look (see `poll_now`).
+const LOOKS_OFTEN_NS: u64 = 20_000;
+
 /// A receiving thread's buffers.
 struct RxBuffers {
     rx: Vec<u8>,
     cmsg: Vec<u8>,
     touched: Vec<Arc<QpSlot>>,
     polls: u32,
-    /// Whether this thread's last look received anything.
-    found: bool,
 }
 
 impl RxBuffers {
@@ -209,27 +211,24 @@ impl RxBuffers {
             cmsg: nix::cmsg_space!(i32, u8, i32),
             touched: Vec::new(),
             polls: 0,
-            found: false,
         }
     }
 
     /// Receives and handles what waits on the device's sockets: everything,
     /// or (`one`) at most a datagram per socket (`defer`: see
-    /// [`receive_datagram`]). Returns whether anything came.
+    /// [`receive_datagram`]).
     fn drain_sockets(
         &mut self,
         shared: &Shared,
         readable: &[bool; SOCKETS],
         defer: bool,
         one: bool,
-    ) -> bool {
-        let mut any = false;
+    ) {
         for (i, sock) in shared.sockets.iter().enumerate() {
             if !readable[i] {
                 continue;
             }
             while let Some((n, meta)) = recv_datagram(sock, &mut self.rx, &mut self.cmsg) {
-                any = true;
                 receive_datagram(
                     shared,
                     &self.rx[..n],
@@ -243,7 +242,6 @@ impl RxBuffers {
                 }
             }
         }
-        any
     }
 }
 
@@ -255,7 +253,8 @@ pub(crate) fn poll_now(shared: &Shared) {
     if !shared.busy_poll.load(Ordering::Relaxed) {
         return;
     }
-    shared.app_polled.store(shared.now().0, Ordering::Relaxed);
+    let now = shared.now().0;
+    let since_last_look = now.saturating_sub(shared.app_polled.swap(now, Ordering::Relaxed));
     let Ok(mut deferred) = shared.rx_lock.try_lock() else {
         return;
     };
@@ -274,13 +273,11 @@ pub(crate) fn poll_now(shared: &Shared) {
         if b.polls.is_multiple_of(64) {
             which = [true; SOCKETS];
         }
-        // After empty looks (waiting, as in a ping-pong), one datagram: the
-        // answer to it leaves without an empty `recvmsg` (about 1 µs) first,
-        // and this thread looks again at once anyway. After a look that
-        // found something (a stream, or a thread that looks seldom),
-        // everything that waits.
-        let one = !b.found;
-        b.found = b.drain_sockets(shared, &which, true, one);
+        // A thread that looks again at once takes one datagram a look: the
+        // answer to it (a ping-pong's next post, a receive posted again)
+        // leaves without an empty `recvmsg` (about 1 µs) first. A thread
+        // that looks seldom takes everything that waits.
+        b.drain_sockets(shared, &which, true, since_last_look < LOOKS_OFTEN_NS);
         deferred.append(&mut b.touched);
     });
     let waiting = !deferred.is_empty();
