@@ -54,14 +54,11 @@ fuzz_target!(|data: &[u8]| {
     })
     .unwrap();
     if ctl & 0x10 != 0 {
-        let _ = qp.post_recv(RecvWr {
-            wr_id: 1,
-            sgl: [Sge {
+        let _ = qp.post_recv(RecvWr::new(1, [Sge {
                 addr: IOVA,
                 len: 3000,
                 lkey: 0x100,
-            }].into_iter().collect(),
-        });
+            }]));
     }
     if ctl & 0x20 != 0 {
         let sge = |len| {

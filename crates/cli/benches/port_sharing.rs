@@ -75,13 +75,7 @@ fn ok(wc: Option<WorkCompletion>) {
 
 /// 8-byte SEND ping-pong, blocking CQ waits: half round trips in µs, sorted.
 fn latency(p: &Pair) -> Vec<f64> {
-    let recv = |qp: &Qp, mr: &Mr| {
-        qp.post_recv(RecvWr {
-            wr_id: 0,
-            sgl: [mr.sge(0, 8)].into_iter().collect(),
-        })
-        .unwrap()
-    };
+    let recv = |qp: &Qp, mr: &Mr| qp.post_recv(RecvWr::new(0, [mr.sge(0, 8)])).unwrap();
     let send = |qp: &Qp, mr: &Mr| {
         qp.post_send(SendWr::new(1, SendOp::Send, vec![mr.sge(64, 8)]).unsignaled())
             .unwrap()

@@ -63,11 +63,8 @@ fn run_op(a: &End, b: &End, op: &str, size: usize, seed: u8) -> Result<(), Strin
         "SEND" | "SEND_WITH_IMM" => {
             a.mr.write(src, &data).map_err(e)?;
             b.mr.write(0, &vec![0; size]).map_err(e)?;
-            b.qp.post_recv(RecvWr {
-                wr_id: 1,
-                sgl: [b.mr.sge(0, size as u32)].into_iter().collect(),
-            })
-            .map_err(e)?;
+            b.qp.post_recv(RecvWr::new(1, [b.mr.sge(0, size as u32)]))
+                .map_err(e)?;
             let imm = u32::from_be_bytes([seed, 1, 2, 3]);
             let o = if op == "SEND" {
                 SendOp::Send
@@ -92,11 +89,7 @@ fn run_op(a: &End, b: &End, op: &str, size: usize, seed: u8) -> Result<(), Strin
             let o = if op == "RDMA_WRITE" {
                 SendOp::Write { remote_addr, rkey }
             } else {
-                b.qp.post_recv(RecvWr {
-                    wr_id: 3,
-                    sgl: [].into_iter().collect(),
-                })
-                .map_err(e)?;
+                b.qp.post_recv(RecvWr::new(3, [])).map_err(e)?;
                 SendOp::WriteWithImm {
                     remote_addr,
                     rkey,

@@ -236,10 +236,7 @@ fn run_inner(a: &PingArgs) -> Result<(), String> {
         ..QpAttr::default()
     };
     qp.modify(&init_attr, None).map_err(e)?;
-    let recv_wr = || RecvWr {
-        wr_id: RECV_WRID,
-        sgl: [mr.sge(0, buf_len as u32)].into_iter().collect(),
-    };
+    let recv_wr = || RecvWr::new(RECV_WRID, [mr.sge(0, buf_len as u32)]);
     let mut routs = 0;
     for _ in 0..a.rx_depth {
         qp.post_recv(recv_wr()).map_err(e)?;

@@ -168,10 +168,7 @@ impl Side {
 
     fn post_recv(&self) -> Result<(), String> {
         self.qp
-            .post_recv(RecvWr {
-                wr_id: 1,
-                sgl: [self.mr.sge(RECV, INFO_LEN as u32)].into_iter().collect(),
-            })
+            .post_recv(RecvWr::new(1, [self.mr.sge(RECV, INFO_LEN as u32)]))
             .map_err(|e| e.to_string())
     }
 

@@ -94,12 +94,10 @@ fn mesh_process() {
     }
     let ud = ud_qp(&pd, &scq, &rcq);
     for slot in 0..peers.len() * DATAGRAMS {
-        ud.post_recv(RecvWr {
-            wr_id: 1_000_000 + slot as u64,
-            sgl: [mr.sge(UD_RECV + slot * 1024, 40 + UD_LEN as u32)]
-                .into_iter()
-                .collect(),
-        })
+        ud.post_recv(RecvWr::new(
+            1_000_000 + slot as u64,
+            [mr.sge(UD_RECV + slot * 1024, 40 + UD_LEN as u32)],
+        ))
         .unwrap();
     }
     say(format!("HELLO {me} {:#08x}", ud.qpn()));
@@ -129,12 +127,10 @@ fn mesh_process() {
     for (p, (qp, info)) in &rc {
         cm::connect(qp, info, &remote_rc[p], &RcOptions::default()).unwrap();
         for k in 0..SENDS {
-            qp.post_recv(RecvWr {
-                wr_id: (p * SENDS + k) as u64,
-                sgl: [mr.sge(RC_RECV + (p * SENDS + k) * 1024, 1024)]
-                    .into_iter()
-                    .collect(),
-            })
+            qp.post_recv(RecvWr::new(
+                (p * SENDS + k) as u64,
+                [mr.sge(RC_RECV + (p * SENDS + k) * 1024, 1024)],
+            ))
             .unwrap();
         }
     }

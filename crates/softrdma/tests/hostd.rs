@@ -107,11 +107,7 @@ fn a_peer_at_4791_reaches_qps_of_two_devices_sharing_an_address() {
         assert_eq!(mr.read_vec(100, 3000).unwrap(), data);
         assert_eq!(pmr.read_vec(8192, 3000).unwrap(), data);
         // And the shared device SENDs to the peer.
-        pqp.post_recv(RecvWr {
-            wr_id: 7,
-            sgl: [pmr.sge(16384, 64)].into_iter().collect(),
-        })
-        .unwrap();
+        pqp.post_recv(RecvWr::new(7, [pmr.sge(16384, 64)])).unwrap();
         mr.write(0, b"from a shared port").unwrap();
         qp.post_send(SendWr::new(3, SendOp::Send, vec![mr.sge(0, 18)]))
             .unwrap();

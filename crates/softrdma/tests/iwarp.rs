@@ -64,12 +64,10 @@ fn every_operation_with_crc_on_and_off() {
         // Receives posted before the connection is up are used.
         let (a, b) = pair(cfg, |b| {
             for k in 0..3 {
-                b.qp.post_recv(RecvWr {
-                    wr_id: 100 + k,
-                    sgl: [b.mr.sge(k as usize * 100_000, 100_000)]
-                        .into_iter()
-                        .collect(),
-                })
+                b.qp.post_recv(RecvWr::new(
+                    100 + k,
+                    [b.mr.sge(k as usize * 100_000, 100_000)],
+                ))
                 .unwrap();
             }
         });
@@ -157,11 +155,7 @@ fn atomics_and_immediate_data_are_refused() {
 #[test]
 fn a_bad_stag_gets_a_terminate_and_both_qps_fail() {
     let (a, b) = pair(MpaConfig::default(), |b| {
-        b.qp.post_recv(RecvWr {
-            wr_id: 9,
-            sgl: [b.mr.sge(0, 64)].into_iter().collect(),
-        })
-        .unwrap();
+        b.qp.post_recv(RecvWr::new(9, [b.mr.sge(0, 64)])).unwrap();
     });
     a.qp.post_send(SendWr::new(
         1,
@@ -214,11 +208,7 @@ fn write_to(a: &End, target: &Mr, rkey: u32, wr_id: u64) {
 #[test]
 fn send_with_invalidate_revokes_the_named_stag_and_only_it() {
     let (a, b) = pair(MpaConfig::default(), |b| {
-        b.qp.post_recv(RecvWr {
-            wr_id: 7,
-            sgl: [b.mr.sge(0, 64)].into_iter().collect(),
-        })
-        .unwrap();
+        b.qp.post_recv(RecvWr::new(7, [b.mr.sge(0, 64)])).unwrap();
     });
     let target = b.pd.register(4096, Access::ALL).unwrap();
     a.mr.write(0, b"sixteen bytes..!").unwrap();
@@ -258,11 +248,7 @@ fn send_with_invalidate_revokes_the_named_stag_and_only_it() {
 #[test]
 fn send_with_invalidate_of_a_stag_not_the_receivers_terminates() {
     let (a, b) = pair(MpaConfig::default(), |b| {
-        b.qp.post_recv(RecvWr {
-            wr_id: 7,
-            sgl: [b.mr.sge(0, 64)].into_iter().collect(),
-        })
-        .unwrap();
+        b.qp.post_recv(RecvWr::new(7, [b.mr.sge(0, 64)])).unwrap();
     });
     // An rkey of another PD of the receiver's, then no rkey at all.
     let other_pd = b.ctx.alloc_pd().unwrap();
@@ -289,11 +275,7 @@ fn send_with_invalidate_of_a_stag_not_the_receivers_terminates() {
     );
 
     let (a, b) = pair(MpaConfig::default(), |b| {
-        b.qp.post_recv(RecvWr {
-            wr_id: 8,
-            sgl: [b.mr.sge(0, 64)].into_iter().collect(),
-        })
-        .unwrap();
+        b.qp.post_recv(RecvWr::new(8, [b.mr.sge(0, 64)])).unwrap();
     });
     a.qp.post_send(SendWr::new(1, SendOp::SendWithInv(0x00de_ad00), vec![]))
         .unwrap();
@@ -376,10 +358,7 @@ fn peer_to_peer_mode_sends_and_awaits_the_rtr_message() {
         let client = end([127, 0, 0, 1]);
         client
             .qp
-            .post_recv(RecvWr {
-                wr_id: 5,
-                sgl: [client.mr.sge(0, 64)].into_iter().collect(),
-            })
+            .post_recv(RecvWr::new(5, [client.mr.sge(0, 64)]))
             .unwrap();
         let out = iwarp::connect(&client.qp, at, &p2p).unwrap();
         assert_eq!(out.rtr, Some(rtr));
@@ -514,11 +493,7 @@ fn peer_closes_mid_transfer(busy: bool) {
     let (a, b) = pair(MpaConfig::default(), |_| {});
     a.ctx.set_busy_poll(busy);
     b.ctx.set_busy_poll(busy);
-    a.qp.post_recv(RecvWr {
-        wr_id: 77,
-        sgl: [a.mr.sge(0, 64)].into_iter().collect(),
-    })
-    .unwrap();
+    a.qp.post_recv(RecvWr::new(77, [a.mr.sge(0, 64)])).unwrap();
     for k in 0..6 {
         a.qp.post_send(SendWr::new(
             k,

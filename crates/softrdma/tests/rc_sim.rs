@@ -357,10 +357,7 @@ fn run_seed(seed: u64) -> Result<bool, String> {
             let sgl = sges(IOVA[i], KEY[i].0, r.at, u64::from(r.room), r.room % 2 == 1);
             sim.ends[i]
                 .qp
-                .post_recv(RecvWr {
-                    wr_id: r.wr_id,
-                    sgl: sgl.into(),
-                })
+                .post_recv(RecvWr::new(r.wr_id, sgl))
                 .map_err(|e| e.to_string())?;
         }
         s.posted_recvs = first;
@@ -414,10 +411,7 @@ fn run_seed(seed: u64) -> Result<bool, String> {
                 let sgl = sges(IOVA[i], KEY[i].0, r.at, u64::from(r.room), r.room % 2 == 1);
                 sim.ends[i]
                     .qp
-                    .post_recv(RecvWr {
-                        wr_id: r.wr_id,
-                        sgl: sgl.into(),
-                    })
+                    .post_recv(RecvWr::new(r.wr_id, sgl))
                     .map_err(|e| e.to_string())?;
                 s.posted_recvs += 1;
             }

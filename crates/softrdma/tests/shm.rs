@@ -111,20 +111,16 @@ fn every_operation_moves_the_right_bytes() {
     // SEND into two receive SGEs, SEND with immediate, inline SEND, WRITE
     // with immediate (its data lands by address, the receive gets the
     // immediate).
-    b.qp.post_recv(RecvWr {
-        wr_id: 10,
-        sgl: [b.mr.sge(600_000, 1000), b.mr.sge(700_000, 1000)]
-            .into_iter()
-            .collect(),
-    })
+    b.qp.post_recv(RecvWr::new(
+        10,
+        [b.mr.sge(600_000, 1000), b.mr.sge(700_000, 1000)],
+    ))
     .unwrap();
     for id in 11..14 {
-        b.qp.post_recv(RecvWr {
-            wr_id: id,
-            sgl: [b.mr.sge(800_000 + (id as usize - 11) * 4096, 4096)]
-                .into_iter()
-                .collect(),
-        })
+        b.qp.post_recv(RecvWr::new(
+            id,
+            [b.mr.sge(800_000 + (id as usize - 11) * 4096, 4096)],
+        ))
         .unwrap();
     }
     a.qp.post_send(SendWr::new(5, SendOp::Send, vec![a.mr.sge(0, 1500)]))
@@ -181,11 +177,7 @@ fn a_send_waits_for_its_receive() {
     ))
     .unwrap();
     assert!(a.scq.wait(Duration::from_millis(100)).unwrap().is_none());
-    b.qp.post_recv(RecvWr {
-        wr_id: 9,
-        sgl: [b.mr.sge(100, 64)].into_iter().collect(),
-    })
-    .unwrap();
+    b.qp.post_recv(RecvWr::new(9, [b.mr.sge(100, 64)])).unwrap();
     assert_eq!(one(&a.scq).wr_id, 1);
     assert_eq!(one(&a.scq).wr_id, 2);
     let wc = one(&b.rcq);
@@ -199,11 +191,7 @@ fn remote_errors_fail_both_qps_and_flush() {
     for (k, case) in ["rkey", "bounds", "right"].into_iter().enumerate() {
         let (a, b) = pair(&pid_name(&format!("err{k}")));
         let read_only = b.pd.register(4096, Access::REMOTE_READ).unwrap();
-        b.qp.post_recv(RecvWr {
-            wr_id: 77,
-            sgl: [b.mr.sge(0, 64)].into_iter().collect(),
-        })
-        .unwrap();
+        b.qp.post_recv(RecvWr::new(77, [b.mr.sge(0, 64)])).unwrap();
         let (addr, rkey) = match case {
             "rkey" => (b.mr.addr(), b.mr.rkey() ^ 0x0101),
             "bounds" => (b.mr.addr() + (1 << 20) - 8, b.mr.rkey()),
@@ -242,11 +230,7 @@ fn remote_errors_fail_both_qps_and_flush() {
 fn a_failed_write_with_immediate_completes_the_receive_it_took() {
     for (k, case) in ["rkey", "lkey"].into_iter().enumerate() {
         let (a, b) = pair(&pid_name(&format!("wimm{k}")));
-        b.qp.post_recv(RecvWr {
-            wr_id: 9,
-            sgl: [].into_iter().collect(),
-        })
-        .unwrap();
+        b.qp.post_recv(RecvWr::new(9, [])).unwrap();
         let (rkey, lkey) = match case {
             "rkey" => (b.mr.rkey() ^ 0x0101, a.mr.lkey()),
             _ => (b.mr.rkey(), a.mr.lkey() ^ 0x0101),
@@ -283,11 +267,7 @@ fn a_failed_write_with_immediate_completes_the_receive_it_took() {
 #[test]
 fn a_send_longer_than_the_receive_fails_both_ends() {
     let (a, b) = pair(&pid_name("long"));
-    b.qp.post_recv(RecvWr {
-        wr_id: 5,
-        sgl: [b.mr.sge(0, 16)].into_iter().collect(),
-    })
-    .unwrap();
+    b.qp.post_recv(RecvWr::new(5, [b.mr.sge(0, 16)])).unwrap();
     a.qp.post_send(SendWr::new(1, SendOp::Send, vec![a.mr.sge(0, 17)]))
         .unwrap();
     assert_eq!(one(&a.scq).status, WcStatus::RemInvReqErr);
@@ -331,11 +311,7 @@ fn regions_registered_later_work_and_deregistered_ones_stop() {
 #[test]
 fn a_destroyed_peer_flushes_the_survivor() {
     let (a, b) = pair(&pid_name("gone"));
-    a.qp.post_recv(RecvWr {
-        wr_id: 3,
-        sgl: [a.mr.sge(0, 64)].into_iter().collect(),
-    })
-    .unwrap();
+    a.qp.post_recv(RecvWr::new(3, [a.mr.sge(0, 64)])).unwrap();
     // A SEND waiting for a receive the peer will never post.
     a.qp.post_send(SendWr::new(4, SendOp::Send, vec![a.mr.sge(0, 8)]))
         .unwrap();
@@ -395,11 +371,7 @@ fn the_fastest_device_to_an_address_of_this_host_is_shared_memory() {
 #[test]
 fn a_receive_fires_the_completion_channel() {
     let (a, b) = pair(&pid_name("event"));
-    b.qp.post_recv(RecvWr {
-        wr_id: 1,
-        sgl: [b.mr.sge(0, 64)].into_iter().collect(),
-    })
-    .unwrap();
+    b.qp.post_recv(RecvWr::new(1, [b.mr.sge(0, 64)])).unwrap();
     b.rcq.req_notify(false);
     assert!(!b.rcq.wait_event(Duration::from_millis(50)), "nothing yet");
     a.qp.post_send(SendWr::new(2, SendOp::Send, vec![a.mr.sge(0, 8)]))

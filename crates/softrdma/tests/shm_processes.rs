@@ -62,11 +62,8 @@ fn sleeping_target() {
     let second = s.pd.register(4096, Access::ALL).unwrap();
     let read_only = s.pd.register(4096, Access::REMOTE_READ).unwrap();
     for k in 0..3 {
-        s.qp.post_recv(RecvWr {
-            wr_id: k,
-            sgl: [s.mr.sge(k as usize * 4096, 4096)].into_iter().collect(),
-        })
-        .unwrap();
+        s.qp.post_recv(RecvWr::new(k, [s.mr.sge(k as usize * 4096, 4096)]))
+            .unwrap();
     }
     shm::connect(&s.qp, &name).unwrap();
     println!(
@@ -267,11 +264,7 @@ fn a_killed_peer_flushes_the_survivor() {
     let (s, mut child, _) = target("kill");
     // Work outstanding when the target dies: a receive, and a SEND waiting
     // behind three that take the target's receives.
-    s.qp.post_recv(RecvWr {
-        wr_id: 5,
-        sgl: [s.mr.sge(0, 64)].into_iter().collect(),
-    })
-    .unwrap();
+    s.qp.post_recv(RecvWr::new(5, [s.mr.sge(0, 64)])).unwrap();
     for _ in 0..3 {
         s.qp.post_send(SendWr::new(1, SendOp::Send, vec![s.mr.sge(0, 8)]))
             .unwrap();

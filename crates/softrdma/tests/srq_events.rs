@@ -40,13 +40,7 @@ fn eight_rc_qps_share_one_srq_under_load() {
         cm::connect(&r, &ri, &si, &o).unwrap();
         cm::connect(&s, &si, &ri, &o).unwrap();
         // A receive posted on a QP of an SRQ is refused.
-        assert!(
-            r.post_recv(RecvWr {
-                wr_id: 0,
-                sgl: [].into_iter().collect()
-            })
-            .is_err()
-        );
+        assert!(r.post_recv(RecvWr::new(0, [])).is_err());
         pairs.push((r, s));
     }
     const MSGS: usize = 50; // per QP: 400 in all, through 256 SRQ slots
@@ -55,10 +49,10 @@ fn eight_rc_qps_share_one_srq_under_load() {
     let post = |n: usize, next: &mut usize| {
         for _ in 0..n {
             let slot = *next % 2048;
-            srq.post_recv(RecvWr {
-                wr_id: slot as u64,
-                sgl: [rmr.sge(slot * 4096, SIZE as u32)].into_iter().collect(),
-            })
+            srq.post_recv(RecvWr::new(
+                slot as u64,
+                [rmr.sge(slot * 4096, SIZE as u32)],
+            ))
             .unwrap();
             *next += 1;
         }
@@ -152,11 +146,7 @@ fn rnr_on_an_empty_srq_recovers() {
         "RNR-NAKed, not dropped"
     );
     assert!(cq.poll_one().unwrap().is_none());
-    srq.post_recv(RecvWr {
-        wr_id: 9,
-        sgl: [mr.sge(1000, 64)].into_iter().collect(),
-    })
-    .unwrap();
+    srq.post_recv(RecvWr::new(9, [mr.sge(1000, 64)])).unwrap();
     let mut got = cq.wait_for(2, T).unwrap();
     got.sort_by_key(|w| w.wr_id);
     assert_eq!(

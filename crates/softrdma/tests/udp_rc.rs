@@ -55,11 +55,8 @@ fn every_operation_over_loopback() {
     let data: Vec<u8> = (0..100_000u32).map(|i| (i * 7 + 3) as u8).collect();
     a.mr.write(0, &data).unwrap();
     // SEND/RECV, multi-packet.
-    b.qp.post_recv(RecvWr {
-        wr_id: 1,
-        sgl: [b.mr.sge(0, 100_000)].into_iter().collect(),
-    })
-    .unwrap();
+    b.qp.post_recv(RecvWr::new(1, [b.mr.sge(0, 100_000)]))
+        .unwrap();
     a.qp.post_send(SendWr::new(2, SendOp::Send, vec![a.mr.sge(0, 100_000)]))
         .unwrap();
     let wc = one(&b.cq);
@@ -125,11 +122,7 @@ fn every_operation_over_loopback() {
     assert_eq!(a.mr.load_u64(900_008).unwrap(), 42);
     assert_eq!(b.mr.load_u64(800_000).unwrap(), 7);
     // WRITE with immediate.
-    b.qp.post_recv(RecvWr {
-        wr_id: 7,
-        sgl: [].into_iter().collect(),
-    })
-    .unwrap();
+    b.qp.post_recv(RecvWr::new(7, [])).unwrap();
     a.qp.post_send(SendWr::new(
         8,
         SendOp::WriteWithImm {
@@ -188,16 +181,8 @@ fn thousands_of_ping_pongs_lose_no_post() {
     // every message here: a lost hand-off shows as a hang.
     let (a, b) = pair();
     for _ in 0..4 {
-        b.qp.post_recv(RecvWr {
-            wr_id: 0,
-            sgl: [b.mr.sge(0, 64)].into_iter().collect(),
-        })
-        .unwrap();
-        a.qp.post_recv(RecvWr {
-            wr_id: 0,
-            sgl: [a.mr.sge(0, 64)].into_iter().collect(),
-        })
-        .unwrap();
+        b.qp.post_recv(RecvWr::new(0, [b.mr.sge(0, 64)])).unwrap();
+        a.qp.post_recv(RecvWr::new(0, [a.mr.sge(0, 64)])).unwrap();
     }
     for i in 0..3000u64 {
         let (from, to) = if i % 2 == 0 { (&a, &b) } else { (&b, &a) };
@@ -209,12 +194,7 @@ fn thousands_of_ping_pongs_lose_no_post() {
             wcs.iter().all(|w| w.status == WcStatus::Success),
             "{i}: {wcs:?}"
         );
-        to.qp
-            .post_recv(RecvWr {
-                wr_id: 0,
-                sgl: [to.mr.sge(0, 64)].into_iter().collect(),
-            })
-            .unwrap();
+        to.qp.post_recv(RecvWr::new(0, [to.mr.sge(0, 64)])).unwrap();
     }
 }
 
@@ -229,11 +209,8 @@ fn an_rc_qp_ignores_packets_from_another_address() {
     cm::connect(&a.qp, &a.info, &b.info, &RcOptions::default()).unwrap();
     cm::connect(&b.qp, &b.info, &a.info, &RcOptions::default()).unwrap();
     for k in 0..2 {
-        b.qp.post_recv(RecvWr {
-            wr_id: k,
-            sgl: [b.mr.sge(k as usize * 64, 64)].into_iter().collect(),
-        })
-        .unwrap();
+        b.qp.post_recv(RecvWr::new(k, [b.mr.sge(k as usize * 64, 64)]))
+            .unwrap();
     }
     // A stranger at 127.0.0.9 sends a SEND Only with the PSN b expects.
     let stranger = std::net::UdpSocket::bind("127.0.0.9:0").unwrap();

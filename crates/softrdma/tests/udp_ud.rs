@@ -42,11 +42,8 @@ fn one_ud_qp_and_sixty_four_peers() {
             let scq = ctx.create_cq(256).unwrap();
             let qps: Vec<Qp> = (0..8).map(|_| ud_qp2(&pd, &scq, &cq, QKEY)).collect();
             for (i, q) in qps.iter().enumerate() {
-                q.post_recv(RecvWr {
-                    wr_id: i as u64,
-                    sgl: [mr.sge(i * 1024, 40 + 256)].into_iter().collect(),
-                })
-                .unwrap();
+                q.post_recv(RecvWr::new(i as u64, [mr.sge(i * 1024, 40 + 256)]))
+                    .unwrap();
             }
             let back = pd.create_ah(AhAttr { addr: center_addr }).unwrap();
             tx.send((
@@ -98,11 +95,8 @@ fn one_ud_qp_and_sixty_four_peers() {
     }
     assert_eq!(peers.len(), 64);
     for k in 0..64 {
-        qp.post_recv(RecvWr {
-            wr_id: 1000 + k,
-            sgl: [mr.sge(k as usize * 1024, 40 + 256)].into_iter().collect(),
-        })
-        .unwrap();
+        qp.post_recv(RecvWr::new(1000 + k, [mr.sge(k as usize * 1024, 40 + 256)]))
+            .unwrap();
     }
     for (k, (ah, q)) in peers.iter().enumerate() {
         let msg = format!("ping {k:02} to qp {q:#x}");
@@ -155,11 +149,7 @@ fn qkey_mismatch_and_oversize_over_sockets() {
             addr: ctx.local_addr(),
         })
         .unwrap();
-    b.post_recv(RecvWr {
-        wr_id: 1,
-        sgl: [mr.sge(0, 40 + 8)].into_iter().collect(),
-    })
-    .unwrap();
+    b.post_recv(RecvWr::new(1, [mr.sge(0, 40 + 8)])).unwrap();
     // Wrong Q_Key: dropped, counted, the receive stays.
     a.post_send(SendWr::new(2, SendOp::Send, vec![mr.sge(4096, 4)]).to(ah.dest(b.qpn(), QKEY)))
         .unwrap();
@@ -197,11 +187,7 @@ fn a_foreign_ip_id_is_solved_from_the_icrc() {
     let mr = pd.register(4096, Access::LOCAL_WRITE).unwrap();
     let cq = ctx.create_cq(8).unwrap();
     let qp = ud_qp(&pd, &cq, QKEY);
-    qp.post_recv(RecvWr {
-        wr_id: 1,
-        sgl: [mr.sge(0, 40 + 64)].into_iter().collect(),
-    })
-    .unwrap();
+    qp.post_recv(RecvWr::new(1, [mr.sge(0, 40 + 64)])).unwrap();
     let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
     let from = match sock.local_addr().unwrap() {
         std::net::SocketAddr::V4(a) => a,

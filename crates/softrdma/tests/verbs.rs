@@ -117,11 +117,7 @@ fn completion_channel_fires_on_the_fd() {
     // Solicited only: an unsolicited SEND does not fire, a solicited one does.
     cq_b.req_notify(true);
     for solicited in [false, true] {
-        b.post_recv(RecvWr {
-            wr_id: 7,
-            sgl: [mr.sge(100, 16)].into_iter().collect(),
-        })
-        .unwrap();
+        b.post_recv(RecvWr::new(7, [mr.sge(100, 16)])).unwrap();
         a.post_send(SendWr {
             wr_id: 1,
             op: SendOp::Send,
@@ -145,11 +141,7 @@ fn completion_channel_fires_on_the_fd() {
         );
     }
     // Any completion fires a plain notification; one already waiting fires at once.
-    b.post_recv(RecvWr {
-        wr_id: 8,
-        sgl: [mr.sge(100, 16)].into_iter().collect(),
-    })
-    .unwrap();
+    b.post_recv(RecvWr::new(8, [mr.sge(100, 16)])).unwrap();
     a.post_send(SendWr {
         wr_id: 2,
         op: SendOp::Send,
@@ -219,11 +211,7 @@ fn qp_transitions_through_the_verbs() {
         qp.post_send(send()),
         Err(VerbsError::Post(PostError::BadState(QpState::Rtr)))
     ));
-    qp.post_recv(RecvWr {
-        wr_id: 1,
-        sgl: [].into_iter().collect(),
-    })
-    .unwrap();
+    qp.post_recv(RecvWr::new(1, [])).unwrap();
     let rts = QpAttr {
         state: Some(QpState::Rts),
         sq_psn: Some(9),

@@ -1459,12 +1459,10 @@ fn post_recvs_at(s: &Setup, size: u64, count: u64, same_place: bool) -> Result<(
             } else {
                 s.step(s.span(size), k)
             };
-            qp.post_recv(RecvWr {
-                wr_id: ((i as u64) << 40) | k,
-                sgl: [s.mr.sge(s.target(i) + step, s.span(size) as u32)]
-                    .into_iter()
-                    .collect(),
-            })
+            qp.post_recv(RecvWr::new(
+                ((i as u64) << 40) | k,
+                [s.mr.sge(s.target(i) + step, s.span(size) as u32)],
+            ))
             .map_err(|e| e.to_string())?;
         }
     }
@@ -1512,14 +1510,10 @@ fn send_bw_server(s: &Setup, size: u64, first_rx: Option<&AtomicBool>) -> Result
             if posted[i] < n {
                 let k = posted[i];
                 s.qps[i]
-                    .post_recv(RecvWr {
-                        wr_id: ((i as u64) << 40) | k,
-                        sgl: [s
-                            .mr
-                            .sge(s.target(i) + s.step(s.span(size), k), s.span(size) as u32)]
-                        .into_iter()
-                        .collect(),
-                    })
+                    .post_recv(RecvWr::new(
+                        ((i as u64) << 40) | k,
+                        [s.mr.sge(s.target(i) + s.step(s.span(size), k), s.span(size) as u32)],
+                    ))
                     .map_err(|e| e.to_string())?;
                 posted[i] += 1;
             }
@@ -1703,12 +1697,10 @@ fn send_lat(s: &Setup, size: u64, clock: Option<Window>) -> Result<Vec<Instant>,
             rcnt += 1;
             if rcnt.saturating_add(rx_depth) <= n {
                 s.qps[0]
-                    .post_recv(RecvWr {
-                        wr_id: rcnt,
-                        sgl: [s.mr.sge(s.target(0), s.span(size) as u32)]
-                            .into_iter()
-                            .collect(),
-                    })
+                    .post_recv(RecvWr::new(
+                        rcnt,
+                        [s.mr.sge(s.target(0), s.span(size) as u32)],
+                    ))
                     .map_err(|e| e.to_string())?;
             }
         }

@@ -189,12 +189,10 @@ impl Control {
 
     fn post_recv(&self, slot: usize) -> Result<(), String> {
         self.qp
-            .post_recv(RecvWr {
-                wr_id: slot as u64,
-                sgl: [self.mr.sge(slot * CONTROL_MSG, CONTROL_MSG as u32)]
-                    .into_iter()
-                    .collect(),
-            })
+            .post_recv(RecvWr::new(
+                slot as u64,
+                [self.mr.sge(slot * CONTROL_MSG, CONTROL_MSG as u32)],
+            ))
             .map_err(|e| format!("out-of-band exchange: {e}"))
     }
 

@@ -243,6 +243,16 @@ pub struct RecvWr {
     pub sgl: SgList,
 }
 
+impl RecvWr {
+    /// A receive WR with these buffers.
+    pub fn new(wr_id: u64, sgl: impl IntoIterator<Item = Sge>) -> RecvWr {
+        RecvWr {
+            wr_id,
+            sgl: sgl.into_iter().collect(),
+        }
+    }
+}
+
 /// Work completion status (libibverbs' `ibv_wc_status` values).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u32)]

@@ -98,11 +98,7 @@ mod tests {
     fn limit_fires_once_below_the_mark() {
         let mut s = Srq::new(8, 1);
         for i in 0..5 {
-            s.post_recv(RecvWr {
-                wr_id: i,
-                sgl: [].into_iter().collect(),
-            })
-            .unwrap();
+            s.post_recv(RecvWr::new(i, [])).unwrap();
         }
         s.arm_limit(3).unwrap();
         assert_eq!(s.take().unwrap().wr_id, 0);
@@ -116,17 +112,10 @@ mod tests {
         assert_eq!(s.limit(), 0);
         assert!(s.arm_limit(9).is_err());
         for i in 0..7 {
-            s.post_recv(RecvWr {
-                wr_id: i,
-                sgl: [].into_iter().collect(),
-            })
-            .unwrap();
+            s.post_recv(RecvWr::new(i, [])).unwrap();
         }
         assert_eq!(
-            s.post_recv(RecvWr {
-                wr_id: 9,
-                sgl: [].into_iter().collect()
-            }),
+            s.post_recv(RecvWr::new(9, [])),
             Err(PostError::QueueFull(8))
         );
     }

@@ -167,13 +167,7 @@ impl Pair {
     }
 
     fn recv(&mut self, i: usize, wr_id: u64, sgl: Vec<Sge>) {
-        self.s[i]
-            .qp
-            .post_recv(RecvWr {
-                wr_id,
-                sgl: sgl.into(),
-            })
-            .unwrap();
+        self.s[i].qp.post_recv(RecvWr::new(wr_id, sgl)).unwrap();
     }
 
     fn statuses(&self, i: usize, kind: CqKind) -> Vec<(u64, WcStatus)> {

@@ -162,10 +162,7 @@ impl Pair {
         self.next_wr += 1;
         self.sim.ends[i]
             .qp
-            .post_recv(RecvWr {
-                wr_id,
-                sgl: sgl.into(),
-            })
+            .post_recv(RecvWr::new(wr_id, sgl))
             .unwrap();
         wr_id
     }
@@ -735,14 +732,7 @@ fn post_errors_are_reported_on_the_call() {
         fresh.post_send(wr(vec![])),
         Err(PostError::BadState(QpState::Reset))
     );
-    assert!(
-        fresh
-            .post_recv(RecvWr {
-                wr_id: 1,
-                sgl: [].into_iter().collect()
-            })
-            .is_err()
-    );
+    assert!(fresh.post_recv(RecvWr::new(1, [])).is_err());
 }
 
 #[test]

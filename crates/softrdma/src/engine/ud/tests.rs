@@ -129,11 +129,8 @@ fn dest(ah: u32, qpn: u32, qkey: u32) -> UdDest {
 fn datagram_with_grh_and_immediate() {
     let (mut a, mut b) = (node(0x20, QKEY), node(0x21, QKEY));
     a.write(0, b"ping ud");
-    b.qp.post_recv(RecvWr {
-        wr_id: 5,
-        sgl: [b.sge(100, 40 + 64)].into_iter().collect(),
-    })
-    .unwrap();
+    b.qp.post_recv(RecvWr::new(5, [b.sge(100, 40 + 64)]))
+        .unwrap();
     let wr = SendWr::new(1, SendOp::SendWithImm(0xfeed), vec![a.sge(0, 7)]).to(dest(9, 0x21, QKEY));
     a.qp.post_send(wr).unwrap();
     assert_eq!(deliver(&mut a, &mut b), [AhId(9)]);
@@ -178,11 +175,8 @@ fn datagram_with_grh_and_immediate() {
 #[test]
 fn a_send_completes_only_once_transmitted() {
     let (mut a, mut b) = (node(0x20, QKEY), node(0x21, QKEY));
-    a.qp.post_recv(RecvWr {
-        wr_id: 7,
-        sgl: [a.sge(1000, 40 + 64)].into_iter().collect(),
-    })
-    .unwrap();
+    a.qp.post_recv(RecvWr::new(7, [a.sge(1000, 40 + 64)]))
+        .unwrap();
     b.qp.post_send(SendWr::new(3, SendOp::Send, vec![b.sge(0, 5)]).to(dest(1, 0x20, QKEY)))
         .unwrap();
     a.qp.post_send(SendWr::new(1, SendOp::Send, vec![a.sge(0, 5)]).to(dest(9, 0x21, QKEY)))
@@ -206,11 +200,7 @@ fn a_send_completes_only_once_transmitted() {
 #[test]
 fn qkey_rules() {
     let (mut a, mut b) = (node(0x20, QKEY), node(0x21, QKEY));
-    b.qp.post_recv(RecvWr {
-        wr_id: 1,
-        sgl: [b.sge(0, 100)].into_iter().collect(),
-    })
-    .unwrap();
+    b.qp.post_recv(RecvWr::new(1, [b.sge(0, 100)])).unwrap();
     // A wrong Q_Key is dropped and counted; the receive stays posted.
     a.qp.post_send(SendWr::new(1, SendOp::Send, vec![]).to(dest(1, 0x21, 0x2222)))
         .unwrap();
@@ -227,16 +217,9 @@ fn qkey_rules() {
 #[test]
 fn oversized_datagram_is_loc_len_err_and_the_qp_goes_on() {
     let (mut a, mut b) = (node(0x20, QKEY), node(0x21, QKEY));
-    b.qp.post_recv(RecvWr {
-        wr_id: 1,
-        sgl: [b.sge(0, 40 + 10)].into_iter().collect(),
-    })
-    .unwrap();
-    b.qp.post_recv(RecvWr {
-        wr_id: 2,
-        sgl: [b.sge(1000, 40 + 100)].into_iter().collect(),
-    })
-    .unwrap();
+    b.qp.post_recv(RecvWr::new(1, [b.sge(0, 40 + 10)])).unwrap();
+    b.qp.post_recv(RecvWr::new(2, [b.sge(1000, 40 + 100)]))
+        .unwrap();
     a.qp.post_send(SendWr::new(1, SendOp::Send, vec![a.sge(0, 11)]).to(dest(1, 0x21, QKEY)))
         .unwrap();
     a.qp.post_send(SendWr::new(2, SendOp::Send, vec![a.sge(0, 11)]).to(dest(1, 0x21, QKEY)))

@@ -138,11 +138,8 @@ fn send_write_and_read_over_tcp_with_and_without_crc() {
         let (a, b) = pair(crc);
         let data = pattern(300_000, 3);
         a.mem.write(0, &data);
-        b.qp.post_recv(RecvWr {
-            wr_id: 9,
-            sgl: [sge(&b, 0, 400_000)].into_iter().collect(),
-        })
-        .unwrap();
+        b.qp.post_recv(RecvWr::new(9, [sge(&b, 0, 400_000)]))
+            .unwrap();
         a.qp.post_send(SendWr::new(1, SendOp::Send, vec![sge(&a, 0, 300_000)]))
             .unwrap();
         a.qp.post_send(SendWr::new(
@@ -218,12 +215,10 @@ fn fpdus_cut_anywhere_by_the_stream_are_placed_whole() {
         // Small SENDs (untagged) and WRITEs (tagged) in turn, then a large
         // WRITE and a READ of it back (Read Request, then responses).
         for k in 0..20u32 {
-            b.qp.post_recv(RecvWr {
-                wr_id: u64::from(k),
-                sgl: [sge(&b, 3_000_000 + 64 * u64::from(k), 64)]
-                    .into_iter()
-                    .collect(),
-            })
+            b.qp.post_recv(RecvWr::new(
+                u64::from(k),
+                [sge(&b, 3_000_000 + 64 * u64::from(k), 64)],
+            ))
             .unwrap();
         }
         let mut id = 0;
@@ -323,11 +318,7 @@ fn a_bad_stag_is_terminated_and_the_connection_closes() {
 #[test]
 fn a_peer_that_vanishes_mid_transfer_flushes_and_never_hangs() {
     let (a, b) = pair(false);
-    a.qp.post_recv(RecvWr {
-        wr_id: 50,
-        sgl: [sge(&a, 0, 64)].into_iter().collect(),
-    })
-    .unwrap();
+    a.qp.post_recv(RecvWr::new(50, [sge(&a, 0, 64)])).unwrap();
     for k in 0..8 {
         a.qp.post_send(SendWr::new(
             k,
