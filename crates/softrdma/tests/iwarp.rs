@@ -3,7 +3,6 @@
 //! Terminates, a rejected connection, and a peer that goes away
 //! mid-transfer.
 
-use std::net::Ipv4Addr;
 use std::time::Duration;
 
 use softrdma::cm::iwarp::{self, ConnectError, Listener};
@@ -12,36 +11,7 @@ use softrdma::verbs::*;
 use softrdma::wire::rdmap::Layer;
 
 mod common;
-use common::{End, one, wait_state};
-
-fn end(ip: [u8; 4]) -> End {
-    let caps = QpCaps {
-        max_send_wr: 64,
-        max_recv_wr: 64,
-        max_send_sge: 4,
-        max_recv_sge: 4,
-        max_inline_data: 64,
-    };
-    End::new(Device::iwarp(Ipv4Addr::from(ip)), 8 << 20, 256, caps)
-}
-
-/// A client at 127.0.0.1 connected to a server at 127.0.0.2; `before` runs on
-/// the server's end before it accepts (to post receives).
-fn pair(client_cfg: MpaConfig, before: impl FnOnce(&End) + Send + 'static) -> (End, End) {
-    let server = end([127, 0, 0, 2]);
-    let listener = Listener::bind(&server.ctx, 0).unwrap();
-    let at = listener.local_addr();
-    let t = std::thread::spawn(move || {
-        before(&server);
-        listener
-            .accept(&server.qp, &MpaConfig::default(), |_| Decision::Accept)
-            .unwrap();
-        server
-    });
-    let client = end([127, 0, 0, 1]);
-    iwarp::connect(&client.qp, at, &client_cfg).unwrap();
-    (client, t.join().unwrap())
-}
+use common::{End, iwarp_end as end, iwarp_pair as pair, one, wait_state};
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)

@@ -3,31 +3,13 @@
 //! the CPU time of this process's iWARP threads is measured, and no other
 //! test's connections may run meanwhile.
 
-use std::net::Ipv4Addr;
 use std::time::Duration;
 
-use softrdma::cm::iwarp::{self, Listener};
-use softrdma::cm::mpa::{Decision, MpaConfig};
+use softrdma::cm::mpa::MpaConfig;
 use softrdma::verbs::*;
 
 mod common;
-use common::{End, one};
-
-fn end(ip: [u8; 4]) -> End {
-    let caps = QpCaps {
-        max_send_wr: 16,
-        max_recv_wr: 16,
-        max_send_sge: 1,
-        max_recv_sge: 1,
-        max_inline_data: 0,
-    };
-    End::new(
-        Device::iwarp(Ipv4Addr::from(ip)).busy_poll(true),
-        1 << 20,
-        64,
-        caps,
-    )
-}
+use common::{iwarp_pair, one};
 
 /// CPU time (clock ticks) of this process's iWARP threads.
 fn iwarp_threads_cpu() -> u64 {
@@ -50,18 +32,9 @@ fn iwarp_threads_cpu() -> u64 {
 
 #[test]
 fn an_idle_busy_polling_connection_sleeps() {
-    let server = end([127, 0, 0, 2]);
-    let listener = Listener::bind(&server.ctx, 0).unwrap();
-    let at = listener.local_addr();
-    let t = std::thread::spawn(move || {
-        listener
-            .accept(&server.qp, &MpaConfig::default(), |_| Decision::Accept)
-            .unwrap();
-        server
-    });
-    let a = end([127, 0, 0, 1]);
-    iwarp::connect(&a.qp, at, &MpaConfig::default()).unwrap();
-    let b = t.join().unwrap();
+    let (a, b) = iwarp_pair(MpaConfig::default(), |_| {});
+    a.ctx.set_busy_poll(true);
+    b.ctx.set_busy_poll(true);
     // Traffic both ways, so that both receiving threads have spun.
     for (from, to) in [(&a, &b), (&b, &a)] {
         from.mr.write(0, b"busy").unwrap();

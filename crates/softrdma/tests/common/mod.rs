@@ -1,5 +1,5 @@
 //! What the iWARP and shared-memory tests share: one side's verbs objects,
-//! and waiting for a completion or a QP state.
+//! a connected iWARP pair, and waiting for a completion or a QP state.
 
 // Each test binary uses its own part of this.
 #![allow(dead_code)]
@@ -54,4 +54,45 @@ pub fn wait_state(qp: &Qp, want: QpState) {
         assert!(t.elapsed() < T, "QP never reached {want}");
         std::thread::sleep(Duration::from_millis(1));
     }
+}
+
+/// An iWARP end at `ip` (a region of 8 MiB, CQs of 256, 64 WRs and 4 SGEs a
+/// queue).
+pub fn iwarp_end(ip: [u8; 4]) -> End {
+    let caps = QpCaps {
+        max_send_wr: 64,
+        max_recv_wr: 64,
+        max_send_sge: 4,
+        max_recv_sge: 4,
+        max_inline_data: 64,
+    };
+    End::new(
+        Device::iwarp(std::net::Ipv4Addr::from(ip)),
+        8 << 20,
+        256,
+        caps,
+    )
+}
+
+/// An iWARP client at 127.0.0.1 connected to a server at 127.0.0.2; `before`
+/// runs on the server's end before it accepts (to post receives).
+pub fn iwarp_pair(
+    client_cfg: softrdma::cm::mpa::MpaConfig,
+    before: impl FnOnce(&End) + Send + 'static,
+) -> (End, End) {
+    use softrdma::cm::iwarp::{self, Listener};
+    use softrdma::cm::mpa::{Decision, MpaConfig};
+    let server = iwarp_end([127, 0, 0, 2]);
+    let listener = Listener::bind(&server.ctx, 0).unwrap();
+    let at = listener.local_addr();
+    let t = std::thread::spawn(move || {
+        before(&server);
+        listener
+            .accept(&server.qp, &MpaConfig::default(), |_| Decision::Accept)
+            .unwrap();
+        server
+    });
+    let client = iwarp_end([127, 0, 0, 1]);
+    iwarp::connect(&client.qp, at, &client_cfg).unwrap();
+    (client, t.join().unwrap())
 }
