@@ -243,6 +243,7 @@ fn server(a: &RpingArgs) -> Result<(), String> {
             eprintln!("accepting client connection request");
         }
         serve(a, &side)?;
+        debug_fpdus(a, &side);
         eprintln!("server DISCONNECT EVENT...");
         if !a.persistent {
             return Ok(());
@@ -330,6 +331,17 @@ fn report_terminates(s: &Side) {
     }
 }
 
+/// With -d: the FPDUs this side sent (rping's debug lines go to stdout). Large
+/// FPDUs are only for peers that take them: siw's stay within a segment.
+fn debug_fpdus(a: &RpingArgs, s: &Side) {
+    if let (true, Some(st)) = (a.debug, s.qp.iwarp_stats()) {
+        println!(
+            "FPDUs sent: {}, largest ULPDU: {} bytes",
+            st.fpdus.fpdus_sent, st.fpdus.largest_ulpdu_sent
+        );
+    }
+}
+
 /// rping's ping data for iteration `ping`: "rdma-ping-N: " and letters from
 /// `start` up, wrapping 'z' to 'A'; NUL last.
 fn ping_data(ping: u64, start: u8, size: usize) -> Vec<u8> {
@@ -379,6 +391,7 @@ fn client(a: &RpingArgs) -> Result<(), String> {
         }
         ping += 1;
     }
+    debug_fpdus(a, &side);
     // The server's last SEND has arrived, but siw completes that SEND only
     // after its transmit path looks again, and fails it (LOC_QP_OP_ERR, and
     // rping's server then exits 255) if the connection is closing by then:

@@ -371,6 +371,53 @@ fn peer_to_peer_mode_sends_and_awaits_the_rtr_message() {
 }
 
 #[test]
+fn fpdus_outgrow_a_segment_only_when_both_ends_offer_it() {
+    // MPA's largest ULPDU carries 65513 bytes of WRITE payload: 1 MiB in 17
+    // FPDUs. Declined, each FPDU fits a TCP segment (about 32 KiB on
+    // loopback) as towards siw.
+    for large in [true, false] {
+        let cfg = MpaConfig {
+            large_fpdus: large,
+            ..MpaConfig::default()
+        };
+        let (a, b) = pair(cfg, |_| {});
+        let data = pattern(1 << 20, 3);
+        a.mr.write(0, &data).unwrap();
+        a.qp.post_send(SendWr::new(
+            1,
+            SendOp::Write {
+                remote_addr: b.mr.addr() + 4096,
+                rkey: b.mr.rkey(),
+            },
+            vec![a.mr.sge(0, 1 << 20)],
+        ))
+        .unwrap();
+        let wc = one(&a.scq);
+        assert_eq!((wc.wr_id, wc.status), (1, WcStatus::Success));
+        let mut got = vec![0u8; 1 << 20];
+        // The completion is local (the bytes are in TCP): wait for them.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while b.qp.iwarp_stats().unwrap().fpdus.fpdus_received
+            < a.qp.iwarp_stats().unwrap().fpdus.fpdus_sent
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "FPDUs not all received"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        b.mr.read(4096, &mut got).unwrap();
+        assert!(got == data, "the WRITE's bytes (large FPDUs: {large})");
+        let sent = a.qp.iwarp_stats().unwrap().fpdus.fpdus_sent;
+        if large {
+            assert_eq!(sent, 17);
+        } else {
+            assert!(sent > 17, "{sent} FPDUs for 1 MiB within segments");
+        }
+    }
+}
+
+#[test]
 fn a_read_out_of_bounds_fails_with_rem_access_err() {
     let (a, b) = pair(MpaConfig::default(), |_| {});
     a.qp.post_send(SendWr::new(

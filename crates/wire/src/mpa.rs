@@ -42,6 +42,13 @@ pub const FLAG_REJECT: u8 = 0x20;
 pub const FLAG_ENHANCED: u8 = 0x10;
 /// The four reserved flag bits (siw uses 0x08 privately for "GSO allowed").
 pub const FLAG_RESERVED: u8 = 0x0f;
+/// siw's private "GSO" flag (MPA_RR_FLAG_GSO_EXP): the sender takes FPDUs
+/// larger than a TCP segment. siw's Reply echoes the Request's flags, so in
+/// a Reply it may only be an echo.
+pub const FLAG_GSO: u8 = 0x08;
+/// softrdma's private flag, in a Reply beside [`FLAG_GSO`]: the responder
+/// takes large FPDUs itself (siw's echo never sets it).
+pub const FLAG_GSO_OWN: u8 = 0x04;
 
 mod field {
     use crate::bytes::Field;

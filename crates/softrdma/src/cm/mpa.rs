@@ -13,7 +13,8 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use softrdma_wire::mpa::{
-    IrdOrd, Kind, MAX_PRIVATE_DATA, START_FRAME_HEADER_LEN, StartFrame, StartFrameRepr,
+    FLAG_GSO, FLAG_GSO_OWN, IrdOrd, Kind, MAX_PRIVATE_DATA, START_FRAME_HEADER_LEN, StartFrame,
+    StartFrameRepr,
 };
 
 /// How a side stands on CRC32c.
@@ -50,10 +51,15 @@ pub struct MpaConfig {
     /// IP type of service of the TCP connection (rdma_cm's
     /// RDMA_OPTION_ID_TOS); None leaves the system's.
     pub tos: Option<u8>,
+    /// Offer FPDUs larger than a TCP segment (siw's private "GSO" flag):
+    /// used when both sides take them, which a siw responder cannot confirm
+    /// (see [`MpaOutcome::large_fpdus`]).
+    pub large_fpdus: bool,
 }
 
 impl Default for MpaConfig {
-    /// siw's defaults: revision 2, CRC if asked, IRD = ORD = 1, no P2P.
+    /// siw's defaults (revision 2, CRC if asked, IRD = ORD = 1, no P2P),
+    /// and large FPDUs offered.
     fn default() -> Self {
         MpaConfig {
             revision: 2,
@@ -64,6 +70,7 @@ impl Default for MpaConfig {
             private_data: Vec::new(),
             timeout: Duration::from_secs(10),
             tos: None,
+            large_fpdus: true,
         }
     }
 }
@@ -87,6 +94,12 @@ pub struct MpaOutcome {
     pub initiator: bool,
     /// The peer's private data (after the IRD/ORD block).
     pub peer_private_data: Vec<u8>,
+    /// This side may send FPDUs larger than a TCP segment: both offered
+    /// them. A responder learns it from the Request's siw "GSO" flag; an
+    /// initiator only from a Reply that also carries softrdma's own flag,
+    /// since siw's Reply echoes the Request's flags (so towards siw,
+    /// FPDUs stay within the MSS, as siw's own are).
+    pub large_fpdus: bool,
 }
 
 /// Why establishment failed.
@@ -217,7 +230,7 @@ pub fn connect(stream: &mut TcpStream, cfg: &MpaConfig) -> Result<MpaOutcome, Mp
         markers: false,
         crc: cfg.crc == CrcPolicy::Required,
         reject: false,
-        reserved_flags: 0,
+        reserved_flags: if cfg.large_fpdus { FLAG_GSO } else { 0 },
         revision: cfg.revision,
         ird_ord: (cfg.revision >= 2).then(|| offer_block(cfg, &cfg.p2p)),
         ulp_private_data_len: cfg.private_data.len(),
@@ -265,6 +278,8 @@ pub fn connect(stream: &mut TcpStream, cfg: &MpaConfig) -> Result<MpaOutcome, Mp
         rtr,
         initiator: true,
         peer_private_data: pd,
+        large_fpdus: cfg.large_fpdus
+            && reply.reserved_flags & (FLAG_GSO | FLAG_GSO_OWN) == FLAG_GSO | FLAG_GSO_OWN,
     })
 }
 
@@ -336,12 +351,17 @@ pub fn accept(
     }
     // CRC if the initiator asks, or if this side requires it.
     let crc = req.crc || cfg.crc == CrcPolicy::Required;
+    let large_fpdus = cfg.large_fpdus && req.reserved_flags & FLAG_GSO != 0;
     let reply = StartFrameRepr {
         kind: Kind::Reply,
         markers: false,
         crc,
         reject: false,
-        reserved_flags: 0,
+        reserved_flags: if large_fpdus {
+            FLAG_GSO | FLAG_GSO_OWN
+        } else {
+            0
+        },
         revision,
         ird_ord: (revision >= 2).then(|| offer_block(cfg, rtr.as_slice())),
         ulp_private_data_len: cfg.private_data.len(),
@@ -358,6 +378,7 @@ pub fn accept(
         rtr,
         initiator: false,
         peer_private_data: request.private_data,
+        large_fpdus,
     })
 }
 
@@ -536,6 +557,86 @@ mod tests {
         let (markers, garbage) = t.join().unwrap();
         assert!(matches!(markers.unwrap_err(), MpaError::Markers));
         assert!(matches!(garbage.unwrap_err(), MpaError::Protocol(_)));
+    }
+
+    #[test]
+    fn large_fpdus_are_used_only_when_both_sides_offer_them() {
+        let off = MpaConfig {
+            large_fpdus: false,
+            ..MpaConfig::default()
+        };
+        let (c, s) = pair(MpaConfig::default(), MpaConfig::default(), yes);
+        assert!(c.unwrap().large_fpdus && s.unwrap().large_fpdus);
+        for (client, server) in [
+            (off.clone(), MpaConfig::default()),
+            (MpaConfig::default(), off),
+        ] {
+            let (c, s) = pair(client, server, yes);
+            assert!(!c.unwrap().large_fpdus && !s.unwrap().large_fpdus);
+        }
+    }
+
+    /// Our Request read by a stand-in responder that answers `flags`.
+    fn connect_to_a_reply_with(flags: u8) -> (Vec<u8>, MpaOutcome) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = l.local_addr().unwrap();
+        let t = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut req = vec![0u8; 24];
+            s.read_exact(&mut req).unwrap();
+            let mut reply = b"MPA ID Rep Frame\x00\x02\x00\x04\x00\x01\x00\x01".to_vec();
+            reply[16] = flags;
+            s.write_all(&reply).unwrap();
+            req
+        });
+        let mut c = TcpStream::connect(at).unwrap();
+        let out = connect(&mut c, &MpaConfig::default()).unwrap();
+        (t.join().unwrap(), out)
+    }
+
+    #[test]
+    fn a_reply_that_only_echoes_the_gso_flag_keeps_fpdus_within_a_segment() {
+        // The Request is siw's with its GSO flag (siw with try_gso sends
+        // the same).
+        let (req, out) = connect_to_a_reply_with(0x18);
+        assert_eq!(
+            &req[..],
+            b"MPA ID Req Frame\x18\x02\x00\x04\x00\x01\x00\x01"
+        );
+        // siw's Reply copies the Request's flags: no proof it was read.
+        assert!(!out.large_fpdus);
+        let (_, out) = connect_to_a_reply_with(0x10);
+        assert!(!out.large_fpdus);
+        let (_, out) = connect_to_a_reply_with(0x1c);
+        assert!(out.large_fpdus);
+    }
+
+    /// The flags byte of our Reply to `request`, and the outcome.
+    fn accept_a_request(request: &'static [u8]) -> (u8, MpaOutcome) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = l.local_addr().unwrap();
+        let t = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            accept(&mut s, &MpaConfig::default(), yes).unwrap()
+        });
+        let mut c = TcpStream::connect(at).unwrap();
+        c.write_all(request).unwrap();
+        let mut reply = [0u8; 24];
+        c.read_exact(&mut reply).unwrap();
+        (reply[16], t.join().unwrap())
+    }
+
+    #[test]
+    fn a_request_with_the_gso_flag_gets_large_fpdus_and_a_reply_that_says_so() {
+        // siw with try_gso: it sends large FPDUs itself when our Reply has
+        // the flag, and takes ours.
+        let (flags, out) = accept_a_request(b"MPA ID Req Frame\x18\x02\x00\x04\x00\x01\x00\x01");
+        assert_eq!(flags, 0x1c);
+        assert!(out.large_fpdus);
+        // siw's default Request: the Reply is siw's, byte for byte.
+        let (flags, out) = accept_a_request(b"MPA ID Req Frame\x10\x02\x00\x04\x00\x01\x00\x01");
+        assert_eq!(flags, 0x10);
+        assert!(!out.large_fpdus);
     }
 
     #[test]

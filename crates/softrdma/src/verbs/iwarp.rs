@@ -113,7 +113,13 @@ impl Qp {
             VerbsError::Invalid("this iWARP QP was connected before: create a new one".into())
         })?;
         let cfg = IwarpConfig {
-            max_ulpdu: fpdu_override().unwrap_or_else(|| max_ulpdu_for(&stream)),
+            max_ulpdu: fpdu_override().unwrap_or_else(|| {
+                if mpa.large_fpdus {
+                    LARGE_ULPDU
+                } else {
+                    max_ulpdu_for(&stream)
+                }
+            }),
             ird: mpa.ird.max(1),
             ord: mpa.ord.max(1),
             terminate_encoding: TermEncoding::Rfc,
@@ -153,13 +159,18 @@ impl Qp {
     }
 }
 
-/// `SOFTRDMA_IWARP_ULPDU`: the largest ULPDU to send, instead of one that
-/// fits the TCP MSS (what siw expects); `max` is MPA's limit. For measuring
-/// larger FPDUs between softrdma ends (docs/iwarp.md).
+/// The ULPDU sent when both ends take FPDUs larger than a segment: MPA's
+/// limit (the engine keeps room for pad and CRC).
+const LARGE_ULPDU: usize = u16::MAX as usize;
+
+/// `SOFTRDMA_IWARP_ULPDU`: the largest ULPDU to send, instead of the
+/// negotiated one (one that fits the TCP MSS, or [`LARGE_ULPDU`] between
+/// ends that both take large FPDUs); `max` is MPA's limit. For measuring
+/// FPDU sizes (docs/iwarp.md).
 fn fpdu_override() -> Option<usize> {
     let v = std::env::var("SOFTRDMA_IWARP_ULPDU").ok()?;
     match v.as_str() {
-        "max" => Some(usize::from(u16::MAX)),
+        "max" => Some(LARGE_ULPDU),
         n => n.parse().ok(),
     }
 }

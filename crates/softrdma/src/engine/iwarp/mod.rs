@@ -125,6 +125,8 @@ pub enum Placement {
 pub struct IwarpStats {
     /// FPDUs sent.
     pub fpdus_sent: u64,
+    /// The longest ULPDU sent (the FPDU size in use).
+    pub largest_ulpdu_sent: usize,
     /// FPDUs received.
     pub fpdus_received: u64,
     /// Terminates sent.
@@ -635,6 +637,7 @@ impl IwarpQp {
         let ulpdu_len = header_len - 2 + payload_len;
         buf[..2].copy_from_slice(&(ulpdu_len as u16).to_be_bytes());
         self.stats.fpdus_sent += 1;
+        self.stats.largest_ulpdu_sent = self.stats.largest_ulpdu_sent.max(ulpdu_len);
         Transmit {
             header_len,
             payload_len,
