@@ -51,6 +51,10 @@ pub struct Sge {
 /// A work request's SGEs: one or two stay inline (no allocation per post).
 pub type SgList = smallvec::SmallVec<[Sge; 2]>;
 
+/// A work request's buffers resolved to region memory: held inline for up
+/// to two (no allocation per message).
+pub type SegList = smallvec::SmallVec<[crate::memory::Segment; 2]>;
+
 /// Send work request operations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum SendOp {

@@ -15,12 +15,12 @@ use softrdma_wire::{Opcode, Psn, bth, deth, grh};
 use super::QpEvent;
 use super::qp::{Mtu, QpAttr, QpType, TransitionError, check_transition};
 use super::rc::QpCaps;
-use super::scatter;
 use super::srq::Srq;
 use super::{
     AhId, CqKind, PostError, QpState, RecvWr, SendOp, SendWr, Transmit, WcOpcode, WcStatus,
     WorkCompletion,
 };
+use super::{SegList, scatter};
 use crate::memory::{Access, MrTable, PdId, Segment};
 
 /// What the provider knows of a received datagram's IP header.
@@ -399,7 +399,7 @@ impl UdQp {
             self.stats.no_receive += 1;
             return;
         };
-        let mut segs = Vec::with_capacity(wqe.sgl.len());
+        let mut segs = SegList::new();
         let mut room = 0usize;
         for sge in wqe.sgl.iter().filter(|s| s.len != 0) {
             match mrs.local(self.pd, sge.lkey, sge.addr, sge.len, Access::LOCAL_WRITE) {

@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use nix::sys::socket::MsgFlags;
+use nix::sys::socket::{ControlMessage, MsgFlags, MultiHeaders, SockaddrIn, sendmmsg};
 use rustix::event::{EventfdFlags, PollFd, PollFlags, eventfd};
 use rustix::net::sockopt;
 use softrdma_wire::bth;
@@ -292,6 +292,14 @@ pub(crate) fn poll_now(shared: &Shared) {
 }
 
 thread_local! {
+    // One datagram's send headers, without and with room for the GSO
+    // segment size: built once per thread, since nix's `sendmsg` allocates
+    // its control-message buffer on every call.
+    static SEND_HEADERS: RefCell<(MultiHeaders<SockaddrIn>, MultiHeaders<SockaddrIn>)> =
+        RefCell::new((
+            MultiHeaders::preallocate(1, None),
+            MultiHeaders::preallocate(1, Some(nix::cmsg_space!(u16))),
+        ));
     static APP_RX: RefCell<RxBuffers> = RefCell::new(RxBuffers::new());
     static TX: RefCell<Vec<TxSlot>> = RefCell::new(
         (0..BATCH)
@@ -689,15 +697,20 @@ fn send_packets(shared: &Shared, peer: SocketAddrV4, tx: &[TxSlot], qpn: u32) {
             let _ = w.record(&m, &parts);
         }
     }
-    let to = nix::sys::socket::SockaddrIn::from(peer);
+    let to = [Some(SockaddrIn::from(peer))];
     let fd = std::os::fd::AsRawFd::as_raw_fd(&shared.sockets[sock]);
-    let sent = if tx.len() > 1 {
-        let segment = (udp_len(&tx[0].t) - 8) as u16;
-        let cmsg = [nix::sys::socket::ControlMessage::UdpGsoSegments(&segment)];
-        nix::sys::socket::sendmsg(fd, &iov, &cmsg, MsgFlags::empty(), Some(&to))
-    } else {
-        nix::sys::socket::sendmsg(fd, &iov, &[], MsgFlags::empty(), Some(&to))
-    };
+    let segment = (udp_len(&tx[0].t) - 8) as u16;
+    let slices: &[IoSlice<'_>] = &iov;
+    let sent = SEND_HEADERS.with_borrow_mut(|(plain, gso)| {
+        let one = [slices];
+        if tx.len() > 1 {
+            let cmsg = [ControlMessage::UdpGsoSegments(&segment)];
+            sendmmsg(fd, gso, &one, to, cmsg, MsgFlags::empty()).map(drop)
+        } else {
+            let none: [ControlMessage<'_>; 0] = [];
+            sendmmsg(fd, plain, &one, to, none, MsgFlags::empty()).map(drop)
+        }
+    });
     match sent {
         Ok(_) => {
             shared
@@ -899,7 +912,7 @@ pub(crate) fn recv_datagram(
     rx: &mut [u8],
     cmsg: &mut [u8],
 ) -> Option<(usize, RxMeta)> {
-    use nix::sys::socket::{ControlMessageOwned, MsgFlags, SockaddrIn, recvmsg};
+    use nix::sys::socket::{ControlMessageOwned, recvmsg};
     use std::os::fd::AsRawFd;
     let mut iov = [io::IoSliceMut::new(rx)];
     let msg = recvmsg::<SockaddrIn>(

@@ -39,6 +39,7 @@ use super::{
     CqKind, PostError, QpEvent, RecvWr, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
     check_post_recv, push_pieces,
 };
+use crate::engine::SegList;
 use crate::engine::qp::QpState;
 use crate::memory::{Access, AccessError, MrTable, PdId, Segment};
 
@@ -164,7 +165,7 @@ struct SqEntry {
     /// Total payload bytes.
     len: usize,
     /// Resolved local pieces (on first transmit).
-    segs: Option<Vec<Segment>>,
+    segs: Option<SegList>,
     /// MSN of this message on its queue (untagged).
     msn: u32,
 }
@@ -175,7 +176,7 @@ struct OutRead {
     seq: u64,
     sink_stag: u32,
     sink_to: u64,
-    segs: Vec<Segment>,
+    segs: SegList,
     len: usize,
     got: usize,
 }
@@ -195,7 +196,7 @@ struct InRead {
 struct RqEntry {
     wr: RecvWr,
     /// Resolved when its message starts.
-    segs: Option<Vec<Segment>>,
+    segs: Option<SegList>,
     len: usize,
 }
 
@@ -708,7 +709,7 @@ impl IwarpQp {
                 SendOp::Read { .. } => Access::LOCAL_WRITE,
                 _ => Access::NONE,
             };
-            let mut segs = Vec::with_capacity(e.wr.sgl.len());
+            let mut segs = SegList::new();
             for s in &e.wr.sgl {
                 match mrs.local(pd, s.lkey, s.addr, s.len, need) {
                     Ok(seg) => segs.push(seg),
@@ -736,7 +737,7 @@ impl IwarpQp {
                 _ => {}
             }
         } else if e.wr.flags.inline && e.segs.is_none() {
-            e.segs = Some(Vec::new());
+            e.segs = Some(SegList::new());
             if let SendOp::Send | SendOp::SendWithInv(_) = e.wr.op {
                 e.msn = self.send_msn;
                 self.send_msn = self.send_msn.wrapping_add(1);
@@ -831,16 +832,23 @@ impl IwarpQp {
     /// and WRITEs it finished complete (until then their buffers may still be
     /// read).
     pub fn transmitted(&mut self) {
-        for seq in std::mem::take(&mut self.unconfirmed) {
-            self.complete(seq, WcStatus::Success);
-        }
+        self.confirm(WcStatus::Success);
     }
 
     /// Writing what [`IwarpQp::poll_transmit`] gave failed: the SENDs and
     /// WRITEs it finished are flushed (the connection is lost with them).
     pub fn transmit_failed(&mut self) {
-        for seq in std::mem::take(&mut self.unconfirmed) {
-            self.complete(seq, WcStatus::WrFlushErr);
+        self.confirm(WcStatus::WrFlushErr);
+    }
+
+    fn confirm(&mut self, status: WcStatus) {
+        let mut done = std::mem::take(&mut self.unconfirmed);
+        for seq in done.drain(..) {
+            self.complete(seq, status);
+        }
+        // The list keeps its room: no allocation per batch.
+        if self.unconfirmed.is_empty() {
+            self.unconfirmed = done;
         }
     }
 
@@ -977,7 +985,7 @@ impl IwarpQp {
                     return Placement::Discard;
                 };
                 if r.segs.is_none() {
-                    let mut segs = Vec::new();
+                    let mut segs = SegList::new();
                     for s in &r.wr.sgl {
                         match mrs.local(pd, s.lkey, s.addr, s.len, Access::LOCAL_WRITE) {
                             Ok(seg) => segs.push(seg),

@@ -6,8 +6,8 @@ use softrdma_wire::packet::Repr;
 use softrdma_wire::{Opcode, Psn, atomic, bth, reth};
 
 use super::{MAX_PKTS_PER_ACK, MAX_UNACKED_PSNS, RcQp};
-use crate::engine::push_pieces;
 use crate::engine::{CqKind, PostError, QpState, SendOp, SendWr, Time, Transmit, WcStatus};
+use crate::engine::{SegList, push_pieces};
 use crate::memory::{Access, MrTable, Segment};
 
 /// A send work request and its progress.
@@ -26,7 +26,7 @@ pub(super) struct SendWqe {
     /// SEND/WRITE: packets acknowledged. READ: response packets received.
     pub acked: u32,
     /// The local buffers, resolved when the WQE starts.
-    pub segs: Vec<Segment>,
+    pub segs: SegList,
     /// Set when the WQE is finished.
     pub status: Option<WcStatus>,
 }
@@ -119,7 +119,7 @@ impl RcQp {
             npsn: 0,
             next_pkt: 0,
             acked: 0,
-            segs: Vec::new(),
+            segs: SegList::new(),
             status: None,
         });
         Ok(())
@@ -146,7 +146,7 @@ impl RcQp {
         } else {
             Access::NONE
         };
-        let mut segs = Vec::with_capacity(w.wr.sgl.len());
+        let mut segs = SegList::new();
         for sge in &w.wr.sgl {
             if sge.len == 0 {
                 continue;

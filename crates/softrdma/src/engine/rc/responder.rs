@@ -10,8 +10,8 @@ use softrdma_wire::{Opcode, Psn, bth};
 
 use super::RcQp;
 use super::requester::packets_for;
-use crate::engine::scatter;
 use crate::engine::{CqKind, PostError, QpState, RecvWr, Transmit, WcOpcode, WcStatus};
+use crate::engine::{SegList, scatter};
 use crate::memory::{Access, MrTable, Segment};
 
 /// A message being received over several packets.
@@ -20,7 +20,7 @@ enum InProgress {
     /// A SEND into this receive WQE.
     Send {
         wqe: RecvWr,
-        segs: Vec<Segment>,
+        segs: SegList,
         room: u64,
         received: u64,
         overflow: bool,
@@ -269,7 +269,7 @@ impl RcQp {
     }
 
     /// Takes the next receive WQE with its buffers resolved, or RNR-NAKs.
-    fn take_recv(&mut self, mrs: &MrTable) -> Result<Option<(RecvWr, Vec<Segment>, u64)>, Refusal> {
+    fn take_recv(&mut self, mrs: &MrTable) -> Result<Option<(RecvWr, SegList, u64)>, Refusal> {
         let Some(wqe) = self.next_recv() else {
             self.stats.rnr_naks_sent += 1;
             let epsn = self.resp.epsn;
@@ -279,7 +279,7 @@ impl RcQp {
             );
             return Ok(None);
         };
-        let mut segs = Vec::with_capacity(wqe.sgl.len());
+        let mut segs = SegList::new();
         let mut room = 0u64;
         for sge in &wqe.sgl {
             if sge.len == 0 {
