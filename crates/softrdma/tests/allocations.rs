@@ -83,16 +83,22 @@ fn one(cq: &Cq) -> WorkCompletion {
 }
 
 /// Allocations per operation over `rounds` of `op`, after as many to warm
-/// up (buffers that grow to their working size on first use).
+/// up: the least of three such counts. A per-thread buffer that grows on its
+/// thread's first use (which thread transmits depends on timing) shows in one
+/// count at most; an allocation per operation shows in all three.
 fn per_op(rounds: u64, mut op: impl FnMut()) -> f64 {
     for _ in 0..rounds {
         op();
     }
-    let before = allocations();
-    for _ in 0..rounds {
-        op();
-    }
-    (allocations() - before) as f64 / rounds as f64
+    (0..3)
+        .map(|_| {
+            let before = allocations();
+            for _ in 0..rounds {
+                op();
+            }
+            (allocations() - before) as f64 / rounds as f64
+        })
+        .fold(f64::INFINITY, f64::min)
 }
 
 /// Most allocations an operation may average: a rare growth of a buffer is
@@ -142,7 +148,7 @@ fn no_allocation_per_packet_or_message_once_warm() {
     cm::connect(&b.qp, &b.info, &a.info, &RcOptions::default()).unwrap();
     let (va, rkey) = (b.info.va, b.info.rkey);
     for len in [8, 65_536, 1 << 20] {
-        let rounds = if len == 1 << 20 { 50 } else { 300 };
+        let rounds = if len == 1 << 20 { 20 } else { 200 };
         check(
             &format!("RoCEv2 WRITE {len} B"),
             per_op(rounds, || write(&a.qp, &a.cq, &a.mr, va, rkey, len)),
@@ -150,17 +156,17 @@ fn no_allocation_per_packet_or_message_once_warm() {
     }
     check(
         "RoCEv2 READ 64 KiB",
-        per_op(300, || read(&a.qp, &a.cq, &a.mr, va, rkey, 65_536)),
+        per_op(200, || read(&a.qp, &a.cq, &a.mr, va, rkey, 65_536)),
     );
     check(
         "RoCEv2 SEND 64 KiB",
-        per_op(300, || {
+        per_op(200, || {
             send(&a.qp, &a.cq, &a.mr, &b.qp, &b.cq, &b.mr, 65_536)
         }),
     );
     check(
         "RoCEv2 FETCH_ADD",
-        per_op(300, || {
+        per_op(200, || {
             a.qp.post_send(SendWr::new(
                 5,
                 SendOp::FetchAdd {
@@ -193,7 +199,7 @@ fn no_allocation_per_packet_or_message_once_warm() {
         .unwrap();
     check(
         "RoCEv2 UD SEND 1 KiB",
-        per_op(300, || {
+        per_op(200, || {
             qps[1]
                 .post_recv(RecvWr::new(6, [mr.sge(8192, 40 + 1024)]))
                 .unwrap();
@@ -215,18 +221,18 @@ fn no_allocation_per_packet_or_message_once_warm() {
     let (va, rkey) = (b.mr.addr(), b.mr.rkey());
     check(
         "iWARP WRITE 64 KiB",
-        per_op(300, || {
+        per_op(200, || {
             write(&a.qp, &a.scq, &a.mr, va, rkey, 65_536);
             read(&a.qp, &a.scq, &a.mr, va, rkey, 8);
         }),
     );
     check(
         "iWARP READ 64 KiB",
-        per_op(300, || read(&a.qp, &a.scq, &a.mr, va, rkey, 65_536)),
+        per_op(200, || read(&a.qp, &a.scq, &a.mr, va, rkey, 65_536)),
     );
     check(
         "iWARP SEND 64 KiB",
-        per_op(300, || {
+        per_op(200, || {
             send(&a.qp, &a.scq, &a.mr, &b.qp, &b.rcq, &b.mr, 65_536)
         }),
     );
@@ -247,15 +253,15 @@ fn no_allocation_per_packet_or_message_once_warm() {
     let (va, rkey) = (b.mr.addr(), b.mr.rkey());
     check(
         "shm WRITE 64 KiB",
-        per_op(300, || write(&a.qp, &a.scq, &a.mr, va, rkey, 65_536)),
+        per_op(200, || write(&a.qp, &a.scq, &a.mr, va, rkey, 65_536)),
     );
     check(
         "shm READ 64 KiB",
-        per_op(300, || read(&a.qp, &a.scq, &a.mr, va, rkey, 65_536)),
+        per_op(200, || read(&a.qp, &a.scq, &a.mr, va, rkey, 65_536)),
     );
     check(
         "shm SEND 64 KiB",
-        per_op(300, || {
+        per_op(200, || {
             send(&a.qp, &a.scq, &a.mr, &b.qp, &b.rcq, &b.mr, 65_536)
         }),
     );

@@ -277,7 +277,8 @@ impl TxFpdu {
     fn new() -> TxFpdu {
         TxFpdu {
             buf: vec![0u8; MAX_HEADER_LEN + 4096],
-            pieces: Vec::new(),
+            // An FPDU's payload from up to four SGEs, without growing.
+            pieces: Vec::with_capacity(4),
             trailer: [0; 7],
             t: Transmit {
                 header_len: 0,

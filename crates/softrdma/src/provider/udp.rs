@@ -305,7 +305,8 @@ thread_local! {
         (0..BATCH)
             .map(|_| TxSlot {
                 buf: vec![0u8; MAX_HEADER_LEN + 4096],
-                pieces: Vec::new(),
+                // A packet's payload from up to four SGEs, without growing.
+                pieces: Vec::with_capacity(4),
                 t: Transmit { len: 0, payload_len: 0, pad: 0 },
                 ah: None,
             })
@@ -644,12 +645,8 @@ fn frame<'a>(
     }
     .header(udp_len);
     let udp = icrc::udp_header(shared.ports[sock], peer.port(), udp_len);
-    let mut crc = Icrc::new(&ip, &udp).expect("a valid pseudo-header");
     let head = &s.buf[..t.len];
-    let mut bth_bytes = [0u8; bth::HEADER_LEN];
-    bth_bytes.copy_from_slice(&head[..bth::HEADER_LEN]);
-    crc.update_bth(&bth_bytes);
-    crc.update(&head[bth::HEADER_LEN..]);
+    let mut crc = Icrc::with_ib_headers(&ip, &udp, head).expect("a valid pseudo-header");
     iov.push(IoSlice::new(head));
     for p in &s.pieces {
         // SAFETY: the bytes go to the kernel in this send and are not kept; a
