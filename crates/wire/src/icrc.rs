@@ -27,12 +27,26 @@ pub struct Icrc {
     hasher: crc32fast::Hasher,
 }
 
+/// Room for the masked headers hashed in one piece: the LRH stand-in, an IPv6
+/// header, UDP, and up to 72 bytes of InfiniBand headers (BTH and extension
+/// headers: 12 + 16 RETH, or 12 + 28 AtomicETH, fit).
+const HEADER_ROOM: usize = 8 + IPV6_HEADER_LEN + UDP_HEADER_LEN + 72;
+
 impl Icrc {
     /// Starts an ICRC from the IP header (IPv4 without options, or IPv6) and the
     /// UDP header of the packet, as they are or will be on the wire.
     pub fn new(ip_header: &[u8], udp_header: &[u8]) -> Result<Icrc> {
-        let mut hasher = crc32fast::Hasher::new();
-        hasher.update(&[0xff; 8]);
+        Icrc::with_ib_headers(ip_header, udp_header, &[])
+    }
+
+    /// [`Icrc::new`] followed by `ib_headers` (the BTH, masked as
+    /// [`Icrc::update_bth`] does, and what follows it): headers of a usual
+    /// size are hashed in one piece, which costs much less than several
+    /// small ones.
+    pub fn with_ib_headers(ip_header: &[u8], udp_header: &[u8], ib_headers: &[u8]) -> Result<Icrc> {
+        let mut buf = [0u8; HEADER_ROOM];
+        buf[..8].fill(0xff);
+        let mut at = 8;
         check("IP header", ip_header, 1)?;
         match ip_header[0] >> 4 {
             4 => {
@@ -43,24 +57,24 @@ impl Icrc {
                         value: u64::from(ip_header[0] & 0x0f),
                     });
                 }
-                let mut ip = [0u8; IPV4_HEADER_LEN];
+                let ip = &mut buf[at..at + IPV4_HEADER_LEN];
                 ip.copy_from_slice(&ip_header[..IPV4_HEADER_LEN]);
                 ip[1] = 0xff; // TOS
                 ip[8] = 0xff; // TTL
                 ip[10] = 0xff; // header checksum
                 ip[11] = 0xff;
-                hasher.update(&ip);
+                at += IPV4_HEADER_LEN;
             }
             6 => {
                 check("IPv6 header", ip_header, IPV6_HEADER_LEN)?;
-                let mut ip = [0u8; IPV6_HEADER_LEN];
+                let ip = &mut buf[at..at + IPV6_HEADER_LEN];
                 ip.copy_from_slice(&ip_header[..IPV6_HEADER_LEN]);
                 ip[0] |= 0x0f; // traffic class, high nibble
                 ip[1] = 0xff; // traffic class, low nibble, and flow label
                 ip[2] = 0xff;
                 ip[3] = 0xff;
                 ip[7] = 0xff; // hop limit
-                hasher.update(&ip);
+                at += IPV6_HEADER_LEN;
             }
             v => {
                 return Err(Error::UnsupportedVersion {
@@ -70,12 +84,24 @@ impl Icrc {
             }
         }
         check("UDP header", udp_header, UDP_HEADER_LEN)?;
-        let mut udp = [0u8; UDP_HEADER_LEN];
+        let udp = &mut buf[at..at + UDP_HEADER_LEN];
         udp.copy_from_slice(&udp_header[..UDP_HEADER_LEN]);
         udp[6] = 0xff; // checksum
         udp[7] = 0xff;
-        hasher.update(&udp);
-        Ok(Icrc { hasher })
+        at += UDP_HEADER_LEN;
+        let bth_at = at;
+        // At least 72 bytes of room: the BTH is always inline.
+        let inline = ib_headers.len().min(HEADER_ROOM - at);
+        buf[at..at + inline].copy_from_slice(&ib_headers[..inline]);
+        at += inline;
+        if inline > 4 {
+            buf[bth_at + 4] = 0xff; // BTH byte 4: FECN, BECN, reserved
+        }
+        let mut hasher = crc32fast::Hasher::new();
+        hasher.update(&buf[..at]);
+        let mut icrc = Icrc { hasher };
+        icrc.hasher.update(&ib_headers[inline..]);
+        Ok(icrc)
     }
 
     /// Adds the BTH, masking its byte 4.
@@ -100,11 +126,12 @@ impl Icrc {
 /// (without the ICRC), carried in the given IP and UDP headers.
 pub fn compute(ip_header: &[u8], udp_header: &[u8], ib: &[u8]) -> Result<u32> {
     check("BTH", ib, bth::HEADER_LEN)?;
-    let mut icrc = Icrc::new(ip_header, udp_header)?;
-    let mut b = [0u8; bth::HEADER_LEN];
-    b.copy_from_slice(&ib[..bth::HEADER_LEN]);
-    icrc.update_bth(&b);
-    icrc.update(&ib[bth::HEADER_LEN..]);
+    // Headers and the start of the payload in one piece, the rest in one more.
+    let head = ib
+        .len()
+        .min(HEADER_ROOM - 8 - IPV6_HEADER_LEN - UDP_HEADER_LEN);
+    let mut icrc = Icrc::with_ib_headers(ip_header, udp_header, &ib[..head])?;
+    icrc.update(&ib[head..]);
     Ok(icrc.finish())
 }
 
@@ -364,6 +391,27 @@ mod tests {
         i.update(&ib[12..14]);
         i.update(&ib[14..16]);
         assert_eq!(i.finish(), carried(ib).unwrap());
+    }
+
+    #[test]
+    fn headers_in_one_piece_equal_headers_in_pieces() {
+        let (ip, rest) = ACK_FRAME.split_at(20);
+        let (udp, _) = rest.split_at(8);
+        let ip6 = Ipv6Pseudo {
+            src: [1; 16],
+            dst: [2; 16],
+        }
+        .header(300);
+        let ib: Vec<u8> = (0..200u32).map(|i| (i * 37 + 11) as u8).collect();
+        for ip in [ip, &ip6[..]] {
+            for n in [12, 13, 28, 40, 71, 72, 73, 100, 200] {
+                let mut pieces = Icrc::new(ip, udp).unwrap();
+                pieces.update_bth(ib[..12].try_into().unwrap());
+                pieces.update(&ib[12..n]);
+                let one = Icrc::with_ib_headers(ip, udp, &ib[..n]).unwrap();
+                assert_eq!(one.finish(), pieces.finish(), "{n} bytes of IB headers");
+            }
+        }
     }
 
     #[test]
