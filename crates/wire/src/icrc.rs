@@ -126,12 +126,10 @@ impl Icrc {
 /// (without the ICRC), carried in the given IP and UDP headers.
 pub fn compute(ip_header: &[u8], udp_header: &[u8], ib: &[u8]) -> Result<u32> {
     check("BTH", ib, bth::HEADER_LEN)?;
-    // Headers and the start of the payload in one piece, the rest in one more.
-    let head = ib
-        .len()
-        .min(HEADER_ROOM - 8 - IPV6_HEADER_LEN - UDP_HEADER_LEN);
-    let mut icrc = Icrc::with_ib_headers(ip_header, udp_header, &ib[..head])?;
-    icrc.update(&ib[head..]);
+    // The headers up to the BTH in one piece, the rest in one more (which
+    // then starts where the packet's 4-byte alignment does).
+    let mut icrc = Icrc::with_ib_headers(ip_header, udp_header, &ib[..bth::HEADER_LEN])?;
+    icrc.update(&ib[bth::HEADER_LEN..]);
     Ok(icrc.finish())
 }
 
