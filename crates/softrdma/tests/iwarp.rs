@@ -372,15 +372,35 @@ fn peer_to_peer_mode_sends_and_awaits_the_rtr_message() {
 
 #[test]
 fn fpdus_outgrow_a_segment_only_when_both_ends_offer_it() {
-    // MPA's largest ULPDU carries 65513 bytes of WRITE payload: 1 MiB in 17
-    // FPDUs. Declined, each FPDU fits a TCP segment (about 32 KiB on
-    // loopback) as towards siw.
-    for large in [true, false] {
+    assert!(
+        std::env::var_os("SOFTRDMA_IWARP_ULPDU").is_none(),
+        "SOFTRDMA_IWARP_ULPDU overrides what this test checks"
+    );
+    // MPA's largest ULPDU (65527 bytes) carries 65513 of WRITE payload: 1 MiB
+    // in 17 FPDUs (and one Read Request). When either side declines, each
+    // FPDU fits a TCP segment (MSS at most 65483 on loopback, 32741 here), as
+    // towards siw.
+    for (client_large, server_large) in [(true, true), (false, true), (true, false)] {
+        let server = end([127, 0, 0, 2]);
+        let listener = Listener::bind(&server.ctx, 0).unwrap();
+        let at = listener.local_addr();
+        let t = std::thread::spawn(move || {
+            let cfg = MpaConfig {
+                large_fpdus: server_large,
+                ..MpaConfig::default()
+            };
+            listener
+                .accept(&server.qp, &cfg, |_| Decision::Accept)
+                .unwrap();
+            server
+        });
+        let a = end([127, 0, 0, 1]);
         let cfg = MpaConfig {
-            large_fpdus: large,
+            large_fpdus: client_large,
             ..MpaConfig::default()
         };
-        let (a, b) = pair(cfg, |_| {});
+        iwarp::connect(&a.qp, at, &cfg).unwrap();
+        let b = t.join().unwrap();
         let data = pattern(1 << 20, 3);
         a.mr.write(0, &data).unwrap();
         a.qp.post_send(SendWr::new(
@@ -392,27 +412,30 @@ fn fpdus_outgrow_a_segment_only_when_both_ends_offer_it() {
             vec![a.mr.sge(0, 1 << 20)],
         ))
         .unwrap();
-        let wc = one(&a.scq);
-        assert_eq!((wc.wr_id, wc.status), (1, WcStatus::Success));
-        let mut got = vec![0u8; 1 << 20];
-        // The completion is local (the bytes are in TCP): wait for them.
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while b.qp.iwarp_stats().unwrap().fpdus.fpdus_received
-            < a.qp.iwarp_stats().unwrap().fpdus.fpdus_sent
-        {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "FPDUs not all received"
-            );
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        b.mr.read(4096, &mut got).unwrap();
-        assert!(got == data, "the WRITE's bytes (large FPDUs: {large})");
-        let sent = a.qp.iwarp_stats().unwrap().fpdus.fpdus_sent;
-        if large {
-            assert_eq!(sent, 17);
+        assert_eq!(one(&a.scq).status, WcStatus::Success);
+        // A READ behind it completes once the WRITE's bytes are placed.
+        a.qp.post_send(SendWr::new(
+            2,
+            SendOp::Read {
+                remote_addr: b.mr.addr(),
+                rkey: b.mr.rkey(),
+            },
+            vec![a.mr.sge(2 << 20, 8)],
+        ))
+        .unwrap();
+        assert_eq!(one(&a.scq).status, WcStatus::Success);
+        assert!(
+            b.mr.read_vec(4096, 1 << 20).unwrap() == data,
+            "the WRITE's bytes (client {client_large}, server {server_large})"
+        );
+        let st = a.qp.iwarp_stats().unwrap().fpdus;
+        if client_large && server_large {
+            assert_eq!((st.fpdus_sent, st.largest_ulpdu_sent), (17 + 1, 65527));
         } else {
-            assert!(sent > 17, "{sent} FPDUs for 1 MiB within segments");
+            assert!(
+                st.largest_ulpdu_sent < 65527,
+                "{st:?} with client {client_large}, server {server_large}"
+            );
         }
     }
 }

@@ -39,11 +39,14 @@ impl Icrc {
         Icrc::with_ib_headers(ip_header, udp_header, &[])
     }
 
-    /// [`Icrc::new`] followed by `ib_headers` (the BTH, masked as
-    /// [`Icrc::update_bth`] does, and what follows it): headers of a usual
+    /// [`Icrc::new`] followed by `ib_headers`: empty, or a whole BTH (masked
+    /// as [`Icrc::update_bth`] does) and what follows it. Headers of a usual
     /// size are hashed in one piece, which costs much less than several
     /// small ones.
     pub fn with_ib_headers(ip_header: &[u8], udp_header: &[u8], ib_headers: &[u8]) -> Result<Icrc> {
+        if !ib_headers.is_empty() {
+            check("BTH", ib_headers, bth::HEADER_LEN)?;
+        }
         let mut buf = [0u8; HEADER_ROOM];
         buf[..8].fill(0xff);
         let mut at = 8;
@@ -94,7 +97,7 @@ impl Icrc {
         let inline = ib_headers.len().min(HEADER_ROOM - at);
         buf[at..at + inline].copy_from_slice(&ib_headers[..inline]);
         at += inline;
-        if inline > 4 {
+        if inline > 0 {
             buf[bth_at + 4] = 0xff; // BTH byte 4: FECN, BECN, reserved
         }
         let mut hasher = crc32fast::Hasher::new();
@@ -126,7 +129,7 @@ impl Icrc {
 /// (without the ICRC), carried in the given IP and UDP headers.
 pub fn compute(ip_header: &[u8], udp_header: &[u8], ib: &[u8]) -> Result<u32> {
     check("BTH", ib, bth::HEADER_LEN)?;
-    // The headers up to the BTH in one piece, the rest in one more (which
+    // The headers through the BTH in one piece, the rest in one more (which
     // then starts where the packet's 4-byte alignment does).
     let mut icrc = Icrc::with_ib_headers(ip_header, udp_header, &ib[..bth::HEADER_LEN])?;
     icrc.update(&ib[bth::HEADER_LEN..]);
@@ -403,12 +406,43 @@ mod tests {
         let ib: Vec<u8> = (0..200u32).map(|i| (i * 37 + 11) as u8).collect();
         for ip in [ip, &ip6[..]] {
             for n in [12, 13, 28, 40, 71, 72, 73, 100, 200] {
-                let mut pieces = Icrc::new(ip, udp).unwrap();
-                pieces.update_bth(ib[..12].try_into().unwrap());
-                pieces.update(&ib[12..n]);
+                // The annex's masking, spelled out byte by byte.
+                let mut whole = vec![0xffu8; 8];
+                let mut masked_ip = ip.to_vec();
+                if ip.len() == 20 {
+                    for i in [1, 8, 10, 11] {
+                        masked_ip[i] = 0xff;
+                    }
+                } else {
+                    masked_ip[0] |= 0x0f;
+                    for i in [1, 2, 3, 7] {
+                        masked_ip[i] = 0xff;
+                    }
+                }
+                whole.extend_from_slice(&masked_ip);
+                whole.extend_from_slice(&udp[..6]);
+                whole.extend_from_slice(&[0xff, 0xff]);
+                whole.extend_from_slice(&ib[..n]);
+                whole[8 + ip.len() + 8 + 4] = 0xff;
                 let one = Icrc::with_ib_headers(ip, udp, &ib[..n]).unwrap();
-                assert_eq!(one.finish(), pieces.finish(), "{n} bytes of IB headers");
+                assert_eq!(
+                    one.finish(),
+                    crc32fast::hash(&whole),
+                    "{n} bytes of IB headers"
+                );
             }
+        }
+    }
+
+    #[test]
+    fn a_partial_bth_is_refused() {
+        let (ip, rest) = ACK_FRAME.split_at(20);
+        let (udp, ib) = rest.split_at(8);
+        for n in 1..12 {
+            assert!(
+                Icrc::with_ib_headers(ip, udp, &ib[..n]).is_err(),
+                "{n} bytes"
+            );
         }
     }
 

@@ -97,8 +97,8 @@ pub struct MpaOutcome {
     /// This side may send FPDUs larger than a TCP segment: both offered
     /// them. A responder learns it from the Request's siw "GSO" flag; an
     /// initiator only from a Reply that also carries softrdma's own flag,
-    /// since siw's Reply echoes the Request's flags (so towards siw,
-    /// FPDUs stay within the MSS, as siw's own are).
+    /// since siw's Reply echoes the Request's flags (so towards siw in its
+    /// default mode, FPDUs stay within the MSS, as siw's own are).
     pub large_fpdus: bool,
 }
 
@@ -411,20 +411,15 @@ mod tests {
 
     #[test]
     fn the_request_is_byte_for_byte_siws() {
-        // siw_rping.pcap frame 6: revision 2, IRD 1, ORD 1, no CRC.
-        let cfg = MpaConfig::default();
-        let req = StartFrameRepr {
-            kind: Kind::Request,
-            markers: false,
-            crc: false,
-            reject: false,
-            reserved_flags: 0,
-            revision: 2,
-            ird_ord: Some(offer_block(&cfg, &[])),
-            ulp_private_data_len: 0,
+        // siw_rping.pcap frame 6: revision 2, IRD 1, ORD 1, no CRC; what
+        // `connect` sends with large FPDUs not offered.
+        let cfg = MpaConfig {
+            large_fpdus: false,
+            ..MpaConfig::default()
         };
+        let (req, _) = connect_to_a_reply_with(0x10, cfg);
         assert_eq!(
-            frame_bytes(&req, &[]),
+            &req[..],
             b"MPA ID Req Frame\x10\x02\x00\x04\x00\x01\x00\x01"
         );
     }
@@ -577,7 +572,7 @@ mod tests {
     }
 
     /// Our Request read by a stand-in responder that answers `flags`.
-    fn connect_to_a_reply_with(flags: u8) -> (Vec<u8>, MpaOutcome) {
+    fn connect_to_a_reply_with(flags: u8, cfg: MpaConfig) -> (Vec<u8>, MpaOutcome) {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let at = l.local_addr().unwrap();
         let t = std::thread::spawn(move || {
@@ -590,7 +585,7 @@ mod tests {
             req
         });
         let mut c = TcpStream::connect(at).unwrap();
-        let out = connect(&mut c, &MpaConfig::default()).unwrap();
+        let out = connect(&mut c, &cfg).unwrap();
         (t.join().unwrap(), out)
     }
 
@@ -598,16 +593,16 @@ mod tests {
     fn a_reply_that_only_echoes_the_gso_flag_keeps_fpdus_within_a_segment() {
         // The Request is siw's with its GSO flag (siw with try_gso sends
         // the same).
-        let (req, out) = connect_to_a_reply_with(0x18);
+        let (req, out) = connect_to_a_reply_with(0x18, MpaConfig::default());
         assert_eq!(
             &req[..],
             b"MPA ID Req Frame\x18\x02\x00\x04\x00\x01\x00\x01"
         );
         // siw's Reply copies the Request's flags: no proof it was read.
         assert!(!out.large_fpdus);
-        let (_, out) = connect_to_a_reply_with(0x10);
+        let (_, out) = connect_to_a_reply_with(0x10, MpaConfig::default());
         assert!(!out.large_fpdus);
-        let (_, out) = connect_to_a_reply_with(0x1c);
+        let (_, out) = connect_to_a_reply_with(0x1c, MpaConfig::default());
         assert!(out.large_fpdus);
     }
 

@@ -399,7 +399,7 @@ impl UdQp {
             self.stats.no_receive += 1;
             return;
         };
-        let mut segs = SegList::new();
+        let mut segs = SegList::with_capacity(wqe.sgl.len());
         let mut room = 0usize;
         for sge in wqe.sgl.iter().filter(|s| s.len != 0) {
             match mrs.local(self.pd, sge.lkey, sge.addr, sge.len, Access::LOCAL_WRITE) {

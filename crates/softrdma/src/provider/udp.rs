@@ -7,9 +7,10 @@
 //! receive — the engine copies from the datagram buffer into the target region.
 //!
 //! System calls: the packets a QP has ready go out in UDP GSO sends (one
-//! sendmsg for up to 16 equal-sized packets, each with its own headers and
-//! ICRC), and the sockets take UDP GRO, so that on loopback one recvmsg
-//! returns a whole GSO send. `SOFTRDMA_NO_GSO=1` turns both off.
+//! datagram per `sendmmsg` call, holding up to 16 equal-sized packets or as
+//! many as fit its 65 507 bytes, each with its own headers and ICRC), and the
+//! sockets take UDP GRO, so that on loopback one recvmsg returns a whole GSO
+//! send. `SOFTRDMA_NO_GSO=1` turns both off.
 
 use std::cell::RefCell;
 use std::collections::HashMap;

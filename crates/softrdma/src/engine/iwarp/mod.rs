@@ -709,7 +709,7 @@ impl IwarpQp {
                 SendOp::Read { .. } => Access::LOCAL_WRITE,
                 _ => Access::NONE,
             };
-            let mut segs = SegList::new();
+            let mut segs = SegList::with_capacity(e.wr.sgl.len());
             for s in &e.wr.sgl {
                 match mrs.local(pd, s.lkey, s.addr, s.len, need) {
                     Ok(seg) => segs.push(seg),
@@ -985,7 +985,7 @@ impl IwarpQp {
                     return Placement::Discard;
                 };
                 if r.segs.is_none() {
-                    let mut segs = SegList::new();
+                    let mut segs = SegList::with_capacity(r.wr.sgl.len());
                     for s in &r.wr.sgl {
                         match mrs.local(pd, s.lkey, s.addr, s.len, Access::LOCAL_WRITE) {
                             Ok(seg) => segs.push(seg),

@@ -146,7 +146,7 @@ impl RcQp {
         } else {
             Access::NONE
         };
-        let mut segs = SegList::new();
+        let mut segs = SegList::with_capacity(w.wr.sgl.len());
         for sge in &w.wr.sgl {
             if sge.len == 0 {
                 continue;

@@ -279,7 +279,7 @@ impl RcQp {
             );
             return Ok(None);
         };
-        let mut segs = SegList::new();
+        let mut segs = SegList::with_capacity(wqe.sgl.len());
         let mut room = 0u64;
         for sge in &wqe.sgl {
             if sge.len == 0 {
