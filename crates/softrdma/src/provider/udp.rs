@@ -145,6 +145,12 @@ pub(crate) struct Shared {
     /// The progress thread sleeps with the sockets left to a polling
     /// thread, and wakes within the standby time to take them back.
     standing_by: AtomicBool,
+    /// Its alarm for that: a one-shot timer the polling threads push back
+    /// as they poll, so that it fires only once they stop (a wake-up every
+    /// standby period would take a CPU from a spinning thread each time).
+    standby_alarm: OwnedFd,
+    /// When a polling thread last pushed the alarm back (engine time, ns).
+    alarm_pushed: AtomicU64,
     /// Held by whichever thread is receiving from the sockets; holds the
     /// QPs whose answers a polling thread deferred (see [`poll_now`]).
     rx_lock: Mutex<Vec<Arc<QpSlot>>>,
@@ -169,6 +175,27 @@ impl Shared {
 
     fn wake(&self) {
         let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
+    }
+
+    /// Sets the standby alarm to fire `after_ns` from now.
+    fn set_standby_alarm(&self, after_ns: u64) {
+        let value = rustix::time::Timespec {
+            tv_sec: (after_ns / 1_000_000_000) as i64,
+            // At least 1 ns: zero would disarm it.
+            tv_nsec: ((after_ns % 1_000_000_000).max(1)) as i64,
+        };
+        let spec = rustix::time::Itimerspec {
+            it_interval: rustix::time::Timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            },
+            it_value: value,
+        };
+        let _ = rustix::time::timerfd_settime(
+            &self.standby_alarm,
+            rustix::time::TimerfdTimerFlags::empty(),
+            &spec,
+        );
     }
 }
 
@@ -196,6 +223,11 @@ const STANDBY_NS: u64 = 1_000_000;
 /// An application thread that looks at the sockets again within this time
 /// takes one datagram a look (see `poll_now`).
 const LOOKS_OFTEN_NS: u64 = 20_000;
+
+/// How often polling threads push the standby alarm back: a system call
+/// every this often, and the progress thread takes the sockets back at most
+/// [`STANDBY_NS`] after the last poll.
+const ALARM_PUSH_NS: u64 = 200_000;
 
 /// A receiving thread's buffers.
 struct RxBuffers {
@@ -256,6 +288,12 @@ pub(crate) fn poll_now(shared: &Shared) {
     }
     let now = shared.now().0;
     let since_last_look = now.saturating_sub(shared.app_polled.swap(now, Ordering::Relaxed));
+    if shared.standing_by.load(Ordering::Relaxed)
+        && now.saturating_sub(shared.alarm_pushed.load(Ordering::Relaxed)) >= ALARM_PUSH_NS
+    {
+        shared.alarm_pushed.store(now, Ordering::Relaxed);
+        shared.set_standby_alarm(STANDBY_NS);
+    }
     let Ok(mut deferred) = shared.rx_lock.try_lock() else {
         return;
     };
@@ -397,6 +435,11 @@ impl UdpDevice {
             busy_poll: AtomicBool::new(busy_poll),
             app_polled: AtomicU64::new(0),
             standing_by: AtomicBool::new(false),
+            standby_alarm: rustix::time::timerfd_create(
+                rustix::time::TimerfdClockId::Monotonic,
+                rustix::time::TimerfdFlags::CLOEXEC | rustix::time::TimerfdFlags::NONBLOCK,
+            )?,
+            alarm_pushed: AtomicU64::new(0),
             rx_lock: Mutex::new(Vec::new()),
             gso: AtomicBool::new(offload),
         });
@@ -810,19 +853,20 @@ fn progress(shared: &Arc<Shared>) {
             }
         }
         if standby {
-            next = next.min(app_since + STANDBY_NS);
-            // Waking by then anyway: a post's timer needs no wake-up.
-            shared.sleep_until.store(next, Ordering::SeqCst);
+            // The alarm fires once the polling threads stop pushing it back.
+            shared.alarm_pushed.store(now, Ordering::Relaxed);
+            shared.set_standby_alarm((app_since + STANDBY_NS).saturating_sub(now));
         }
         let timeout = (next != u64::MAX).then(|| Duration::from_nanos(next.saturating_sub(now)));
         let ts = timeout.map(|d| rustix::time::Timespec {
             tv_sec: d.as_secs() as i64,
             tv_nsec: i64::from(d.subsec_nanos()),
         });
-        let mut fds: [PollFd; SOCKETS + 2] = std::array::from_fn(|i| match i {
+        let mut fds: [PollFd; SOCKETS + 3] = std::array::from_fn(|i| match i {
             _ if i < SOCKETS && standby => PollFd::new(&shared.sockets[i], PollFlags::empty()),
             _ if i < SOCKETS => PollFd::new(&shared.sockets[i], PollFlags::IN),
             _ if i == SOCKETS => PollFd::new(&shared.wake, PollFlags::IN),
+            _ if i == SOCKETS + 1 => PollFd::new(&shared.standby_alarm, PollFlags::IN),
             _ => match (&shared.uplink, uplink_open) {
                 (Some(u), true) => PollFd::new(u, PollFlags::IN),
                 _ => PollFd::new(&shared.wake, PollFlags::empty()),
@@ -834,6 +878,10 @@ fn progress(shared: &Arc<Shared>) {
         if !fds[SOCKETS].revents().is_empty() {
             let mut b = [0u8; 8];
             let _ = rustix::io::read(&shared.wake, &mut b);
+        }
+        if !fds[SOCKETS + 1].revents().is_empty() {
+            let mut b = [0u8; 8];
+            let _ = rustix::io::read(&shared.standby_alarm, &mut b);
         }
         let readable: [bool; SOCKETS] = std::array::from_fn(|i| !fds[i].revents().is_empty());
         // Everything that is there.
