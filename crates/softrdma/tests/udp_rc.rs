@@ -431,7 +431,12 @@ fn write_ping_pong_posts_racing_the_ack_all_leave() {
                     let expect = if first { r - 1 } else { r };
                     let expect = (expect as u8).to_ne_bytes();
                     while me.mr.read_vec(64, 1).unwrap() != expect {
-                        assert!(Instant::now() < until, "round {r}: no WRITE from the peer");
+                        assert!(
+                            Instant::now() < until,
+                            "round {r}: no WRITE from the peer; {:?}, {:?}",
+                            me.qp.stats(),
+                            me.ctx.stats()
+                        );
                         std::hint::spin_loop();
                     }
                 }
@@ -451,7 +456,13 @@ fn write_ping_pong_posts_racing_the_ack_all_leave() {
                     .wait(T)
                     .unwrap()
                     .unwrap_or_else(|| panic!("round {r}: the WRITE never completed"));
-                assert_eq!(wc.status, WcStatus::Success);
+                assert_eq!(
+                    wc.status,
+                    WcStatus::Success,
+                    "round {r}: {:?}, {:?}",
+                    me.qp.stats(),
+                    me.ctx.stats()
+                );
             }
             me
         })
@@ -459,6 +470,8 @@ fn write_ping_pong_posts_racing_the_ack_all_leave() {
     let (ai, bi) = (a.info, b.info);
     let ta = side(a, bi, true);
     let tb = side(b, ai, false);
-    ta.join().unwrap();
-    tb.join().unwrap();
+    // a finishes once its last WRITE is ACKed, while b's last WRITE may
+    // still wait for a's ACK: a's end must live until b is done too.
+    let _a = ta.join().unwrap();
+    let _b = tb.join().unwrap();
 }
