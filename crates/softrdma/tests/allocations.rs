@@ -8,10 +8,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use softrdma::cm::mpa::MpaConfig;
-use softrdma::cm::{self, ConnInfo, RcOptions};
+use softrdma::cm::{self, RcOptions};
 use softrdma::verbs::*;
 
 mod common;
+use common::roce_end;
 
 struct Counting;
 
@@ -49,32 +50,6 @@ fn allocations() -> u64 {
 }
 
 const T: Duration = Duration::from_secs(10);
-
-struct End {
-    _ctx: Context,
-    _pd: Pd,
-    mr: Mr,
-    cq: Cq,
-    qp: Qp,
-    info: ConnInfo,
-}
-
-fn end(device: Device) -> End {
-    let ctx = device.open().unwrap();
-    let pd = ctx.alloc_pd().unwrap();
-    let mr = pd.register(1 << 20, Access::ALL).unwrap();
-    let cq = ctx.create_cq(256).unwrap();
-    let qp = pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
-    let info = ConnInfo::local(&qp, Some(&mr)).unwrap();
-    End {
-        _ctx: ctx,
-        _pd: pd,
-        mr,
-        cq,
-        qp,
-        info,
-    }
-}
 
 fn one(cq: &Cq) -> WorkCompletion {
     let wc = cq.wait(T).unwrap().expect("a completion in time");
@@ -146,8 +121,8 @@ fn no_allocation_per_packet_or_message_once_warm() {
     assert!(boxed >= 1.0, "the counting allocator saw {boxed} per Box");
     // RoCEv2 RC: 1 packet, 16 (two GSO sends: a datagram holds 15) and 256
     // per WRITE.
-    let a = end(Device::udp("127.0.0.61:0".parse().unwrap()));
-    let b = end(Device::udp("127.0.0.62:0".parse().unwrap()));
+    let a = roce_end(Device::udp("127.0.0.61:0".parse().unwrap()));
+    let b = roce_end(Device::udp("127.0.0.62:0".parse().unwrap()));
     cm::connect(&a.qp, &a.info, &b.info, &RcOptions::default()).unwrap();
     cm::connect(&b.qp, &b.info, &a.info, &RcOptions::default()).unwrap();
     let (va, rkey) = (b.info.va, b.info.rkey);

@@ -5,39 +5,16 @@ use std::time::{Duration, Instant};
 use softrdma::cm::{self, ConnInfo, RcOptions};
 use softrdma::verbs::*;
 
+mod common;
+use common::{RoceEnd, roce_end};
+
 const T: Duration = Duration::from_secs(10);
 
-struct End {
-    ctx: Context,
-    _pd: Pd,
-    mr: Mr,
-    cq: Cq,
-    qp: Qp,
-    info: ConnInfo,
+fn end(ip: &str) -> RoceEnd {
+    roce_end(Device::udp(format!("{ip}:0").parse().unwrap()))
 }
 
-fn end(ip: &str) -> End {
-    end_on(Device::udp(format!("{ip}:0").parse().unwrap()))
-}
-
-fn end_on(device: Device) -> End {
-    let ctx = device.open().unwrap();
-    let pd = ctx.alloc_pd().unwrap();
-    let mr = pd.register(1 << 20, Access::ALL).unwrap();
-    let cq = ctx.create_cq(256).unwrap();
-    let qp = pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
-    let info = ConnInfo::local(&qp, Some(&mr)).unwrap();
-    End {
-        ctx,
-        _pd: pd,
-        mr,
-        cq,
-        qp,
-        info,
-    }
-}
-
-fn pair() -> (End, End) {
+fn pair() -> (RoceEnd, RoceEnd) {
     let a = end("127.0.0.1");
     let b = end("127.0.0.1");
     cm::connect(&a.qp, &a.info, &b.info, &RcOptions::default()).unwrap();
@@ -262,7 +239,7 @@ fn an_rc_qp_ignores_packets_from_another_address() {
 #[test]
 fn multi_packet_messages_go_out_in_gso_sends_whose_icrcs_hold() {
     let pcap = std::env::temp_dir().join(format!("softrdma-gso-{}.pcap", std::process::id()));
-    let a = end_on(Device::udp("127.0.0.1:0".parse().unwrap()).pcap(&pcap));
+    let a = roce_end(Device::udp("127.0.0.1:0".parse().unwrap()).pcap(&pcap));
     let b = end("127.0.0.1");
     cm::connect(&a.qp, &a.info, &b.info, &RcOptions::default()).unwrap();
     cm::connect(&b.qp, &b.info, &a.info, &RcOptions::default()).unwrap();
@@ -320,8 +297,8 @@ fn multi_packet_messages_go_out_in_gso_sends_whose_icrcs_hold() {
 
 /// A connected pair of busy-poll devices, with a long ACK timeout (about
 /// 4 s): what completes sooner was not rescued by a retransmission.
-fn busy_pair() -> (End, End) {
-    let end = || end_on(Device::udp("127.0.0.1:0".parse().unwrap()).busy_poll(true));
+fn busy_pair() -> (RoceEnd, RoceEnd) {
+    let end = || roce_end(Device::udp("127.0.0.1:0".parse().unwrap()).busy_poll(true));
     let (a, b) = (end(), end());
     let o = RcOptions {
         timeout: 20,
@@ -332,7 +309,7 @@ fn busy_pair() -> (End, End) {
     (a, b)
 }
 
-fn write(from: &End, to: &End, wr_id: u64, len: u32) {
+fn write(from: &RoceEnd, to: &RoceEnd, wr_id: u64, len: u32) {
     from.qp
         .post_send(SendWr::new(
             wr_id,
@@ -422,7 +399,7 @@ fn a_deferred_ack_is_sent_when_the_poller_goes_away() {
 fn write_ping_pong_posts_racing_the_ack_all_leave() {
     const ROUNDS: u32 = 3_000;
     let (a, b) = pair();
-    let side = |me: End, peer: ConnInfo, first: bool| {
+    let side = |me: RoceEnd, peer: ConnInfo, first: bool| {
         std::thread::spawn(move || {
             for r in 1..=ROUNDS {
                 let want = (r as u8).to_ne_bytes();

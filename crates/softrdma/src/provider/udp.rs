@@ -179,17 +179,10 @@ impl Shared {
 
     /// Sets the standby alarm to fire `after_ns` from now.
     fn set_standby_alarm(&self, after_ns: u64) {
-        let value = rustix::time::Timespec {
-            tv_sec: (after_ns / 1_000_000_000) as i64,
-            // At least 1 ns: zero would disarm it.
-            tv_nsec: ((after_ns % 1_000_000_000).max(1)) as i64,
-        };
         let spec = rustix::time::Itimerspec {
-            it_interval: rustix::time::Timespec {
-                tv_sec: 0,
-                tv_nsec: 0,
-            },
-            it_value: value,
+            it_interval: timespec(Duration::ZERO),
+            // At least 1 ns: zero would disarm it.
+            it_value: timespec(Duration::from_nanos(after_ns.max(1))),
         };
         let _ = rustix::time::timerfd_settime(
             &self.standby_alarm,
@@ -640,6 +633,13 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
     timer
 }
 
+fn timespec(d: Duration) -> rustix::time::Timespec {
+    rustix::time::Timespec {
+        tv_sec: d.as_secs() as i64,
+        tv_nsec: i64::from(d.subsec_nanos()),
+    }
+}
+
 /// The UDP length of a packet.
 fn udp_len(t: &Transmit) -> usize {
     8 + t.len + t.payload_len + usize::from(t.pad) + icrc::LEN
@@ -858,10 +858,7 @@ fn progress(shared: &Arc<Shared>) {
             shared.set_standby_alarm((app_since + STANDBY_NS).saturating_sub(now));
         }
         let timeout = (next != u64::MAX).then(|| Duration::from_nanos(next.saturating_sub(now)));
-        let ts = timeout.map(|d| rustix::time::Timespec {
-            tv_sec: d.as_secs() as i64,
-            tv_nsec: i64::from(d.subsec_nanos()),
-        });
+        let ts = timeout.map(timespec);
         let mut fds: [PollFd; SOCKETS + 3] = std::array::from_fn(|i| match i {
             _ if i < SOCKETS && standby => PollFd::new(&shared.sockets[i], PollFlags::empty()),
             _ if i < SOCKETS => PollFd::new(&shared.sockets[i], PollFlags::IN),

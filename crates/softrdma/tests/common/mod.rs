@@ -1,5 +1,6 @@
-//! What the iWARP and shared-memory tests share: one side's verbs objects,
-//! a connected iWARP pair, and waiting for a completion or a QP state.
+//! What the tests share: one side's verbs objects (RoCEv2, iWARP, shared
+//! memory), a connected iWARP pair, and waiting for a completion or a QP
+//! state.
 
 // Each test binary uses its own part of this.
 #![allow(dead_code)]
@@ -39,6 +40,35 @@ impl End {
             rcq,
             qp,
         }
+    }
+}
+
+/// A RoCEv2 side: a region of 1 MiB with every right, one CQ of 256 for both
+/// queues, an RC QP, and what a peer needs to connect to it.
+pub struct RoceEnd {
+    pub ctx: Context,
+    pub _pd: Pd,
+    pub mr: Mr,
+    pub cq: Cq,
+    pub qp: Qp,
+    pub info: softrdma::cm::ConnInfo,
+}
+
+/// A [`RoceEnd`] on `device`.
+pub fn roce_end(device: Device) -> RoceEnd {
+    let ctx = device.open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let mr = pd.register(1 << 20, Access::ALL).unwrap();
+    let cq = ctx.create_cq(256).unwrap();
+    let qp = pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
+    let info = softrdma::cm::ConnInfo::local(&qp, Some(&mr)).unwrap();
+    RoceEnd {
+        ctx,
+        _pd: pd,
+        mr,
+        cq,
+        qp,
+        info,
     }
 }
 
