@@ -10,7 +10,9 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::time::Duration;
 
+use softrdma_wire::Opcode;
 use softrdma_wire::icrc::{self, Ipv4Pseudo};
+use softrdma_wire::packet::Packet;
 
 use super::rc::{MAX_HEADER_LEN, RcQp};
 use super::{CqKind, Time, WorkCompletion};
@@ -88,6 +90,10 @@ pub struct NetStats {
     pub bad_icrc: u64,
     /// Handed to a QP.
     pub delivered: u64,
+    /// Packets each end sent asking for an acknowledgement (AckReq).
+    pub ack_requests: [u64; 2],
+    /// ACK packets (positive or not) each end sent.
+    pub acks: [u64; 2],
 }
 
 /// One end: a QP, the memory it reaches, and an address.
@@ -198,6 +204,10 @@ impl Sim {
                     s.read(0, &mut packet[at..]);
                 }
                 packet.resize(packet.len() + usize::from(t.pad) + icrc::LEN, 0);
+                if let Ok(p) = Packet::new_checked(&packet[..]) {
+                    self.stats.ack_requests[from] += u64::from(p.bth().ack_req());
+                    self.stats.acks[from] += u64::from(p.opcode() == Opcode::RC_ACKNOWLEDGE);
+                }
                 let to = 1 - from;
                 let (ip, udp) = headers(self.ends[from].addr, self.ends[to].addr, packet.len());
                 icrc::fill(&ip, &udp, &mut packet).expect("a well-formed packet");

@@ -47,7 +47,7 @@ impl RcQp {
 
     /// Resends from `psn`: the WQE holding it restarts there, later ones from
     /// their first packet (go-back-N, as rxe does).
-    fn go_back(&mut self, psn: Psn) {
+    pub(super) fn go_back(&mut self, psn: Psn) {
         let Some(i) = self.wqe_at(psn) else {
             return;
         };

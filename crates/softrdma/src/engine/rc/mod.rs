@@ -249,6 +249,13 @@ impl RcQp {
                 *self = fresh;
             }
             QpState::Err => self.go_to_error(false),
+            // Packets sent since the last AckReq counted on a message behind
+            // them to ask, which the drain will not start: send the last of
+            // them again, asking (the responder ACKs a duplicate that asks).
+            QpState::Sqd if self.state == QpState::Rts && self.req.since_ackreq > 0 => {
+                self.state = to;
+                self.go_back(self.req.psn.sub(1));
+            }
             _ => self.state = to,
         }
         Ok(())

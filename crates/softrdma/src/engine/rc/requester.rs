@@ -242,6 +242,30 @@ impl RcQp {
         }
     }
 
+    /// Packets of the unfenced SENDs and WRITEs queued right after WQE
+    /// `idx`, counted up to MAX_PKTS_PER_ACK and over at most 16 WQEs.
+    fn packets_queued_behind(&self, idx: usize) -> u32 {
+        let mut packets = 0;
+        for w in self.req.sq.iter().skip(idx + 1).take(16) {
+            let stream = !w.wr.flags.fence
+                && matches!(
+                    w.wr.op,
+                    SendOp::Send
+                        | SendOp::SendWithImm(_)
+                        | SendOp::Write { .. }
+                        | SendOp::WriteWithImm { .. }
+                );
+            if !stream {
+                break;
+            }
+            packets += packets_for(w.len, self.pmtu);
+            if packets >= MAX_PKTS_PER_ACK {
+                break;
+            }
+        }
+        packets
+    }
+
     /// Writes the next packet of WQE `idx`, or `None` when the PSN window is full.
     fn build_request(
         &mut self,
@@ -363,8 +387,19 @@ impl RcQp {
             return None;
         }
         let last = payload.is_none_or(|p| p.2);
+        // A SEND or WRITE with at least MAX_PKTS_PER_ACK packets of SENDs
+        // and WRITEs queued right behind it need not ask for its own ACK:
+        // one of theirs (every MAX_PKTS_PER_ACK packets at most) covers it
+        // before the window runs dry, so a stream of large messages costs
+        // the peer fewer ACKs and this side fewer wake-ups. A shorter queue
+        // asks per message, as rxe does: the application may be waiting
+        // for this completion to post more. So does anything else next (a
+        // READ, a fence, a drain), which may hold the queue.
+        let followed = payload.is_some()
+            && self.state == QpState::Rts
+            && self.packets_queued_behind(idx) >= MAX_PKTS_PER_ACK;
         self.req.since_ackreq += 1;
-        repr.bth.ack_req = last || self.req.since_ackreq >= MAX_PKTS_PER_ACK;
+        repr.bth.ack_req = (last && !followed) || self.req.since_ackreq >= MAX_PKTS_PER_ACK;
         if repr.bth.ack_req {
             self.req.since_ackreq = 0;
         }

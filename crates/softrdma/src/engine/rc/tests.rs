@@ -766,6 +766,128 @@ fn fence_waits_for_earlier_reads() {
 }
 
 #[test]
+fn deep_queues_of_large_messages_share_ack_requests() {
+    // At the default 1 KiB path MTU a 16 KiB WRITE is 16 packets.
+    let write = |k: u64| SendOp::Write {
+        remote_addr: IOVA[1] + (k % 4) * 16384,
+        rkey: RKEY[1],
+    };
+    let all_succeed = |p: &Pair| {
+        p.wcs(0)
+            .iter()
+            .all(|(_, wc)| wc.status == WcStatus::Success)
+    };
+    // Twenty posted together: a message with 64 packets queued behind it
+    // asks only where the every-64-packets rule says (messages 3, 7, 11,
+    // 15); the last four, with less behind them, ask each. 8, not 20.
+    let mut p = Pair::new(Setup::default());
+    for k in 0..20 {
+        p.send(0, write(k), vec![Pair::sge(0, 0, 16384)]);
+    }
+    p.run([20, 0]);
+    assert!(all_succeed(&p));
+    assert_eq!(p.sim.stats.ack_requests[0], 8);
+    assert!(p.sim.stats.acks[1] <= 8);
+    // Forty single-packet WRITEs: never 64 packets behind, so each asks
+    // (the responder still coalesces the ACKs).
+    let mut p = Pair::new(Setup::default());
+    for k in 0..40 {
+        p.send(0, write(k), vec![Pair::sge(0, 0, 1024)]);
+    }
+    p.run([40, 0]);
+    assert!(all_succeed(&p));
+    assert_eq!(p.sim.stats.ack_requests[0], 40);
+    // A fence or a READ behind stops the count: only the WRITE with four
+    // plain WRITEs (64 packets) right behind it goes without asking.
+    let fenced = SendFlags {
+        signaled: true,
+        fence: true,
+        ..SendFlags::default()
+    };
+    let mut p = Pair::new(Setup::default());
+    p.send(0, write(0), vec![Pair::sge(0, 0, 16384)]);
+    p.send_flags(0, write(1), vec![Pair::sge(0, 0, 16384)], fenced);
+    p.send(0, write(2), vec![Pair::sge(0, 0, 16384)]);
+    p.send(
+        0,
+        SendOp::Read {
+            remote_addr: IOVA[1],
+            rkey: RKEY[1],
+        },
+        vec![Pair::sge(0, 65536, 1024)],
+    );
+    for k in 3..8 {
+        p.send(0, write(k), vec![Pair::sge(0, 0, 16384)]);
+    }
+    p.run([9, 0]);
+    assert!(all_succeed(&p));
+    assert_eq!(p.sim.stats.ack_requests[0], 8);
+}
+
+#[test]
+fn draining_asks_for_the_ack_a_deep_queue_left_unasked() {
+    let mut p = Pair::new(Setup::default());
+    for k in 0..6 {
+        p.send(
+            0,
+            SendOp::Write {
+                remote_addr: IOVA[1] + k * 16384,
+                rkey: RKEY[1],
+            },
+            vec![Pair::sge(0, 0, 16384)],
+        );
+    }
+    // The first two messages (16 packets each, 64 or more behind them) go
+    // without asking; then the QP is drained before the third starts.
+    let mut packets = Vec::new();
+    let mut buf = vec![0u8; MAX_HEADER_LEN + 4096];
+    let mut pieces = Vec::new();
+    let now = p.sim.now;
+    for _ in 0..32 {
+        let e = &mut p.sim.ends[0];
+        let t =
+            e.qp.poll_transmit(now, &e.mrs, &mut buf, &mut pieces)
+                .unwrap();
+        let mut packet = buf[..t.len].to_vec();
+        for s in &pieces {
+            let at = packet.len();
+            packet.resize(at + s.len(), 0);
+            s.read(0, &mut packet[at..]);
+        }
+        packet.resize(packet.len() + usize::from(t.pad) + 4, 0);
+        assert!(
+            !softrdma_wire::packet::Packet::new_checked(&packet[..])
+                .unwrap()
+                .bth()
+                .ack_req()
+        );
+        packets.push(packet);
+    }
+    p.sim.ends[0]
+        .qp
+        .modify(&QpAttr {
+            state: Some(QpState::Sqd),
+            ..QpAttr::default()
+        })
+        .unwrap();
+    let e = &mut p.sim.ends[1];
+    for packet in &packets {
+        e.qp.handle_packet(now, packet, &e.mrs);
+    }
+    // Both complete at once: no retransmission timeout, no retry spent.
+    p.run([2, 0]);
+    assert!(
+        p.wcs(0)
+            .iter()
+            .all(|(_, wc)| wc.status == WcStatus::Success)
+    );
+    let stats = p.sim.ends[0].qp.stats();
+    assert_eq!(stats.timeouts, 0);
+    assert_eq!(stats.retransmitted, 1);
+    assert!(p.sim.now.0 - now.0 < 1_000_000, "completed by a timeout");
+}
+
+#[test]
 fn lossy_network_still_delivers_in_order() {
     for seed in 0..20 {
         let net = NetConfig {
