@@ -395,7 +395,8 @@ impl RcQp {
         // asks per message, as rxe does: the application may be waiting
         // for this completion to post more. So does anything else next (a
         // READ, a fence, a drain), which may hold the queue.
-        let followed = payload.is_some()
+        let followed = last
+            && payload.is_some()
             && self.state == QpState::Rts
             && self.packets_queued_behind(idx) >= MAX_PKTS_PER_ACK;
         self.req.since_ackreq += 1;

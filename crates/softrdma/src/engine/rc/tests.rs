@@ -824,8 +824,10 @@ fn deep_queues_of_large_messages_share_ack_requests() {
     assert_eq!(p.sim.stats.ack_requests[0], 8);
 }
 
-#[test]
-fn draining_asks_for_the_ack_a_deep_queue_left_unasked() {
+/// Six 16-packet WRITEs posted, `sent` packets sent by hand, then the QP
+/// drained (RTS -> SQD) and the packets delivered: runs until `done`
+/// WRITEs complete and returns the pair and the simulated time it took.
+fn drain_after(sent: usize, done: usize) -> (Pair, Duration) {
     let mut p = Pair::new(Setup::default());
     for k in 0..6 {
         p.send(
@@ -837,13 +839,11 @@ fn draining_asks_for_the_ack_a_deep_queue_left_unasked() {
             vec![Pair::sge(0, 0, 16384)],
         );
     }
-    // The first two messages (16 packets each, 64 or more behind them) go
-    // without asking; then the QP is drained before the third starts.
     let mut packets = Vec::new();
     let mut buf = vec![0u8; MAX_HEADER_LEN + 4096];
     let mut pieces = Vec::new();
     let now = p.sim.now;
-    for _ in 0..32 {
+    for _ in 0..sent {
         let e = &mut p.sim.ends[0];
         let t =
             e.qp.poll_transmit(now, &e.mrs, &mut buf, &mut pieces)
@@ -855,12 +855,6 @@ fn draining_asks_for_the_ack_a_deep_queue_left_unasked() {
             s.read(0, &mut packet[at..]);
         }
         packet.resize(packet.len() + usize::from(t.pad) + 4, 0);
-        assert!(
-            !softrdma_wire::packet::Packet::new_checked(&packet[..])
-                .unwrap()
-                .bth()
-                .ack_req()
-        );
         packets.push(packet);
     }
     p.sim.ends[0]
@@ -874,17 +868,31 @@ fn draining_asks_for_the_ack_a_deep_queue_left_unasked() {
     for packet in &packets {
         e.qp.handle_packet(now, packet, &e.mrs);
     }
-    // Both complete at once: no retransmission timeout, no retry spent.
-    p.run([2, 0]);
+    p.run([done, 0]);
     assert!(
         p.wcs(0)
             .iter()
             .all(|(_, wc)| wc.status == WcStatus::Success)
     );
+    let took = Duration::from_nanos(p.sim.now.0 - now.0);
+    (p, took)
+}
+
+#[test]
+fn draining_asks_for_the_ack_a_deep_queue_left_unasked() {
+    // The first two WRITEs (64 or more packets behind each) went without
+    // asking, and the drain stops the third from starting: the last packet
+    // goes again, asking, and both complete with no timeout.
+    let (p, took) = drain_after(32, 2);
     let stats = p.sim.ends[0].qp.stats();
-    assert_eq!(stats.timeouts, 0);
-    assert_eq!(stats.retransmitted, 1);
-    assert!(p.sim.now.0 - now.0 < 1_000_000, "completed by a timeout");
+    assert_eq!((stats.timeouts, stats.retransmitted), (0, 1));
+    assert!(took < Duration::from_millis(1), "completed by a timeout");
+    // Drained halfway through the third: its own last packet asks, and
+    // nothing is sent again.
+    let (p, took) = drain_after(40, 3);
+    let stats = p.sim.ends[0].qp.stats();
+    assert_eq!((stats.timeouts, stats.retransmitted), (0, 0));
+    assert!(took < Duration::from_millis(1), "completed by a timeout");
 }
 
 #[test]
