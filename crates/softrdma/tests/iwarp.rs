@@ -399,7 +399,10 @@ fn fpdus_outgrow_a_segment_only_when_both_ends_offer_it() {
             large_fpdus: client_large,
             ..MpaConfig::default()
         };
-        iwarp::connect(&a.qp, at, &cfg).unwrap();
+        let out = iwarp::connect(&a.qp, at, &cfg).unwrap();
+        // Only a Reply that offers large FPDUs shows a softrdma responder;
+        // then the client's first FPDU leaves at once (no wait for siw).
+        assert_eq!(out.peer_is_softrdma, client_large && server_large);
         let b = t.join().unwrap();
         let data = pattern(1 << 20, 3);
         a.mr.write(0, &data).unwrap();

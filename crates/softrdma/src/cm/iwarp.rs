@@ -50,8 +50,9 @@ pub fn connect(qp: &Qp, to: SocketAddrV4, cfg: &MpaConfig) -> Result<MpaOutcome,
     // Linux siw (6.1) sends its MPA Reply before it hooks the socket's
     // data-ready callback to the QP; an FPDU arriving in between stays
     // unread until more data comes, and a client waiting for an answer
-    // hangs. rdma_cm initiators are slower than that to post; so is this.
-    if out.rtr.is_none() {
+    // hangs. rdma_cm initiators are slower than that to post; so is this,
+    // unless the responder said it is softrdma.
+    if out.rtr.is_none() && !out.peer_is_softrdma {
         std::thread::sleep(FIRST_FPDU_DELAY);
     }
     qp.attach_iwarp(stream, &out)?;

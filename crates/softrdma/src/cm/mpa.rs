@@ -100,6 +100,10 @@ pub struct MpaOutcome {
     /// since siw's Reply echoes the Request's flags (so towards siw in its
     /// default mode, FPDUs stay within the MSS, as siw's own are).
     pub large_fpdus: bool,
+    /// Initiator: the Reply carried softrdma's own flag, so the responder is
+    /// softrdma (which reads its socket from the Reply on: no need to wait
+    /// for it as for siw). Always `false` for a responder.
+    pub peer_is_softrdma: bool,
 }
 
 /// Why establishment failed.
@@ -280,6 +284,7 @@ pub fn connect(stream: &mut TcpStream, cfg: &MpaConfig) -> Result<MpaOutcome, Mp
         peer_private_data: pd,
         large_fpdus: cfg.large_fpdus
             && reply.reserved_flags & (FLAG_GSO | FLAG_GSO_OWN) == FLAG_GSO | FLAG_GSO_OWN,
+        peer_is_softrdma: reply.reserved_flags & FLAG_GSO_OWN != 0,
     })
 }
 
@@ -379,6 +384,7 @@ pub fn accept(
         initiator: false,
         peer_private_data: request.private_data,
         large_fpdus,
+        peer_is_softrdma: false,
     })
 }
 
@@ -599,11 +605,11 @@ mod tests {
             b"MPA ID Req Frame\x18\x02\x00\x04\x00\x01\x00\x01"
         );
         // siw's Reply copies the Request's flags: no proof it was read.
-        assert!(!out.large_fpdus);
+        assert!(!out.large_fpdus && !out.peer_is_softrdma);
         let (_, out) = connect_to_a_reply_with(0x10, MpaConfig::default());
-        assert!(!out.large_fpdus);
+        assert!(!out.large_fpdus && !out.peer_is_softrdma);
         let (_, out) = connect_to_a_reply_with(0x1c, MpaConfig::default());
-        assert!(out.large_fpdus);
+        assert!(out.large_fpdus && out.peer_is_softrdma);
     }
 
     /// The flags byte of our Reply to `request`, and the outcome.
