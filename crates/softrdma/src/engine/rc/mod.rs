@@ -252,11 +252,17 @@ impl RcQp {
             // Packets sent since the last AckReq counted on a message behind
             // them to ask, which the drain will not start: send the last of
             // them again, asking (the responder ACKs a duplicate that asks).
-            // A message still being sent asks with its own last packet.
+            // A message still being sent (or sent again after a go-back)
+            // asks with its own last packet.
             QpState::Sqd
                 if self.state == QpState::Rts
                     && self.req.since_ackreq > 0
-                    && self.req.high_psn == Some(self.req.psn) =>
+                    && self.req.high_psn == Some(self.req.psn)
+                    && self
+                        .req
+                        .sq
+                        .iter()
+                        .all(|w| !w.started || w.status.is_some() || w.fully_sent()) =>
             {
                 self.state = to;
                 self.go_back(self.req.psn.sub(1));

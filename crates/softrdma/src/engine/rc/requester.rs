@@ -394,11 +394,20 @@ impl RcQp {
         // the peer fewer ACKs and this side fewer wake-ups. A shorter queue
         // asks per message, as rxe does: the application may be waiting
         // for this completion to post more. So does anything else next (a
-        // READ, a fence, a drain), which may hold the queue.
+        // READ, a fence, a drain), which may hold the queue. And while a
+        // READ or atomic ahead is unanswered, every message asks: an ACK
+        // beyond it is what reveals a lost response before the timer does,
+        // and that READ may hold the window shut before the 64th packet.
         let followed = last
             && payload.is_some()
             && self.state == QpState::Rts
-            && self.packets_queued_behind(idx) >= MAX_PKTS_PER_ACK;
+            && self.packets_queued_behind(idx) >= MAX_PKTS_PER_ACK
+            && !self
+                .req
+                .sq
+                .iter()
+                .take(idx)
+                .any(|w| w.status.is_none() && w.wr.op.is_read_or_atomic());
         self.req.since_ackreq += 1;
         repr.bth.ack_req = (last && !followed) || self.req.since_ackreq >= MAX_PKTS_PER_ACK;
         if repr.bth.ack_req {

@@ -797,8 +797,10 @@ fn deep_queues_of_large_messages_share_ack_requests() {
     p.run([40, 0]);
     assert!(all_succeed(&p));
     assert_eq!(p.sim.stats.ack_requests[0], 40);
-    // A fence or a READ behind stops the count: only the WRITE with four
-    // plain WRITEs (64 packets) right behind it goes without asking.
+    // A fence or a READ behind stops the count, and a READ ahead that is
+    // not yet answered makes every message ask: here all nine ask (the
+    // WRITE after the READ has 64 packets behind it, and asks only because
+    // the READ's answer has not come).
     let fenced = SendFlags {
         signaled: true,
         fence: true,
@@ -821,13 +823,36 @@ fn deep_queues_of_large_messages_share_ack_requests() {
     }
     p.run([9, 0]);
     assert!(all_succeed(&p));
-    assert_eq!(p.sim.stats.ack_requests[0], 8);
+    assert_eq!(p.sim.stats.ack_requests[0], 9);
+}
+
+/// Up to `n` packets end `i` sends at `now`, taken by hand (not delivered).
+fn take_packets(p: &mut Pair, i: usize, now: Time, n: usize) -> Vec<Vec<u8>> {
+    let mut packets = Vec::new();
+    let mut buf = vec![0u8; MAX_HEADER_LEN + 4096];
+    let mut pieces = Vec::new();
+    let e = &mut p.sim.ends[i];
+    while packets.len() < n {
+        let Some(t) = e.qp.poll_transmit(now, &e.mrs, &mut buf, &mut pieces) else {
+            break;
+        };
+        let mut packet = buf[..t.len].to_vec();
+        for s in &pieces {
+            let at = packet.len();
+            packet.resize(at + s.len(), 0);
+            s.read(0, &mut packet[at..]);
+        }
+        packet.resize(packet.len() + usize::from(t.pad) + 4, 0);
+        packets.push(packet);
+    }
+    packets
 }
 
 /// Six 16-packet WRITEs posted, `sent` packets sent by hand, then the QP
 /// drained (RTS -> SQD) and the packets delivered: runs until `done`
-/// WRITEs complete and returns the pair and the simulated time it took.
-fn drain_after(sent: usize, done: usize) -> (Pair, Duration) {
+/// WRITEs complete and returns the pair, the simulated time it took and
+/// how many of the packets sent by hand asked for an ACK.
+fn drain_after(sent: usize, done: usize) -> (Pair, Duration, usize) {
     let mut p = Pair::new(Setup::default());
     for k in 0..6 {
         p.send(
@@ -839,24 +864,17 @@ fn drain_after(sent: usize, done: usize) -> (Pair, Duration) {
             vec![Pair::sge(0, 0, 16384)],
         );
     }
-    let mut packets = Vec::new();
-    let mut buf = vec![0u8; MAX_HEADER_LEN + 4096];
-    let mut pieces = Vec::new();
     let now = p.sim.now;
-    for _ in 0..sent {
-        let e = &mut p.sim.ends[0];
-        let t =
-            e.qp.poll_transmit(now, &e.mrs, &mut buf, &mut pieces)
-                .unwrap();
-        let mut packet = buf[..t.len].to_vec();
-        for s in &pieces {
-            let at = packet.len();
-            packet.resize(at + s.len(), 0);
-            s.read(0, &mut packet[at..]);
-        }
-        packet.resize(packet.len() + usize::from(t.pad) + 4, 0);
-        packets.push(packet);
-    }
+    let packets = take_packets(&mut p, 0, now, sent);
+    assert_eq!(packets.len(), sent);
+    let asked = packets
+        .iter()
+        .filter(|b| {
+            softrdma_wire::bth::Header::new_checked(&b[..])
+                .unwrap()
+                .ack_req()
+        })
+        .count();
     p.sim.ends[0]
         .qp
         .modify(&QpAttr {
@@ -875,7 +893,7 @@ fn drain_after(sent: usize, done: usize) -> (Pair, Duration) {
             .all(|(_, wc)| wc.status == WcStatus::Success)
     );
     let took = Duration::from_nanos(p.sim.now.0 - now.0);
-    (p, took)
+    (p, took, asked)
 }
 
 #[test]
@@ -883,16 +901,95 @@ fn draining_asks_for_the_ack_a_deep_queue_left_unasked() {
     // The first two WRITEs (64 or more packets behind each) went without
     // asking, and the drain stops the third from starting: the last packet
     // goes again, asking, and both complete with no timeout.
-    let (p, took) = drain_after(32, 2);
+    let (p, took, asked) = drain_after(32, 2);
+    assert_eq!(asked, 0);
     let stats = p.sim.ends[0].qp.stats();
     assert_eq!((stats.timeouts, stats.retransmitted), (0, 1));
     assert!(took < Duration::from_millis(1), "completed by a timeout");
     // Drained halfway through the third: its own last packet asks, and
     // nothing is sent again.
-    let (p, took) = drain_after(40, 3);
+    let (p, took, asked) = drain_after(40, 3);
+    assert_eq!(asked, 0);
     let stats = p.sim.ends[0].qp.stats();
     assert_eq!((stats.timeouts, stats.retransmitted), (0, 0));
     assert!(took < Duration::from_millis(1), "completed by a timeout");
+}
+
+#[test]
+fn a_drain_during_a_go_back_lets_it_finish() {
+    // A 10-packet SEND whose 6th packet is lost, and the NAK for it too.
+    let mut p = Pair::new(Setup::default());
+    p.recv(1, vec![Pair::sge(1, 0, 10240)]);
+    p.send(0, SendOp::Send, vec![Pair::sge(0, 0, 10240)]);
+    let now = p.sim.now;
+    let sent = take_packets(&mut p, 0, now, 10);
+    let e = &mut p.sim.ends[1];
+    for (k, packet) in sent.iter().enumerate() {
+        if k != 5 {
+            e.qp.handle_packet(now, packet, &e.mrs);
+        }
+    }
+    let nak = take_packets(&mut p, 1, now, 8);
+    assert_eq!(nak.len(), 1, "one NAK for the gap");
+    // The timeout goes back to the first packet; two go again (duplicates),
+    // then the QP is drained: the go-back still runs to its end (jumping to
+    // the last packet, which the responder drops after its NAK, cost a
+    // second timeout).
+    let later = p.sim.ends[0].qp.poll_timeout().unwrap();
+    p.sim.now = later;
+    p.sim.ends[0].qp.handle_timeout(later);
+    let again = take_packets(&mut p, 0, later, 2);
+    let e = &mut p.sim.ends[1];
+    for packet in &again {
+        e.qp.handle_packet(later, packet, &e.mrs);
+    }
+    p.sim.ends[0]
+        .qp
+        .modify(&QpAttr {
+            state: Some(QpState::Sqd),
+            ..QpAttr::default()
+        })
+        .unwrap();
+    p.run([1, 1]);
+    assert_eq!(p.wcs(0)[0].1.status, WcStatus::Success);
+    assert_eq!(p.sim.ends[0].qp.stats().timeouts, 1);
+}
+
+#[test]
+fn messages_behind_an_unanswered_read_ask_for_their_acks() {
+    // A 100-packet READ, then sixteen 8-packet WRITEs. Until the READ is
+    // answered each WRITE asks, although 64 packets are queued behind it:
+    // its ACK is what reveals a lost READ response before the timer, and
+    // the READ holds most of the window.
+    let mut p = Pair::new(Setup::default());
+    p.send(
+        0,
+        SendOp::Read {
+            remote_addr: IOVA[1],
+            rkey: RKEY[1],
+        },
+        vec![Pair::sge(0, 1 << 19, 100 * 1024)],
+    );
+    for k in 0..16 {
+        p.send(
+            0,
+            SendOp::Write {
+                remote_addr: IOVA[1] + k * 8192,
+                rkey: RKEY[1],
+            },
+            vec![Pair::sge(0, 0, 8192)],
+        );
+    }
+    let now = p.sim.now;
+    // The window: the READ's 100 PSNs, three whole WRITEs, half a fourth.
+    let packets = take_packets(&mut p, 0, now, 1000);
+    let lasts: Vec<bool> = packets
+        .iter()
+        .map(|b| softrdma_wire::bth::Header::new_checked(&b[..]).unwrap())
+        .filter(|h| h.opcode() == softrdma_wire::Opcode::RC_RDMA_WRITE_LAST)
+        .map(|h| h.ack_req())
+        .collect();
+    assert_eq!(lasts, [true, true, true]);
 }
 
 #[test]
