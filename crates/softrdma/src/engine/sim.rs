@@ -185,32 +185,35 @@ impl Sim {
         }
     }
 
+    /// The next packet end `from` sends now, framed with its ICRC, or
+    /// `None`: what the network would carry (tests may take it by hand).
+    pub fn next_packet(&mut self, from: usize) -> Option<Vec<u8>> {
+        let end = &mut self.ends[from];
+        let t = end
+            .qp
+            .poll_transmit(self.now, &end.mrs, &mut self.buf, &mut self.pieces)?;
+        let mut packet = Vec::with_capacity(t.len + t.payload_len + 8);
+        packet.extend_from_slice(&self.buf[..t.len]);
+        for s in &self.pieces {
+            let at = packet.len();
+            packet.resize(at + s.len(), 0);
+            s.read(0, &mut packet[at..]);
+        }
+        packet.resize(packet.len() + usize::from(t.pad) + icrc::LEN, 0);
+        let (ip, udp) = headers(self.ends[from].addr, self.ends[1 - from].addr, packet.len());
+        icrc::fill(&ip, &udp, &mut packet).expect("a well-formed packet");
+        Some(packet)
+    }
+
     /// Sends everything both QPs want to send.
     fn transmit_all(&mut self) {
         for from in 0..2 {
-            loop {
-                let end = &mut self.ends[from];
-                let Some(t) =
-                    end.qp
-                        .poll_transmit(self.now, &end.mrs, &mut self.buf, &mut self.pieces)
-                else {
-                    break;
-                };
-                let mut packet = Vec::with_capacity(t.len + t.payload_len + 8);
-                packet.extend_from_slice(&self.buf[..t.len]);
-                for s in &self.pieces {
-                    let at = packet.len();
-                    packet.resize(at + s.len(), 0);
-                    s.read(0, &mut packet[at..]);
-                }
-                packet.resize(packet.len() + usize::from(t.pad) + icrc::LEN, 0);
+            while let Some(packet) = self.next_packet(from) {
                 if let Ok(p) = Packet::new_checked(&packet[..]) {
                     self.stats.ack_requests[from] += u64::from(p.bth().ack_req());
                     self.stats.acks[from] += u64::from(p.opcode() == Opcode::RC_ACKNOWLEDGE);
                 }
                 let to = 1 - from;
-                let (ip, udp) = headers(self.ends[from].addr, self.ends[to].addr, packet.len());
-                icrc::fill(&ip, &udp, &mut packet).expect("a well-formed packet");
                 self.send(to, packet, from);
             }
         }

@@ -257,7 +257,6 @@ impl RcQp {
             QpState::Sqd
                 if self.state == QpState::Rts
                     && self.req.since_ackreq > 0
-                    && self.req.high_psn == Some(self.req.psn)
                     && self
                         .req
                         .sq

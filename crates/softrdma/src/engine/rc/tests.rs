@@ -157,6 +157,27 @@ impl Pair {
         wr_id
     }
 
+    /// A WRITE of `len` bytes from the start of end 0's memory to `off` in
+    /// end 1's, signaled.
+    fn write(&mut self, off: u64, len: u32) -> u64 {
+        let op = SendOp::Write {
+            remote_addr: IOVA[1] + off,
+            rkey: RKEY[1],
+        };
+        self.send(0, op, vec![Pair::sge(0, 0, len)])
+    }
+
+    /// Moves end `i`'s QP to SQD (a drain).
+    fn drain(&mut self, i: usize) {
+        self.sim.ends[i]
+            .qp
+            .modify(&QpAttr {
+                state: Some(QpState::Sqd),
+                ..QpAttr::default()
+            })
+            .unwrap();
+    }
+
     fn recv(&mut self, i: usize, sgl: Vec<Sge>) -> u64 {
         let wr_id = self.next_wr;
         self.next_wr += 1;
@@ -768,10 +789,6 @@ fn fence_waits_for_earlier_reads() {
 #[test]
 fn deep_queues_of_large_messages_share_ack_requests() {
     // At the default 1 KiB path MTU a 16 KiB WRITE is 16 packets.
-    let write = |k: u64| SendOp::Write {
-        remote_addr: IOVA[1] + (k % 4) * 16384,
-        rkey: RKEY[1],
-    };
     let all_succeed = |p: &Pair| {
         p.wcs(0)
             .iter()
@@ -782,7 +799,7 @@ fn deep_queues_of_large_messages_share_ack_requests() {
     // 15); the last four, with less behind them, ask each. 8, not 20.
     let mut p = Pair::new(Setup::default());
     for k in 0..20 {
-        p.send(0, write(k), vec![Pair::sge(0, 0, 16384)]);
+        p.write((k % 4) * 16384, 16384);
     }
     p.run([20, 0]);
     assert!(all_succeed(&p));
@@ -792,7 +809,7 @@ fn deep_queues_of_large_messages_share_ack_requests() {
     // (the responder still coalesces the ACKs).
     let mut p = Pair::new(Setup::default());
     for k in 0..40 {
-        p.send(0, write(k), vec![Pair::sge(0, 0, 1024)]);
+        p.write((k % 4) * 16384, 1024);
     }
     p.run([40, 0]);
     assert!(all_succeed(&p));
@@ -807,9 +824,13 @@ fn deep_queues_of_large_messages_share_ack_requests() {
         ..SendFlags::default()
     };
     let mut p = Pair::new(Setup::default());
-    p.send(0, write(0), vec![Pair::sge(0, 0, 16384)]);
-    p.send_flags(0, write(1), vec![Pair::sge(0, 0, 16384)], fenced);
-    p.send(0, write(2), vec![Pair::sge(0, 0, 16384)]);
+    p.write(0, 16384);
+    let write_1 = SendOp::Write {
+        remote_addr: IOVA[1] + 16384,
+        rkey: RKEY[1],
+    };
+    p.send_flags(0, write_1, vec![Pair::sge(0, 0, 16384)], fenced);
+    p.write(2 * 16384, 16384);
     p.send(
         0,
         SendOp::Read {
@@ -819,33 +840,18 @@ fn deep_queues_of_large_messages_share_ack_requests() {
         vec![Pair::sge(0, 65536, 1024)],
     );
     for k in 3..8 {
-        p.send(0, write(k), vec![Pair::sge(0, 0, 16384)]);
+        p.write((k % 4) * 16384, 16384);
     }
     p.run([9, 0]);
     assert!(all_succeed(&p));
     assert_eq!(p.sim.stats.ack_requests[0], 9);
 }
 
-/// Up to `n` packets end `i` sends at `now`, taken by hand (not delivered).
-fn take_packets(p: &mut Pair, i: usize, now: Time, n: usize) -> Vec<Vec<u8>> {
-    let mut packets = Vec::new();
-    let mut buf = vec![0u8; MAX_HEADER_LEN + 4096];
-    let mut pieces = Vec::new();
-    let e = &mut p.sim.ends[i];
-    while packets.len() < n {
-        let Some(t) = e.qp.poll_transmit(now, &e.mrs, &mut buf, &mut pieces) else {
-            break;
-        };
-        let mut packet = buf[..t.len].to_vec();
-        for s in &pieces {
-            let at = packet.len();
-            packet.resize(at + s.len(), 0);
-            s.read(0, &mut packet[at..]);
-        }
-        packet.resize(packet.len() + usize::from(t.pad) + 4, 0);
-        packets.push(packet);
-    }
-    packets
+/// Up to `n` packets end `i` sends now, taken by hand (not delivered).
+fn take_packets(p: &mut Pair, i: usize, n: usize) -> Vec<Vec<u8>> {
+    std::iter::from_fn(|| p.sim.next_packet(i))
+        .take(n)
+        .collect()
 }
 
 /// Six 16-packet WRITEs posted, `sent` packets sent by hand, then the QP
@@ -855,17 +861,10 @@ fn take_packets(p: &mut Pair, i: usize, now: Time, n: usize) -> Vec<Vec<u8>> {
 fn drain_after(sent: usize, done: usize) -> (Pair, Duration, usize) {
     let mut p = Pair::new(Setup::default());
     for k in 0..6 {
-        p.send(
-            0,
-            SendOp::Write {
-                remote_addr: IOVA[1] + k * 16384,
-                rkey: RKEY[1],
-            },
-            vec![Pair::sge(0, 0, 16384)],
-        );
+        p.write(k * 16384, 16384);
     }
     let now = p.sim.now;
-    let packets = take_packets(&mut p, 0, now, sent);
+    let packets = take_packets(&mut p, 0, sent);
     assert_eq!(packets.len(), sent);
     let asked = packets
         .iter()
@@ -875,13 +874,7 @@ fn drain_after(sent: usize, done: usize) -> (Pair, Duration, usize) {
                 .ack_req()
         })
         .count();
-    p.sim.ends[0]
-        .qp
-        .modify(&QpAttr {
-            state: Some(QpState::Sqd),
-            ..QpAttr::default()
-        })
-        .unwrap();
+    p.drain(0);
     let e = &mut p.sim.ends[1];
     for packet in &packets {
         e.qp.handle_packet(now, packet, &e.mrs);
@@ -922,14 +915,14 @@ fn a_drain_during_a_go_back_lets_it_finish() {
     p.recv(1, vec![Pair::sge(1, 0, 10240)]);
     p.send(0, SendOp::Send, vec![Pair::sge(0, 0, 10240)]);
     let now = p.sim.now;
-    let sent = take_packets(&mut p, 0, now, 10);
+    let sent = take_packets(&mut p, 0, 10);
     let e = &mut p.sim.ends[1];
     for (k, packet) in sent.iter().enumerate() {
         if k != 5 {
             e.qp.handle_packet(now, packet, &e.mrs);
         }
     }
-    let nak = take_packets(&mut p, 1, now, 8);
+    let nak = take_packets(&mut p, 1, 8);
     assert_eq!(nak.len(), 1, "one NAK for the gap");
     // The timeout goes back to the first packet; two go again (duplicates),
     // then the QP is drained: the go-back still runs to its end (jumping to
@@ -938,18 +931,12 @@ fn a_drain_during_a_go_back_lets_it_finish() {
     let later = p.sim.ends[0].qp.poll_timeout().unwrap();
     p.sim.now = later;
     p.sim.ends[0].qp.handle_timeout(later);
-    let again = take_packets(&mut p, 0, later, 2);
+    let again = take_packets(&mut p, 0, 2);
     let e = &mut p.sim.ends[1];
     for packet in &again {
         e.qp.handle_packet(later, packet, &e.mrs);
     }
-    p.sim.ends[0]
-        .qp
-        .modify(&QpAttr {
-            state: Some(QpState::Sqd),
-            ..QpAttr::default()
-        })
-        .unwrap();
+    p.drain(0);
     p.run([1, 1]);
     assert_eq!(p.wcs(0)[0].1.status, WcStatus::Success);
     assert_eq!(p.sim.ends[0].qp.stats().timeouts, 1);
@@ -971,18 +958,10 @@ fn messages_behind_an_unanswered_read_ask_for_their_acks() {
         vec![Pair::sge(0, 1 << 19, 100 * 1024)],
     );
     for k in 0..16 {
-        p.send(
-            0,
-            SendOp::Write {
-                remote_addr: IOVA[1] + k * 8192,
-                rkey: RKEY[1],
-            },
-            vec![Pair::sge(0, 0, 8192)],
-        );
+        p.write(k * 8192, 8192);
     }
-    let now = p.sim.now;
     // The window: the READ's 100 PSNs, three whole WRITEs, half a fourth.
-    let packets = take_packets(&mut p, 0, now, 1000);
+    let packets = take_packets(&mut p, 0, 1000);
     let lasts: Vec<bool> = packets
         .iter()
         .map(|b| softrdma_wire::bth::Header::new_checked(&b[..]).unwrap())
