@@ -1,0 +1,449 @@
+//! What a RoCEv2 implementation over UDP sockets can reach on this machine
+//! with no transport engine at all: the datagrams softrdma sends, with only
+//! the work the wire and the one-copy design make mandatory (an ICRC per
+//! packet on each side, the received payload copied into its target). The
+//! comparison bench (`bench/compare.py`) runs it beside the peers, so that a
+//! target above this ceiling shows as such in the same run.
+//!
+//! ```text
+//! roce_ceiling stream SECS [--busy] [--bare]   # prints "stream <GB/s>"
+//! roce_ceiling pingpong ITERS [--bare|--plain] # prints "pingpong <p50 µs> <p99 µs>"
+//! ```
+//!
+//! `stream`: one thread sends full 4 KiB WRITE MIDDLE packets from a 1 MiB
+//! buffer in UDP GSO sends of 15 (as the provider does), another receives them
+//! with UDP GRO, checks each ICRC and copies each payload into a 1 MiB
+//! target; GB/s of payload received. Flow control costs nothing: the sender
+//! keeps at most 4 MiB ahead of what the receiver has taken, counted in
+//! shared memory (no ACK packets). The receiver blocks in `recvmsg` and the
+//! sender sleeps while the window is full, as a blocking transport does;
+//! `--busy` makes both spin instead. `pingpong`: two threads busy-polling
+//! their sockets pass the datagram of one half round trip of softrdma's
+//! WRITE ping-pong: an 8-byte WRITE ONLY and the ACK of the peer's WRITE in
+//! one GSO send; each side checks both ICRCs and copies the 8 bytes, then
+//! builds and sends its own; half round trip medians and p99. `--bare`
+//! skips the ICRCs and copies (the kernel's part alone); `--plain` passes
+//! one 64-byte datagram instead (sockperf's shape, for comparison). Loopback
+//! only: 127.0.0.93 and 127.0.0.94.
+
+use std::io::{self, IoSlice, IoSliceMut};
+use std::net::{SocketAddrV4, UdpSocket};
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use nix::sys::socket::{
+    ControlMessage, ControlMessageOwned, MsgFlags, MultiHeaders, SockaddrIn, recvmsg, sendmmsg,
+    setsockopt, sockopt,
+};
+use softrdma_wire::icrc::{self, Icrc, Ipv4Pseudo};
+
+const A: [u8; 4] = [127, 0, 0, 93];
+const B: [u8; 4] = [127, 0, 0, 94];
+const PAYLOAD: usize = 4096;
+const BTH: usize = 12;
+/// One packet on the wire after the UDP header: BTH, payload, ICRC.
+const SEGMENT: usize = BTH + PAYLOAD + icrc::LEN;
+/// Full packets per GSO send (65 507 bytes at most).
+const PER_SEND: usize = 15;
+const REGION: usize = 1 << 20;
+const WINDOW_PACKETS: u64 = 1024;
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let flag = |f: &str| args.iter().any(|a| a == f);
+    let number = |i: usize| args.get(i).and_then(|a| a.parse::<u64>().ok());
+    let result = match (args.first().map(String::as_str), number(1)) {
+        (Some("stream"), Some(secs)) => {
+            stream(secs, flag("--busy"), flag("--bare")).map(|gbs| println!("stream {gbs:.3}"))
+        }
+        (Some("pingpong"), Some(iters)) => pingpong(iters, flag("--bare"), flag("--plain"))
+            .map(|(p50, p99)| println!("pingpong {p50:.2} {p99:.2}")),
+        _ => Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "usage: roce_ceiling stream SECS [--busy] [--bare] | pingpong ITERS [--bare|--plain]",
+        )),
+    };
+    if let Err(e) = result {
+        eprintln!("roce_ceiling: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// A socket as the provider opens one: 8 MiB buffers, DF, UDP GRO.
+fn socket(ip: [u8; 4], nonblocking: bool) -> io::Result<UdpSocket> {
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::DGRAM, None)?;
+    s.set_recv_buffer_size(8 << 20)?;
+    s.set_send_buffer_size(8 << 20)?;
+    s.bind(&std::net::SocketAddr::from((ip, 0)).into())?;
+    rustix::net::sockopt::set_ip_mtu_discover(&s, rustix::net::sockopt::Ipv4PathMtuDiscovery::DO)?;
+    setsockopt(&s, sockopt::UdpGroSegment, &true).map_err(io::Error::from)?;
+    s.set_nonblocking(nonblocking)?;
+    s.set_read_timeout(Some(Duration::from_millis(100)))?;
+    Ok(s.into())
+}
+
+fn addr(s: &UdpSocket) -> io::Result<SocketAddrV4> {
+    match s.local_addr()? {
+        std::net::SocketAddr::V4(a) => Ok(a),
+        std::net::SocketAddr::V6(_) => Err(io::Error::other("bound to IPv6")),
+    }
+}
+
+/// The ICRC of a packet (`head` then `payload`) sent as GSO segment `k`
+/// (the kernel gives segment k IP ID k) from `from` to `to`.
+fn icrc_of(from: SocketAddrV4, to: SocketAddrV4, k: u16, head: &[u8], payload: &[u8]) -> u32 {
+    let udp_len = (8 + head.len() + payload.len() + icrc::LEN) as u16;
+    let ip = Ipv4Pseudo {
+        src: from.ip().octets(),
+        dst: to.ip().octets(),
+        identification: k,
+        dont_fragment: true,
+    }
+    .header(udp_len);
+    let udp = icrc::udp_header(from.port(), to.port(), udp_len);
+    let mut crc = Icrc::with_ib_headers(&ip, &udp, head).expect("a BTH");
+    crc.update(payload);
+    crc.finish()
+}
+
+/// Checks the ICRC of `packet`, GSO segment `k` from `from` to `to`.
+fn icrc_ok(from: SocketAddrV4, to: SocketAddrV4, k: u16, packet: &[u8]) -> bool {
+    let udp_len = (8 + packet.len()) as u16;
+    let ip = Ipv4Pseudo {
+        src: from.ip().octets(),
+        dst: to.ip().octets(),
+        identification: k,
+        dont_fragment: true,
+    }
+    .header(udp_len);
+    icrc::verify(
+        &ip,
+        &icrc::udp_header(from.port(), to.port(), udp_len),
+        packet,
+    )
+    .is_ok()
+}
+
+/// A BTH: opcode, destination QP 0x11, PSN.
+fn bth(opcode: u8, psn: u32) -> [u8; BTH] {
+    let mut h = [0u8; BTH];
+    h[0] = opcode;
+    h[2..4].copy_from_slice(&0xffffu16.to_be_bytes());
+    h[5..8].copy_from_slice(&0x11u32.to_be_bytes()[1..]);
+    h[8..12].copy_from_slice(&(psn & 0x00ff_ffff).to_be_bytes());
+    h
+}
+
+/// Sends `iov` as one datagram, cut into segments of `segment` bytes.
+fn send_gso(
+    sock: &UdpSocket,
+    headers: &mut MultiHeaders<SockaddrIn>,
+    to: SocketAddrV4,
+    iov: &[IoSlice<'_>],
+    segment: u16,
+) -> io::Result<()> {
+    let cmsg = [ControlMessage::UdpGsoSegments(&segment)];
+    sendmmsg(
+        sock.as_raw_fd(),
+        headers,
+        &[iov],
+        [Some(SockaddrIn::from(to))],
+        cmsg,
+        MsgFlags::empty(),
+    )
+    .map(drop)
+    .map_err(io::Error::from)
+}
+
+/// Receives one datagram: its length, where from, its GRO segment size.
+fn recv(
+    sock: &UdpSocket,
+    buf: &mut [u8],
+    cmsg: &mut [u8],
+    flags: MsgFlags,
+) -> io::Result<(usize, SocketAddrV4, usize)> {
+    let mut iov = [IoSliceMut::new(buf)];
+    let msg = recvmsg::<SockaddrIn>(sock.as_raw_fd(), &mut iov, Some(cmsg), flags)
+        .map_err(io::Error::from)?;
+    let from = msg
+        .address
+        .map(SocketAddrV4::from)
+        .ok_or_else(|| io::Error::other("no source"))?;
+    let mut segment = msg.bytes;
+    if let Ok(cmsgs) = msg.cmsgs() {
+        for c in cmsgs {
+            if let ControlMessageOwned::UdpGroSegments(n) = c
+                && n > 0
+            {
+                segment = n as usize;
+            }
+        }
+    }
+    Ok((msg.bytes, from, segment.max(1)))
+}
+
+fn stream(secs: u64, busy: bool, bare: bool) -> io::Result<f64> {
+    let rx = socket(B, busy)?;
+    let tx = socket(A, false)?;
+    let (to, from) = (addr(&rx)?, addr(&tx)?);
+    let taken = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let sender = {
+        let (taken, stop) = (taken.clone(), stop.clone());
+        std::thread::spawn(move || -> io::Result<()> {
+            let region: Vec<u8> = (0..REGION).map(|i| (i * 7 + 1) as u8).collect();
+            let mut headers = MultiHeaders::preallocate(1, Some(nix::cmsg_space!(u16)));
+            let (mut psn, mut sent) = (0u32, 0u64);
+            while !stop.load(Ordering::Relaxed) {
+                while sent.saturating_sub(taken.load(Ordering::Acquire)) > WINDOW_PACKETS {
+                    if stop.load(Ordering::Relaxed) {
+                        return Ok(());
+                    }
+                    if busy {
+                        std::hint::spin_loop();
+                    } else {
+                        std::thread::park_timeout(Duration::from_millis(10));
+                    }
+                }
+                let mut heads = [[0u8; BTH]; PER_SEND];
+                let mut trailers = [[0u8; icrc::LEN]; PER_SEND];
+                for k in 0..PER_SEND {
+                    let at = (psn as usize % (REGION / PAYLOAD)) * PAYLOAD;
+                    heads[k] = bth(0x07, psn);
+                    if !bare {
+                        let crc = icrc_of(from, to, k as u16, &heads[k], &region[at..at + PAYLOAD]);
+                        trailers[k] = crc.to_le_bytes();
+                    }
+                    psn = psn.wrapping_add(1);
+                }
+                let first = psn.wrapping_sub(PER_SEND as u32);
+                let mut iov = Vec::with_capacity(3 * PER_SEND);
+                for k in 0..PER_SEND {
+                    let at = (first.wrapping_add(k as u32) as usize % (REGION / PAYLOAD)) * PAYLOAD;
+                    iov.push(IoSlice::new(&heads[k]));
+                    iov.push(IoSlice::new(&region[at..at + PAYLOAD]));
+                    iov.push(IoSlice::new(&trailers[k]));
+                }
+                send_gso(&tx, &mut headers, to, &iov, SEGMENT as u16)?;
+                sent += PER_SEND as u64;
+            }
+            Ok(())
+        })
+    };
+    let mut buf = vec![0u8; 65536];
+    let mut cmsg = nix::cmsg_space!(i32);
+    let mut target = vec![0u8; REGION];
+    let (mut bytes, mut bad) = (0u64, 0u64);
+    let mut started = None;
+    let flags = if busy {
+        MsgFlags::MSG_DONTWAIT
+    } else {
+        MsgFlags::empty()
+    };
+    let end = Instant::now() + Duration::from_secs(secs);
+    while Instant::now() < end {
+        let (n, src, segment) = match recv(&rx, &mut buf, &mut cmsg, flags) {
+            Ok(r) => r,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        };
+        started.get_or_insert_with(Instant::now);
+        let mut packets = 0;
+        for (k, packet) in buf[..n].chunks(segment).enumerate() {
+            packets += 1;
+            if packet.len() != SEGMENT {
+                bad += 1;
+                continue;
+            }
+            if !bare {
+                if !icrc_ok(src, to, k as u16, packet) {
+                    bad += 1;
+                    continue;
+                }
+                let psn = u32::from_be_bytes([0, packet[9], packet[10], packet[11]]);
+                let at = (psn as usize % (REGION / PAYLOAD)) * PAYLOAD;
+                target[at..at + PAYLOAD].copy_from_slice(&packet[BTH..BTH + PAYLOAD]);
+            }
+            bytes += PAYLOAD as u64;
+        }
+        taken.fetch_add(packets, Ordering::Release);
+        sender.thread().unpark();
+    }
+    stop.store(true, Ordering::Relaxed);
+    sender.thread().unpark();
+    sender
+        .join()
+        .map_err(|_| io::Error::other("sender panicked"))??;
+    std::hint::black_box(&target);
+    if bad > 0 {
+        return Err(io::Error::other(format!(
+            "{bad} packets with a bad ICRC or size"
+        )));
+    }
+    let secs = started.map_or(0.0, |s| s.elapsed().as_secs_f64());
+    if secs == 0.0 {
+        return Err(io::Error::other("nothing received"));
+    }
+    Ok(bytes as f64 / secs / 1e9)
+}
+
+/// One side of the ping-pong: waits for the peer's datagram (unless it
+/// starts), then answers with a WRITE and the ACK of the peer's WRITE.
+struct Side {
+    sock: UdpSocket,
+    me: SocketAddrV4,
+    peer: SocketAddrV4,
+    bare: bool,
+    plain: bool,
+    headers: MultiHeaders<SockaddrIn>,
+    buf: Vec<u8>,
+    cmsg: Vec<u8>,
+    target: [u8; 8],
+    psn: u32,
+}
+
+/// WRITE ONLY with a RETH and 8 bytes, then an ACK: both in one GSO send.
+const WRITE_HEAD: usize = BTH + 16;
+const WRITE_LEN: usize = WRITE_HEAD + 8 + icrc::LEN;
+const ACK_HEAD: usize = BTH + 4;
+
+impl Side {
+    fn send(&mut self, count: u64) -> io::Result<()> {
+        let mut write = [0u8; WRITE_HEAD];
+        write[..BTH].copy_from_slice(&bth(0x0a, self.psn));
+        write[BTH + 12..BTH + 16].copy_from_slice(&8u32.to_be_bytes());
+        let payload = count.to_le_bytes();
+        let mut ack = [0u8; ACK_HEAD];
+        ack[..BTH].copy_from_slice(&bth(0x11, self.psn));
+        self.psn = self.psn.wrapping_add(1);
+        let (mut wcrc, mut acrc) = ([0u8; 4], [0u8; 4]);
+        if !self.bare {
+            wcrc = icrc_of(self.me, self.peer, 0, &write, &payload).to_le_bytes();
+            acrc = icrc_of(self.me, self.peer, 1, &ack, &[]).to_le_bytes();
+        }
+        if self.plain {
+            // sockperf's shape: one 64-byte datagram.
+            let mut d = [0u8; 64];
+            d[..8].copy_from_slice(&payload);
+            return self.sock.send_to(&d, self.peer).map(drop);
+        }
+        let iov = [
+            IoSlice::new(&write),
+            IoSlice::new(&payload),
+            IoSlice::new(&wcrc),
+            IoSlice::new(&ack),
+            IoSlice::new(&acrc),
+        ];
+        send_gso(
+            &self.sock,
+            &mut self.headers,
+            self.peer,
+            &iov,
+            WRITE_LEN as u16,
+        )
+    }
+
+    /// Spins until the peer's datagram for `count` is in.
+    fn wait(&mut self, count: u64, give_up: &AtomicBool) -> io::Result<bool> {
+        loop {
+            if give_up.load(Ordering::Relaxed) {
+                return Ok(false);
+            }
+            let (n, from, segment) = match recv(
+                &self.sock,
+                &mut self.buf,
+                &mut self.cmsg,
+                MsgFlags::MSG_DONTWAIT,
+            ) {
+                Ok(r) => r,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e),
+            };
+            if self.plain {
+                if from != self.peer || n != 64 || self.buf[..8] != count.to_le_bytes() {
+                    return Err(io::Error::other("an unexpected datagram"));
+                }
+                return Ok(true);
+            }
+            if from != self.peer || segment != WRITE_LEN || n <= segment {
+                return Err(io::Error::other("an unexpected datagram"));
+            }
+            let (write, ack) = self.buf[..n].split_at(segment);
+            if !self.bare {
+                if !icrc_ok(from, self.me, 0, write) || !icrc_ok(from, self.me, 1, ack) {
+                    return Err(io::Error::other("a bad ICRC"));
+                }
+                self.target
+                    .copy_from_slice(&write[WRITE_HEAD..WRITE_HEAD + 8]);
+                if u64::from_le_bytes(self.target) != count {
+                    return Err(io::Error::other("a WRITE out of turn"));
+                }
+            }
+            return Ok(true);
+        }
+    }
+}
+
+fn pingpong(iters: u64, bare: bool, plain: bool) -> io::Result<(f64, f64)> {
+    let (sa, sb) = (socket(A, true)?, socket(B, true)?);
+    let (a, b) = (addr(&sa)?, addr(&sb)?);
+    let side = move |sock, me, peer| Side {
+        sock,
+        me,
+        peer,
+        bare,
+        plain,
+        headers: MultiHeaders::preallocate(1, Some(nix::cmsg_space!(u16))),
+        buf: vec![0u8; 65536],
+        cmsg: nix::cmsg_space!(i32),
+        target: [0; 8],
+        psn: 0,
+    };
+    let mut client = side(sa, a, b);
+    let warmup = 1000;
+    let total = iters + warmup;
+    let failed = Arc::new(AtomicBool::new(false));
+    let echo = {
+        let failed = failed.clone();
+        // The send headers are not Send: the echoing side is made on its thread.
+        std::thread::spawn(move || -> io::Result<()> {
+            let mut server = side(sb, b, a);
+            for i in 1..=total {
+                let r = server
+                    .wait(i, &failed)
+                    .and_then(|ok| if ok { server.send(i) } else { Ok(()) });
+                if let Err(e) = r {
+                    failed.store(true, Ordering::Relaxed);
+                    return Err(e);
+                }
+            }
+            Ok(())
+        })
+    };
+    let mut half = Vec::with_capacity(iters as usize);
+    let mut run = || -> io::Result<()> {
+        for i in 1..=total {
+            let t = Instant::now();
+            client.send(i)?;
+            if !client.wait(i, &failed)? {
+                return Err(io::Error::other("the echoing thread failed"));
+            }
+            if i > warmup {
+                half.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
+            }
+        }
+        Ok(())
+    };
+    let r = run();
+    if r.is_err() {
+        failed.store(true, Ordering::Relaxed);
+    }
+    let e = echo.join().map_err(|_| io::Error::other("echo panicked"))?;
+    r?;
+    e?;
+    half.sort_by(f64::total_cmp);
+    let at = |q: f64| half[((half.len() - 1) as f64 * q) as usize];
+    Ok((at(0.5), at(0.99)))
+}
