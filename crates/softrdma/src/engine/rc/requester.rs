@@ -347,15 +347,24 @@ impl RcQp {
                             SendOp::WriteWithImm { imm, .. } => Some(imm),
                             _ => None,
                         };
+                        // A WRITE without an immediate goes as one WRITE
+                        // ONLY per packet, each with its own RETH: the
+                        // packets are then all of one size, so a UDP GSO
+                        // send holds 15 of them where FIRST (16 bytes
+                        // longer than MIDDLE) would end it after two, and
+                        // on loopback each datagram costs about as much as
+                        // 60 KB of payload. The responder sees a run of
+                        // messages that writes the same bytes; with an
+                        // immediate the receive completion reports the
+                        // whole length, so those stay one message.
                         let opc = match (first, last, imm.is_some()) {
-                            (true, true, false) => O::RC_RDMA_WRITE_ONLY,
+                            (_, _, false) => O::RC_RDMA_WRITE_ONLY,
                             (true, true, true) => O::RC_RDMA_WRITE_ONLY_WITH_IMMEDIATE,
-                            (true, false, _) => O::RC_RDMA_WRITE_FIRST,
-                            (false, false, _) => O::RC_RDMA_WRITE_MIDDLE,
-                            (false, true, false) => O::RC_RDMA_WRITE_LAST,
+                            (true, false, true) => O::RC_RDMA_WRITE_FIRST,
+                            (false, false, true) => O::RC_RDMA_WRITE_MIDDLE,
                             (false, true, true) => O::RC_RDMA_WRITE_LAST_WITH_IMMEDIATE,
                         };
-                        (opc, imm.filter(|_| last), first)
+                        (opc, imm.filter(|_| last), first || imm.is_none())
                     }
                 };
                 let psn = w.first_psn.add(k);
@@ -369,10 +378,18 @@ impl RcQp {
                         } => (remote_addr, rkey),
                         _ => unreachable!("WRITE opcodes only"),
                     };
-                    r.reth = Some(reth::Repr {
-                        va: remote_addr,
-                        rkey,
-                        dma_len: w.len as u32,
+                    r.reth = Some(if opcode == O::RC_RDMA_WRITE_ONLY {
+                        reth::Repr {
+                            va: remote_addr.wrapping_add(off),
+                            rkey,
+                            dma_len: len as u32,
+                        }
+                    } else {
+                        reth::Repr {
+                            va: remote_addr,
+                            rkey,
+                            dma_len: w.len as u32,
+                        }
                     });
                 }
                 let wants_se = matches!(

@@ -331,6 +331,78 @@ fn rdma_write_and_write_with_immediate() {
 }
 
 #[test]
+fn a_write_goes_as_write_only_packets_and_with_an_immediate_as_one_message() {
+    use softrdma_wire::Opcode as O;
+    use softrdma_wire::packet::{Packet, Repr};
+    let parse = |b: &Vec<u8>| Repr::parse(&Packet::new_checked(&b[..]).unwrap()).unwrap();
+    let mut p = Pair::new(Setup::default());
+    let data = pattern(3 * 1024 + 100, 5);
+    p.write_mem(0, 0, &data);
+    let w = p.write(7000, data.len() as u32);
+    // Four packets of one size (the last shorter), each a WRITE ONLY
+    // whose RETH names its own part; only the last asks for the ACK.
+    let packets = take_packets(&mut p, 0, 10);
+    assert_eq!(packets.len(), 4);
+    let first_psn = parse(&packets[0]).bth.psn;
+    for (k, b) in packets.iter().enumerate() {
+        let r = parse(b);
+        let reth = r.reth.expect("a RETH on every packet");
+        let len = if k == 3 { 100 } else { 1024 };
+        assert_eq!(r.bth.opcode, O::RC_RDMA_WRITE_ONLY);
+        assert_eq!(r.bth.psn, first_psn.add(k as u32));
+        assert_eq!(r.bth.ack_req, k == 3, "packet {k}");
+        assert_eq!(
+            (reth.va, reth.rkey, reth.dma_len, r.payload_len),
+            (IOVA[1] + 7000 + 1024 * k as u64, RKEY[1], len as u32, len)
+        );
+    }
+    assert_eq!(packets[0].len(), packets[2].len());
+    let now = p.sim.now;
+    let e = &mut p.sim.ends[1];
+    for b in &packets {
+        e.qp.handle_packet(now, b, &e.mrs);
+    }
+    p.run([1, 0]);
+    assert_eq!(p.wcs(0)[0].1.wr_id, w);
+    assert_eq!(p.wcs(0)[0].1.status, WcStatus::Success);
+    assert_eq!(p.read_mem(1, 7000, data.len()), data);
+    // With an immediate: FIRST, MIDDLE, LAST WITH IMMEDIATE, one message
+    // whose receive completion reports the whole length.
+    let r = p.recv(1, vec![]);
+    p.send(
+        0,
+        SendOp::WriteWithImm {
+            remote_addr: IOVA[1] + 65536,
+            rkey: RKEY[1],
+            imm: 9,
+        },
+        vec![Pair::sge(0, 0, 2049)],
+    );
+    let packets = take_packets(&mut p, 0, 10);
+    let opcodes: Vec<O> = packets.iter().map(|b| parse(b).bth.opcode).collect();
+    assert_eq!(
+        opcodes,
+        [
+            O::RC_RDMA_WRITE_FIRST,
+            O::RC_RDMA_WRITE_MIDDLE,
+            O::RC_RDMA_WRITE_LAST_WITH_IMMEDIATE
+        ]
+    );
+    let now = p.sim.now;
+    let e = &mut p.sim.ends[1];
+    for b in &packets {
+        e.qp.handle_packet(now, b, &e.mrs);
+    }
+    p.run([2, 1]);
+    let wc = p.wcs(1)[0].1;
+    assert_eq!(
+        (wc.wr_id, wc.opcode, wc.byte_len, wc.imm),
+        (r, WcOpcode::RecvRdmaWithImm, 2049, Some(9))
+    );
+    assert_eq!(p.read_mem(1, 65536, 2049), data[..2049]);
+}
+
+#[test]
 fn rdma_read() {
     let mut p = Pair::new(Setup::default());
     let data = pattern(10_000, 9);
@@ -961,14 +1033,18 @@ fn messages_behind_an_unanswered_read_ask_for_their_acks() {
         p.write(k * 8192, 8192);
     }
     // The window: the READ's 100 PSNs, three whole WRITEs, half a fourth.
+    // Each WRITE packet is a WRITE ONLY; the last of each WRITE asks.
     let packets = take_packets(&mut p, 0, 1000);
-    let lasts: Vec<bool> = packets
+    let asks: Vec<bool> = packets
         .iter()
         .map(|b| softrdma_wire::bth::Header::new_checked(&b[..]).unwrap())
-        .filter(|h| h.opcode() == softrdma_wire::Opcode::RC_RDMA_WRITE_LAST)
+        .filter(|h| h.opcode() == softrdma_wire::Opcode::RC_RDMA_WRITE_ONLY)
         .map(|h| h.ack_req())
         .collect();
-    assert_eq!(lasts, [true, true, true]);
+    assert_eq!(asks.len(), 28);
+    for (i, ask) in asks.iter().enumerate() {
+        assert_eq!(*ask, i % 8 == 7, "packet {i} of the WRITEs");
+    }
 }
 
 #[test]
