@@ -178,7 +178,7 @@ fn qkey_mismatch_and_oversize_over_sockets() {
 }
 
 #[test]
-fn a_foreign_ip_id_is_solved_from_the_icrc() {
+fn a_foreign_ip_id_is_solved_from_the_icrc_and_the_grh_shows_ttl_and_tos() {
     use softrdma::wire::icrc::{self, Ipv4Pseudo};
     use softrdma::wire::{Opcode, Psn, deth, packet};
     // A sender like rxe: its ICRC covers an IP ID the receiving socket never sees.
@@ -189,6 +189,9 @@ fn a_foreign_ip_id_is_solved_from_the_icrc() {
     let qp = ud_qp(&pd, &cq, QKEY);
     qp.post_recv(RecvWr::new(1, [mr.sge(0, 40 + 64)])).unwrap();
     let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    // TTL and TOS of its own, which the GRH must show.
+    sock.set_ttl(17).unwrap();
+    socket2::SockRef::from(&sock).set_tos_v4(0x28).unwrap();
     let from = match sock.local_addr().unwrap() {
         std::net::SocketAddr::V4(a) => a,
         _ => unreachable!(),
@@ -228,7 +231,12 @@ fn a_foreign_ip_id_is_solved_from_the_icrc() {
     assert_eq!(mr.read_vec(40, 5).unwrap(), b"hello");
     let area = mr.read_vec(0, 40).unwrap();
     match grh::Repr::parse(&grh::Header::new_checked(&area[..]).unwrap()).unwrap() {
-        grh::Repr::Ipv4 { identification, .. } => assert_eq!(identification, 0x1234),
+        grh::Repr::Ipv4 {
+            identification,
+            ttl,
+            tos,
+            ..
+        } => assert_eq!((identification, ttl, tos), (0x1234, 17, 0x28)),
         other => panic!("{other:?}"),
     }
     assert_eq!(ctx.stats().bad_icrc, 1);

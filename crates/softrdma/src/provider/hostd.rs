@@ -103,7 +103,8 @@ impl Hostd {
             }
         })?;
         rustix::net::listen(&listener, 64)?;
-        let udp = roce_socket(addr).map_err(|e| {
+        // Forwards TTL and TOS to its clients, UD or not.
+        let udp = roce_socket(addr, true).map_err(|e| {
             io::Error::new(
                 e.kind(),
                 format!("hostd cannot bind UDP {addr} (is a process using it exclusively?): {e}"),

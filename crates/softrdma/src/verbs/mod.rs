@@ -750,6 +750,12 @@ impl Pd {
             return self.create_shm_qp(init);
         }
         let shared = &self.ctx.inner.udp("a QP")?.shared;
+        if init.qp_type == QpType::Ud {
+            // A UD receive's GRH carries the datagram's TTL and TOS.
+            shared
+                .want_ip_fields()
+                .map_err(io_err("asking the sockets for TTL and TOS"))?;
+        }
         let mut qps = shared.qps.write().expect("QP table lock");
         let qpn = {
             let mut next = self.ctx.inner.next_qpn.lock().expect("QPN lock");
