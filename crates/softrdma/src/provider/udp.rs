@@ -1037,8 +1037,13 @@ fn receive_datagram(
     defer: bool,
 ) {
     let segment = rx.gro_segment.unwrap_or(datagram.len()).max(1);
+    // One clock reading for the datagram's packets: they arrived together.
+    let now = shared.now();
+    // The QP the last packet went to: the packets of a GRO datagram come
+    // from one GSO send, so from one QP to one QP.
+    let mut last = None;
     for (k, packet) in datagram.chunks(segment).enumerate() {
-        if let Some(slot) = receive(shared, packet, rx, dst_port, k)
+        if let Some(slot) = receive(shared, packet, rx, dst_port, k, now, &mut last)
             && !touched.iter().any(|t| Arc::ptr_eq(t, &slot))
         {
             touched.push(slot);
@@ -1051,7 +1056,8 @@ fn receive_datagram(
     }
 }
 
-/// One packet, the `k`th of its datagram: to its QP, if the ICRC holds.
+/// One packet, the `k`th of its datagram (received at `now`): to its QP, if
+/// the ICRC holds (`last`: the QP the datagram's last packet went to).
 /// Returns the QP it reached.
 fn receive(
     shared: &Shared,
@@ -1059,6 +1065,8 @@ fn receive(
     rx: &RxMeta,
     dst_port: u16,
     k: usize,
+    now: Time,
+    last: &mut Option<Arc<QpSlot>>,
 ) -> Option<Arc<QpSlot>> {
     let from = rx.from;
     shared.stats.received.fetch_add(1, Ordering::Relaxed);
@@ -1106,15 +1114,22 @@ fn receive(
         shared.stats.no_qp.fetch_add(1, Ordering::Relaxed);
         return None;
     };
-    let Some(slot) = shared
-        .qps
-        .read()
-        .expect("QP table lock")
-        .get(&h.dest_qp())
-        .cloned()
-    else {
-        shared.stats.no_qp.fetch_add(1, Ordering::Relaxed);
-        return None;
+    let slot = match last {
+        Some(s) if s.qpn == h.dest_qp() => s.clone(),
+        _ => {
+            let Some(slot) = shared
+                .qps
+                .read()
+                .expect("QP table lock")
+                .get(&h.dest_qp())
+                .cloned()
+            else {
+                shared.stats.no_qp.fetch_add(1, Ordering::Relaxed);
+                return None;
+            };
+            *last = Some(slot.clone());
+            slot
+        }
     };
     // As rxe: an RC QP takes packets only from its peer's address.
     if let Some(peer) = *slot.peer.lock().expect("peer lock")
@@ -1135,7 +1150,7 @@ fn receive(
     {
         let mrs = shared.mrs.read().expect("MR table lock");
         let mut qp = slot.engine.lock().expect("QP lock");
-        qp.handle_packet(shared.now(), packet, meta, &mrs);
+        qp.handle_packet(now, packet, meta, &mrs);
         drain_completions(&mut qp, &slot, &shared.events, &mut signal);
     }
     signal_cqs(&slot, signal);
