@@ -7,8 +7,9 @@
 //! receive — the engine copies from the datagram buffer into the target region.
 //!
 //! System calls: the packets a QP has ready go out in UDP GSO sends (one
-//! datagram per `sendmmsg` call, holding up to 16 equal-sized packets or as
-//! many as fit its 65 507 bytes, each with its own headers and ICRC), and the
+//! datagram per `sendmmsg` call, holding up to 16 equal-sized packets (64 of
+//! 1 KiB payload or more) or as many as fit its 65 507 bytes, each with its
+//! own headers and ICRC), and the
 //! sockets take UDP GRO, so that on loopback one recvmsg returns a whole GSO
 //! send. `SOFTRDMA_NO_GSO=1` turns both off.
 
@@ -47,20 +48,25 @@ const BATCH: usize = 60;
 const SOCKETS: usize = 8;
 /// Largest datagram received (a UDP GRO one holds several packets).
 const RX_BUF: usize = 65536;
-/// Most packets in one UDP GSO send (the kernel allows 64; more gained
-/// nothing for 4 KiB packets, which fill a send at 15, and cost the 8-byte
-/// message rate).
+/// Most packets in one UDP GSO send: small ones (more cost the 8-byte
+/// message rate), and packets with a payload of at least
+/// [`GSO_BULK_PAYLOAD`] bytes (the kernel's limit; 4 KiB packets fill a send
+/// at 15, 1 KiB ones at 61).
 const GSO_MAX_SEGMENTS: usize = 16;
+const GSO_MAX_SEGMENTS_BULK: usize = 64;
+const GSO_BULK_PAYLOAD: usize = 1024;
 /// Gather entries a GSO send keeps off the heap: headers, two region pieces
 /// and the trailer per packet (more pieces spill).
-const GSO_MAX_IOV: usize = 4 * GSO_MAX_SEGMENTS;
+const GSO_MAX_IOV: usize = 4 * GSO_MAX_SEGMENTS_BULK;
+/// The kernel's most gather entries per send (UIO_MAXIOV).
+const MAX_IOV: usize = 1024;
 /// Most UDP payload bytes in one GSO send (an IPv4 datagram's limit).
 const GSO_MAX_BYTES: usize = 65507;
 /// Most scatter/gather elements per work request on this provider (a packet's
 /// payload spans at most this many region pieces).
 pub(crate) const MAX_SGE: usize = 30;
-// A GSO send's gather list stays within the kernel's UIO_MAXIOV.
-const _: () = assert!(GSO_MAX_SEGMENTS * (MAX_SGE + 2) <= 1024);
+// Any one packet's gather list fits in a send.
+const _: () = assert!(MAX_SGE + 2 <= MAX_IOV);
 
 /// A QP as the provider holds it.
 #[derive(Debug)]
@@ -627,7 +633,7 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
                         i += 1;
                         continue;
                     };
-                    let k = gso_run(shared, &tx[i..n]);
+                    let k = gso_run(shared.gso.load(Ordering::Relaxed), &tx[i..n]);
                     send_packets(shared, d, &tx[i..i + k], slot.qpn);
                     i += k;
                 }
@@ -674,18 +680,25 @@ fn udp_len(t: &Transmit) -> usize {
 /// How many packets from the first of `tx` go in one GSO send: RC packets
 /// (UD ones each go to their own address) of the first's size, the last
 /// possibly shorter, within the kernel's limits.
-fn gso_run(shared: &Shared, tx: &[TxSlot]) -> usize {
-    if !shared.gso.load(Ordering::Relaxed) || tx[0].ah.is_some() {
+fn gso_run(gso: bool, tx: &[TxSlot]) -> usize {
+    if !gso || tx[0].ah.is_some() {
         return 1;
     }
     let size = udp_len(&tx[0].t);
-    let (mut k, mut total) = (1, size);
-    while k < tx.len() && k < GSO_MAX_SEGMENTS && tx[k].ah.is_none() {
+    let most = if tx[0].t.payload_len >= GSO_BULK_PAYLOAD {
+        GSO_MAX_SEGMENTS_BULK
+    } else {
+        GSO_MAX_SEGMENTS
+    };
+    let iov_of = |s: &TxSlot| 2 + s.pieces.len();
+    let (mut k, mut total, mut iov) = (1, size, iov_of(&tx[0]));
+    while k < tx.len() && k < most && tx[k].ah.is_none() {
         let l = udp_len(&tx[k].t);
-        if l > size || total + l - 8 > GSO_MAX_BYTES {
+        if l > size || total + l - 8 > GSO_MAX_BYTES || iov + iov_of(&tx[k]) > MAX_IOV {
             break;
         }
         total += l - 8;
+        iov += iov_of(&tx[k]);
         k += 1;
         if l < size {
             break;
@@ -741,9 +754,9 @@ fn frame<'a>(
 fn send_packets(shared: &Shared, peer: SocketAddrV4, tx: &[TxSlot], qpn: u32) {
     // rxe's hash_32 of the QPN (WIRE-NOTES 1.1) picks the socket.
     let sock = (qpn.wrapping_mul(0x61C8_8647) >> 18) as usize % shared.sockets.len();
-    let mut trailers = [[0u8; 7]; GSO_MAX_SEGMENTS];
+    let mut trailers = [[0u8; 7]; GSO_MAX_SEGMENTS_BULK];
     let mut iov = smallvec::SmallVec::<[IoSlice<'_>; GSO_MAX_IOV]>::new();
-    let mut bounds = [0usize; GSO_MAX_SEGMENTS + 1];
+    let mut bounds = [0usize; GSO_MAX_SEGMENTS_BULK + 1];
     for (k, (s, trailer)) in tx.iter().zip(trailers.iter_mut()).enumerate() {
         let ident = if tx.len() > 1 { k as u16 } else { 0 };
         frame(shared, peer, sock, s, ident, trailer, &mut iov);
@@ -1155,4 +1168,53 @@ fn receive(
     }
     signal_cqs(&slot, signal);
     Some(slot)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::{Access, MrTable, Region, RegionMemory};
+
+    /// Packets of these payload lengths, each from `pieces` region pieces.
+    fn packets(payloads: &[usize], pieces: usize) -> Vec<TxSlot> {
+        let mut mrs = MrTable::new();
+        let mem = Arc::new(RegionMemory::from_vec(vec![0u8; 4096]));
+        mrs.insert(Region::new(1, (1, 2), mem, 0, 4096, 0x1000, Access::REMOTE_READ).unwrap());
+        let seg = mrs.remote(1, 2, 0x1000, 1, Access::REMOTE_READ).unwrap();
+        payloads
+            .iter()
+            .map(|&payload_len| TxSlot {
+                buf: vec![0u8; 12],
+                pieces: vec![seg.clone(); pieces],
+                t: Transmit {
+                    len: 12,
+                    payload_len,
+                    pad: 0,
+                },
+                ah: None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn gso_sends_hold_as_many_packets_as_the_kernel_takes() {
+        // 1 KiB payloads: 62 of 12 + 1024 + 4 bytes fit in 65 507.
+        assert_eq!(gso_run(true, &packets(&[1024; 100], 1)), 62);
+        // 4 KiB: 15. Small packets: 16, for the message rate.
+        assert_eq!(gso_run(true, &packets(&[4096; 100], 1)), 15);
+        assert_eq!(gso_run(true, &packets(&[8; 100], 1)), 16);
+        // Thirty pieces a packet: 32 gather entries each, 1024 in a send.
+        assert_eq!(gso_run(true, &packets(&[1024; 100], 30)), 32);
+        // A shorter packet ends a send, a longer one starts the next.
+        assert_eq!(
+            gso_run(true, &packets(&[1024, 1024, 1024, 512, 1024], 1)),
+            4
+        );
+        assert_eq!(gso_run(true, &packets(&[1024, 2048], 1)), 1);
+        // Without GSO, or for UD, one packet a datagram.
+        assert_eq!(gso_run(false, &packets(&[1024; 10], 1)), 1);
+        let mut ud = packets(&[1024; 10], 1);
+        ud[0].ah = Some(AhId(3));
+        assert_eq!(gso_run(true, &ud), 1);
+    }
 }
