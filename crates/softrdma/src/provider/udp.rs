@@ -51,7 +51,7 @@ const RX_BUF: usize = 65536;
 /// Most packets in one UDP GSO send: small ones (more cost the 8-byte
 /// message rate), and packets with a payload of at least
 /// [`GSO_BULK_PAYLOAD`] bytes (the kernel's limit; 4 KiB packets fill a send
-/// at 15, 1 KiB ones at 61).
+/// at 15, 1 KiB ones at 62).
 const GSO_MAX_SEGMENTS: usize = 16;
 const GSO_MAX_SEGMENTS_BULK: usize = 64;
 const GSO_BULK_PAYLOAD: usize = 1024;
