@@ -50,6 +50,12 @@ const PER_SEND: usize = 15;
 const REGION: usize = 1 << 20;
 const WINDOW_PACKETS: u64 = 1024;
 
+/// Where packet `psn`'s payload sits in a region (sender's and target).
+fn region_at(psn: u32) -> std::ops::Range<usize> {
+    let at = (psn as usize % (REGION / PAYLOAD)) * PAYLOAD;
+    at..at + PAYLOAD
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let flag = |f: &str| args.iter().any(|a| a == f);
@@ -91,10 +97,15 @@ fn addr(s: &UdpSocket) -> io::Result<SocketAddrV4> {
     }
 }
 
-/// The ICRC of a packet (`head` then `payload`) sent as GSO segment `k`
-/// (the kernel gives segment k IP ID k) from `from` to `to`.
-fn icrc_of(from: SocketAddrV4, to: SocketAddrV4, k: u16, head: &[u8], payload: &[u8]) -> u32 {
-    let udp_len = (8 + head.len() + payload.len() + icrc::LEN) as u16;
+/// The IPv4 and UDP headers the ICRC covers for GSO segment `k` (the
+/// kernel gives segment k IP ID k) of `udp_len` bytes from `from` to `to`.
+fn pseudo_headers(
+    from: SocketAddrV4,
+    to: SocketAddrV4,
+    k: u16,
+    udp_len: usize,
+) -> ([u8; 20], [u8; 8]) {
+    let udp_len = udp_len as u16;
     let ip = Ipv4Pseudo {
         src: from.ip().octets(),
         dst: to.ip().octets(),
@@ -102,7 +113,13 @@ fn icrc_of(from: SocketAddrV4, to: SocketAddrV4, k: u16, head: &[u8], payload: &
         dont_fragment: true,
     }
     .header(udp_len);
-    let udp = icrc::udp_header(from.port(), to.port(), udp_len);
+    (ip, icrc::udp_header(from.port(), to.port(), udp_len))
+}
+
+/// The ICRC of a packet (`head` then `payload`) sent as GSO segment `k`
+/// from `from` to `to`.
+fn icrc_of(from: SocketAddrV4, to: SocketAddrV4, k: u16, head: &[u8], payload: &[u8]) -> u32 {
+    let (ip, udp) = pseudo_headers(from, to, k, 8 + head.len() + payload.len() + icrc::LEN);
     let mut crc = Icrc::with_ib_headers(&ip, &udp, head).expect("a BTH");
     crc.update(payload);
     crc.finish()
@@ -110,20 +127,8 @@ fn icrc_of(from: SocketAddrV4, to: SocketAddrV4, k: u16, head: &[u8], payload: &
 
 /// Checks the ICRC of `packet`, GSO segment `k` from `from` to `to`.
 fn icrc_ok(from: SocketAddrV4, to: SocketAddrV4, k: u16, packet: &[u8]) -> bool {
-    let udp_len = (8 + packet.len()) as u16;
-    let ip = Ipv4Pseudo {
-        src: from.ip().octets(),
-        dst: to.ip().octets(),
-        identification: k,
-        dont_fragment: true,
-    }
-    .header(udp_len);
-    icrc::verify(
-        &ip,
-        &icrc::udp_header(from.port(), to.port(), udp_len),
-        packet,
-    )
-    .is_ok()
+    let (ip, udp) = pseudo_headers(from, to, k, 8 + packet.len());
+    icrc::verify(&ip, &udp, packet).is_ok()
 }
 
 /// A BTH: opcode, destination QP 0x11, PSN.
@@ -209,23 +214,22 @@ fn stream(secs: u64, busy: bool, bare: bool) -> io::Result<f64> {
                 }
                 let mut heads = [[0u8; BTH]; PER_SEND];
                 let mut trailers = [[0u8; icrc::LEN]; PER_SEND];
+                let payloads: [&[u8]; PER_SEND] =
+                    std::array::from_fn(|k| &region[region_at(psn.wrapping_add(k as u32))]);
                 for k in 0..PER_SEND {
-                    let at = (psn as usize % (REGION / PAYLOAD)) * PAYLOAD;
-                    heads[k] = bth(0x07, psn);
+                    heads[k] = bth(0x07, psn.wrapping_add(k as u32));
                     if !bare {
-                        let crc = icrc_of(from, to, k as u16, &heads[k], &region[at..at + PAYLOAD]);
+                        let crc = icrc_of(from, to, k as u16, &heads[k], payloads[k]);
                         trailers[k] = crc.to_le_bytes();
                     }
-                    psn = psn.wrapping_add(1);
                 }
-                let first = psn.wrapping_sub(PER_SEND as u32);
-                let mut iov = Vec::with_capacity(3 * PER_SEND);
-                for k in 0..PER_SEND {
-                    let at = (first.wrapping_add(k as u32) as usize % (REGION / PAYLOAD)) * PAYLOAD;
-                    iov.push(IoSlice::new(&heads[k]));
-                    iov.push(IoSlice::new(&region[at..at + PAYLOAD]));
-                    iov.push(IoSlice::new(&trailers[k]));
-                }
+                psn = psn.wrapping_add(PER_SEND as u32);
+                // On the stack, as the provider's gather list is.
+                let iov: [IoSlice<'_>; 3 * PER_SEND] = std::array::from_fn(|i| match i % 3 {
+                    0 => IoSlice::new(&heads[i / 3]),
+                    1 => IoSlice::new(payloads[i / 3]),
+                    _ => IoSlice::new(&trailers[i / 3]),
+                });
                 send_gso(&tx, &mut headers, to, &iov, SEGMENT as u16)?;
                 sent += PER_SEND as u64;
             }
@@ -263,8 +267,7 @@ fn stream(secs: u64, busy: bool, bare: bool) -> io::Result<f64> {
                     continue;
                 }
                 let psn = u32::from_be_bytes([0, packet[9], packet[10], packet[11]]);
-                let at = (psn as usize % (REGION / PAYLOAD)) * PAYLOAD;
-                target[at..at + PAYLOAD].copy_from_slice(&packet[BTH..BTH + PAYLOAD]);
+                target[region_at(psn)].copy_from_slice(&packet[BTH..BTH + PAYLOAD]);
             }
             bytes += PAYLOAD as u64;
         }

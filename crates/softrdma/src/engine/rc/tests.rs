@@ -167,6 +167,15 @@ impl Pair {
         self.send(0, op, vec![Pair::sge(0, 0, len)])
     }
 
+    /// Hands end `to` packets taken by hand (see `take_packets`), now.
+    fn deliver<'a>(&mut self, to: usize, packets: impl IntoIterator<Item = &'a Vec<u8>>) {
+        let now = self.sim.now;
+        let e = &mut self.sim.ends[to];
+        for packet in packets {
+            e.qp.handle_packet(now, packet, &e.mrs);
+        }
+    }
+
     /// Moves end `i`'s QP to SQD (a drain).
     fn drain(&mut self, i: usize) {
         self.sim.ends[i]
@@ -357,11 +366,7 @@ fn a_write_goes_as_write_only_packets_and_with_an_immediate_as_one_message() {
         );
     }
     assert_eq!(packets[0].len(), packets[2].len());
-    let now = p.sim.now;
-    let e = &mut p.sim.ends[1];
-    for b in &packets {
-        e.qp.handle_packet(now, b, &e.mrs);
-    }
+    p.deliver(1, &packets);
     p.run([1, 0]);
     assert_eq!(p.wcs(0)[0].1.wr_id, w);
     assert_eq!(p.wcs(0)[0].1.status, WcStatus::Success);
@@ -388,11 +393,7 @@ fn a_write_goes_as_write_only_packets_and_with_an_immediate_as_one_message() {
             O::RC_RDMA_WRITE_LAST_WITH_IMMEDIATE
         ]
     );
-    let now = p.sim.now;
-    let e = &mut p.sim.ends[1];
-    for b in &packets {
-        e.qp.handle_packet(now, b, &e.mrs);
-    }
+    p.deliver(1, &packets);
     p.run([2, 1]);
     let wc = p.wcs(1)[0].1;
     assert_eq!(
@@ -947,10 +948,7 @@ fn drain_after(sent: usize, done: usize) -> (Pair, Duration, usize) {
         })
         .count();
     p.drain(0);
-    let e = &mut p.sim.ends[1];
-    for packet in &packets {
-        e.qp.handle_packet(now, packet, &e.mrs);
-    }
+    p.deliver(1, &packets);
     p.run([done, 0]);
     assert!(
         p.wcs(0)
@@ -986,14 +984,14 @@ fn a_drain_during_a_go_back_lets_it_finish() {
     let mut p = Pair::new(Setup::default());
     p.recv(1, vec![Pair::sge(1, 0, 10240)]);
     p.send(0, SendOp::Send, vec![Pair::sge(0, 0, 10240)]);
-    let now = p.sim.now;
     let sent = take_packets(&mut p, 0, 10);
-    let e = &mut p.sim.ends[1];
-    for (k, packet) in sent.iter().enumerate() {
-        if k != 5 {
-            e.qp.handle_packet(now, packet, &e.mrs);
-        }
-    }
+    p.deliver(
+        1,
+        sent.iter()
+            .enumerate()
+            .filter(|(k, _)| *k != 5)
+            .map(|(_, b)| b),
+    );
     let nak = take_packets(&mut p, 1, 8);
     assert_eq!(nak.len(), 1, "one NAK for the gap");
     // The timeout goes back to the first packet; two go again (duplicates),
@@ -1004,10 +1002,7 @@ fn a_drain_during_a_go_back_lets_it_finish() {
     p.sim.now = later;
     p.sim.ends[0].qp.handle_timeout(later);
     let again = take_packets(&mut p, 0, 2);
-    let e = &mut p.sim.ends[1];
-    for packet in &again {
-        e.qp.handle_packet(later, packet, &e.mrs);
-    }
+    p.deliver(1, &again);
     p.drain(0);
     p.run([1, 1]);
     assert_eq!(p.wcs(0)[0].1.status, WcStatus::Success);
