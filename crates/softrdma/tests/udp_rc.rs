@@ -390,6 +390,69 @@ fn a_deferred_ack_is_sent_when_the_poller_goes_away() {
     assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
 }
 
+/// In busy-poll mode a post that finds packets in flight leaves its
+/// transmission to the thread that takes their ACKs. Posted back to back and
+/// then waited for without polling, or polled for by a thread that posts
+/// more, every WRITE still lands and completes well within the ACK timeout
+/// (about 4 s): none waits for a retransmission.
+#[test]
+fn busy_poll_posts_left_to_the_ack_path_all_leave() {
+    let (a, b) = busy_pair();
+    let data: Vec<u8> = (0..8192u32).map(|i| (i * 13 + 5) as u8).collect();
+    a.mr.write(0, &data).unwrap();
+    // Two posts, the second finding the first in flight, then a blocking
+    // wait: no application thread polls either device.
+    let t = Instant::now();
+    a.qp.post_send(SendWr::new(
+        1,
+        SendOp::Write {
+            remote_addr: b.info.va,
+            rkey: b.info.rkey,
+        },
+        [a.mr.sge(0, 4096)],
+    ))
+    .unwrap();
+    a.qp.post_send(SendWr::new(
+        2,
+        SendOp::Write {
+            remote_addr: b.info.va + 4096,
+            rkey: b.info.rkey,
+        },
+        [a.mr.sge(4096, 4096)],
+    ))
+    .unwrap();
+    for want in [1, 2] {
+        let wc = a.cq.wait(T).unwrap().expect("a completion");
+        assert_eq!((wc.wr_id, wc.status), (want, WcStatus::Success));
+    }
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    assert_eq!(b.mr.read_vec(0, 8192).unwrap(), data);
+    // A stream of 8-byte WRITEs, 64 outstanding, the poster polling.
+    let t = Instant::now();
+    let (mut posted, mut done) = (0u64, 0u64);
+    while done < 2000 {
+        while posted < 2000 && posted - done < 64 {
+            let off = (posted % 1024) * 8;
+            a.qp.post_send(SendWr::new(
+                posted,
+                SendOp::Write {
+                    remote_addr: b.info.va + off,
+                    rkey: b.info.rkey,
+                },
+                [a.mr.sge(off as usize, 8)],
+            ))
+            .unwrap();
+            posted += 1;
+        }
+        while let Some(wc) = a.cq.poll_one().unwrap() {
+            assert_eq!((wc.wr_id, wc.status), (done, WcStatus::Success));
+            done += 1;
+        }
+        assert!(t.elapsed() < Duration::from_secs(3), "{done} of 2000 done");
+    }
+    assert_eq!(b.mr.read_vec(0, 8192).unwrap(), data);
+}
+
 /// perftest's write_lat pattern in blocking mode, one thread per side: each
 /// spins on its memory for the peer's WRITE, then posts its own at once —
 /// while its progress thread may still be sending the ACK of what just

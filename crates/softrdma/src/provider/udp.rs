@@ -150,6 +150,9 @@ pub(crate) struct Shared {
     pcap: Option<Mutex<PcapWriter>>,
     epoch: Instant,
     wake: OwnedFd,
+    /// Raised with every write to `wake`, so that a spinning progress thread
+    /// sees a wake-up without a system call (see [`RxBuffers::spin`]).
+    woken: AtomicBool,
     /// When the progress thread will wake by itself (engine time; MAX = never).
     sleep_until: AtomicU64,
     stop: AtomicBool,
@@ -203,6 +206,7 @@ impl Shared {
     }
 
     fn wake(&self) {
+        self.woken.store(true, Ordering::SeqCst);
         let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
     }
 
@@ -235,7 +239,7 @@ struct TxSlot {
 /// that receives the ACKs (the poster transmits while the queue is short):
 /// their ACKs bring a transmit soon (or their timer does), and the new work
 /// leaves with others in GSO sends instead of one datagram per post.
-pub(crate) const POSTER_LEAVES_AT: u32 = 16;
+const POSTER_LEAVES_AT: u32 = 16;
 
 /// How long the progress thread leaves the sockets to an application
 /// thread that polled (busy-poll mode): if it stops polling, the progress
@@ -251,12 +255,19 @@ const LOOKS_OFTEN_NS: u64 = 20_000;
 /// [`STANDBY_NS`] after the last poll.
 const ALARM_PUSH_NS: u64 = 200_000;
 
+/// How long the progress thread spins on the sockets after the last
+/// datagram before it sleeps (busy-poll mode, no application thread
+/// polling; see [`RxBuffers::spin`]).
+const BUSY_SPIN_NS: u64 = 1_000_000;
+
 /// A receiving thread's buffers.
 struct RxBuffers {
     rx: Vec<u8>,
     cmsg: Vec<u8>,
     touched: Vec<Arc<QpSlot>>,
     polls: u32,
+    /// When this thread last received a datagram (engine time, ns).
+    last_rx: u64,
 }
 
 impl RxBuffers {
@@ -266,6 +277,7 @@ impl RxBuffers {
             cmsg: nix::cmsg_space!(i32, u8, i32),
             touched: Vec::new(),
             polls: 0,
+            last_rx: 0,
         }
     }
 
@@ -278,12 +290,14 @@ impl RxBuffers {
         readable: &[bool; SOCKETS],
         defer: bool,
         one: bool,
-    ) {
+    ) -> bool {
+        let mut received = false;
         for (i, sock) in shared.sockets.iter().enumerate() {
             if !readable[i] {
                 continue;
             }
             while let Some((n, meta)) = recv_datagram(sock, &mut self.rx, &mut self.cmsg) {
+                received = true;
                 receive_datagram(
                     shared,
                     &self.rx[..n],
@@ -296,6 +310,49 @@ impl RxBuffers {
                     break;
                 }
             }
+        }
+        if received {
+            self.last_rx = shared.now().0;
+        }
+        received
+    }
+
+    /// The progress thread in busy-poll mode while no application thread
+    /// polls: spins on the sockets (yielding the CPU between empty looks)
+    /// instead of sleeping in poll(2), as the iWARP receive threads do. A
+    /// sleeping receiver costs every datagram a wake-up, which on loopback
+    /// the sender pays. Returns true once it has handled datagrams; false on
+    /// a wake-up, at `deadline` (the next timer), once an application thread
+    /// polls, or after [`BUSY_SPIN_NS`] without a datagram.
+    fn spin(&mut self, shared: &Shared, deadline: u64) -> bool {
+        loop {
+            let now = shared.now().0;
+            if shared.woken.load(Ordering::SeqCst)
+                || now >= deadline
+                || now.saturating_sub(self.last_rx) >= BUSY_SPIN_NS
+                || now.saturating_sub(shared.app_polled.load(Ordering::Relaxed)) < STANDBY_NS
+                || !shared.busy_poll()
+            {
+                return false;
+            }
+            // Peers send to the first socket; the others every 64th look.
+            self.polls = self.polls.wrapping_add(1);
+            let mut which = [false; SOCKETS];
+            which[0] = true;
+            if self.polls.is_multiple_of(64) {
+                which = [true; SOCKETS];
+            }
+            let received = {
+                let mut deferred = shared.rx_lock.lock().expect("rx lock");
+                for slot in deferred.drain(..) {
+                    transmit(shared, &slot);
+                }
+                self.drain_sockets(shared, &which, false, false)
+            };
+            if received {
+                return true;
+            }
+            std::thread::yield_now();
         }
     }
 }
@@ -454,6 +511,7 @@ impl UdpDevice {
             pcap,
             epoch: Instant::now(),
             wake: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?,
+            woken: AtomicBool::new(false),
             sleep_until: AtomicU64::new(u64::MAX),
             stop: AtomicBool::new(false),
             busy_poll: AtomicBool::new(busy_poll),
@@ -492,6 +550,21 @@ impl UdpDevice {
         {
             self.shared.wake();
         }
+    }
+
+    /// Whether a post that finds `in_flight` packets of its QP unacknowledged
+    /// sends itself (see [`POSTER_LEAVES_AT`]). In busy-poll mode the thread
+    /// taking the ACKs spins, so leaving costs no wake-up, and a post leaves
+    /// whenever anything is in flight: with ACKs back within microseconds, a
+    /// queue never reaches 16, and every post would be a datagram (the 8-byte
+    /// message rate halved).
+    pub fn poster_transmits(&self, in_flight: u32) -> bool {
+        in_flight
+            < if self.shared.busy_poll() {
+                1
+            } else {
+                POSTER_LEAVES_AT
+            }
     }
 
     /// Busy-poll mode on or off: application threads polling CQs receive
@@ -896,6 +969,14 @@ fn progress(shared: &Arc<Shared>) {
             shared.alarm_pushed.store(now, Ordering::Relaxed);
             shared.set_standby_alarm((app_since + STANDBY_NS).saturating_sub(now));
         }
+        if !standby
+            && shared.busy_poll()
+            && shared.uplink.is_none()
+            && now.saturating_sub(b.last_rx) < BUSY_SPIN_NS
+            && b.spin(shared, next)
+        {
+            continue;
+        }
         let timeout = (next != u64::MAX).then(|| Duration::from_nanos(next.saturating_sub(now)));
         let ts = timeout.map(timespec);
         let mut fds: [PollFd; SOCKETS + 3] = std::array::from_fn(|i| match i {
@@ -912,6 +993,7 @@ fn progress(shared: &Arc<Shared>) {
             continue;
         }
         if !fds[SOCKETS].revents().is_empty() {
+            shared.woken.store(false, Ordering::SeqCst);
             let mut b = [0u8; 8];
             let _ = rustix::io::read(&shared.wake, &mut b);
         }

@@ -1204,10 +1204,10 @@ impl Qp {
                     qp.post_send(wr)?;
                     qp.packets_in_flight()
                 };
-                // The poster transmits while the queue is short; beyond that
-                // the thread taking the ACKs sends the new work in batches.
-                if in_flight < crate::provider::udp::POSTER_LEAVES_AT {
-                    self.kick(slot);
+                if let Provider::Udp(d) = &self.ctx.inner.dev
+                    && d.poster_transmits(in_flight)
+                {
+                    d.kick(slot);
                 }
             }
             QpKind::Iwarp(s) => s.post_send(wr)?,
