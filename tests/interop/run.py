@@ -342,8 +342,9 @@ def perf_case(test, size, iters, extra="", pcap=False, sizes=None, rdma_cm=False
         name = f"{tool} -R {flags}" + (f" (softrdma {ours_extra})" if ours_extra else "")
         return Case(name, f"{tool} -R -F {flags}",
                     f"perf {test} -R -F {flags} {ours_extra}".strip(), check=check, timeout=120)
-    return Case(f"{tool} {flags}", f"{tool} -d rxe0 -x 1 -F {flags}",
-                f"perf {test} -x 1 -F {flags}", check=check, pcap=pcap,
+    name = f"{tool} {flags}" + (f" (softrdma {ours_extra})" if ours_extra else "")
+    return Case(name, f"{tool} -d rxe0 -x 1 -F {flags}",
+                f"perf {test} -x 1 -F {flags} {ours_extra}".strip(), check=check, pcap=pcap,
                 timeout=300 if sizes else 120)
 
 
@@ -398,6 +399,11 @@ def cases(mtu4200=False):
     perf("send-bw", 4096, 20, "-b")
     perf("atomic-bw", None, 50, "-b")
     perf("send-bw", 1024, 50, "-c UD")
+    # softrdma's busy-poll mode (a spinning progress thread, posts left to
+    # the ACK path while anything is in flight) against rxe.
+    perf("write-bw", 65536, 20, ours_extra="--busy-poll")
+    perf("write-bw", 64, 500, ours_extra="--busy-poll")
+    perf("read-lat", 64, 100, ours_extra="--busy-poll")
     perf("send-bw", 512, 50, "-c UD -b")
     perf("send-lat", 256, 50, "-c UD")
     perf("write-lat", 64, 100)
