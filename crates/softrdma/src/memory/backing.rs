@@ -375,7 +375,9 @@ mod tests {
         // their 128- and 256-byte blocks), at source and destination offsets
         // that are not multiples of anything.
         let src: Vec<u8> = (0..20_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
-        for len in [0, 1, 127, 128, 129, 4095, 4096, 4097, 4224, 4351, 4353, 9999, 16_384] {
+        for len in [
+            0, 1, 127, 128, 129, 4095, 4096, 4097, 4224, 4351, 4353, 9999, 16_384,
+        ] {
             for (s_at, d_at) in [(0, 0), (3, 16), (16, 3), (129, 1)] {
                 let mut dst = vec![0xEEu8; len + 300];
                 copy_bytes(&mut dst[d_at..d_at + len], &src[s_at..s_at + len]);

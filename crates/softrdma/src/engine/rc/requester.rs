@@ -127,9 +127,13 @@ impl RcQp {
 
     /// READ and atomic WQEs sent and not yet answered.
     fn outstanding_rd_atomic(&self) -> usize {
+        // WQEs start in order (skipping only those failed before they
+        // started) and never unstart: the scan ends at the first WQE not yet
+        // reached, not at the end of a long queue.
         self.req
             .sq
             .iter()
+            .take_while(|w| w.started || w.status.is_some())
             .filter(|w| w.started && w.status.is_none() && w.wr.op.is_read_or_atomic())
             .count()
     }

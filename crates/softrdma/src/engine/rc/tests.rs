@@ -426,6 +426,52 @@ fn rdma_read() {
     assert_eq!(p.read_mem(0, 50_000, 3000), data[7000..]);
 }
 
+/// No more READs in flight than max_rd_atomic (4 here), however many are
+/// queued; each answered one lets the next go, and all land.
+#[test]
+fn reads_in_flight_stay_within_max_rd_atomic() {
+    use softrdma_wire::Opcode as O;
+    use softrdma_wire::packet::{Packet, Repr};
+    let opcode = |b: &Vec<u8>| {
+        Repr::parse(&Packet::new_checked(&b[..]).unwrap())
+            .unwrap()
+            .bth
+            .opcode
+    };
+    let mut p = Pair::new(Setup::default());
+    let data = pattern(10 * 100, 3);
+    p.write_mem(1, 300_000, &data);
+    let ids: Vec<u64> = (0..10u64)
+        .map(|k| {
+            p.send(
+                0,
+                SendOp::Read {
+                    remote_addr: IOVA[1] + 300_000 + k * 100,
+                    rkey: RKEY[1],
+                },
+                vec![Pair::sge(0, k * 100, 100)],
+            )
+        })
+        .collect();
+    let first = take_packets(&mut p, 0, 20);
+    assert_eq!(first.len(), 4, "READ requests before any response");
+    assert!(first.iter().all(|b| opcode(b) == O::RC_RDMA_READ_REQUEST));
+    // One answered: one more leaves.
+    p.deliver(1, &first[..1]);
+    let answer = take_packets(&mut p, 1, 5);
+    assert_eq!(answer.len(), 1);
+    p.deliver(0, &answer);
+    let fifth = take_packets(&mut p, 0, 20);
+    assert_eq!(fifth.len(), 1);
+    // The rest in the simulator: every READ completes, in order.
+    p.deliver(1, first[1..].iter().chain(&fifth));
+    p.run([10, 0]);
+    let wcs = p.wcs(0);
+    assert_eq!(wcs.iter().map(|c| c.1.wr_id).collect::<Vec<_>>(), ids);
+    assert!(wcs.iter().all(|c| c.1.status == WcStatus::Success));
+    assert_eq!(p.read_mem(0, 0, data.len()), data);
+}
+
 #[test]
 fn zero_length_operations() {
     let mut p = Pair::new(Setup::default());
