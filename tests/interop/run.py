@@ -630,6 +630,8 @@ def main():
                     log(f"{vname}: {c.name} [{role}] {status} ({time.time() - t:.1f} s)")
                     if err:
                         failures.append(f"{vname}: {c.name} [{role}]: {err}")
+                        # At once too: a run cut short keeps what failed first.
+                        print(f"\nFAILED {failures[-1]}", flush=True)
                     else:
                         passed += 1
         finally:
