@@ -79,12 +79,9 @@ pub struct RcStats {
     pub dropped: u64,
 }
 
-/// Most PSNs the requester sends beyond the oldest unacknowledged one: 2 MiB
-/// of 4 KiB packets, four times rxe's RXE_MAX_UNACKED_PSNS (128), so that a
-/// stream whose receiver answers at once (busy-poll) does not wait on ACKs in
-/// flight (+11-12 % busy-poll write-bw at 64 KiB and 1 MiB on loopback). A
-/// loss resends at most this many packets (go-back-N).
-pub const MAX_UNACKED_PSNS: u32 = 512;
+/// Most PSNs the requester sends beyond the oldest unacknowledged one (rxe's
+/// RXE_MAX_UNACKED_PSNS).
+pub const MAX_UNACKED_PSNS: u32 = 128;
 /// The requester asks for an ACK at least every this many packets (rxe's
 /// RXE_MAX_PKT_PER_ACK).
 pub const MAX_PKTS_PER_ACK: u32 = 64;
