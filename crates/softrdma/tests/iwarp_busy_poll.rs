@@ -9,26 +9,7 @@ use softrdma::cm::mpa::MpaConfig;
 use softrdma::verbs::*;
 
 mod common;
-use common::{iwarp_pair, one};
-
-/// CPU time (clock ticks) of this process's iWARP threads.
-fn iwarp_threads_cpu() -> u64 {
-    let mut ticks = 0;
-    for t in std::fs::read_dir("/proc/self/task").unwrap() {
-        let dir = t.unwrap().path();
-        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
-        if !comm.starts_with("softrdma-iwarp") {
-            continue;
-        }
-        let stat = std::fs::read_to_string(dir.join("stat")).unwrap_or_default();
-        // Fields after the command's closing parenthesis; utime and stime
-        // are the 14th and 15th of the line.
-        let rest = &stat[stat.rfind(')').unwrap() + 2..];
-        let f: Vec<&str> = rest.split_whitespace().collect();
-        ticks += f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
-    }
-    ticks
-}
+use common::{iwarp_pair, one, threads_cpu};
 
 #[test]
 fn an_idle_busy_polling_connection_sleeps() {
@@ -54,8 +35,8 @@ fn an_idle_busy_polling_connection_sleeps() {
     }
     // Idle now: two threads spinning for this long would take 100 ticks.
     std::thread::sleep(Duration::from_millis(100));
-    let before = iwarp_threads_cpu();
+    let before = threads_cpu("softrdma-iwarp");
     std::thread::sleep(Duration::from_millis(500));
-    let used = iwarp_threads_cpu() - before;
+    let used = threads_cpu("softrdma-iwarp") - before;
     assert!(used <= 5, "idle iWARP threads used {used} ticks in 500 ms");
 }

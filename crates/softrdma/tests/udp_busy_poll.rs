@@ -10,27 +10,7 @@ use softrdma::cm::{self, RcOptions};
 use softrdma::verbs::*;
 
 mod common;
-use common::{T, roce_end};
-
-/// CPU time (clock ticks) of this process's RoCEv2 progress threads (named
-/// after their device's address, 127.0.0.1 here).
-fn progress_threads_cpu() -> u64 {
-    let mut ticks = 0;
-    for t in std::fs::read_dir("/proc/self/task").unwrap() {
-        let dir = t.unwrap().path();
-        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
-        if !comm.starts_with("softrdma-127.") {
-            continue;
-        }
-        let stat = std::fs::read_to_string(dir.join("stat")).unwrap_or_default();
-        // Fields after the command's closing parenthesis; utime and stime
-        // are the 14th and 15th of the line.
-        let rest = &stat[stat.rfind(')').unwrap() + 2..];
-        let f: Vec<&str> = rest.split_whitespace().collect();
-        ticks += f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
-    }
-    ticks
-}
+use common::{T, roce_end, threads_cpu};
 
 #[test]
 fn an_idle_busy_polling_device_sleeps() {
@@ -62,10 +42,11 @@ fn an_idle_busy_polling_device_sleeps() {
         assert_eq!(to.mr.read_vec(0, data.len()).unwrap(), data);
     }
     // Idle now: two threads spinning for this long would take 100 ticks.
+    // (Progress threads are named after their device's address.)
     std::thread::sleep(Duration::from_millis(100));
-    let before = progress_threads_cpu();
+    let before = threads_cpu("softrdma-127.");
     std::thread::sleep(Duration::from_millis(500));
-    let used = progress_threads_cpu() - before;
+    let used = threads_cpu("softrdma-127.") - before;
     assert!(
         used <= 5,
         "idle progress threads used {used} ticks in 500 ms"

@@ -266,7 +266,8 @@ struct RxBuffers {
     cmsg: Vec<u8>,
     touched: Vec<Arc<QpSlot>>,
     polls: u32,
-    /// When this thread last received a datagram (engine time, ns).
+    /// When the progress thread last received a datagram (engine time, ns;
+    /// see [`RxBuffers::spin`]).
     last_rx: u64,
 }
 
@@ -311,6 +312,28 @@ impl RxBuffers {
                 }
             }
         }
+        received
+    }
+
+    /// The sockets a look takes: the device's address, where peers send,
+    /// every time; the others (source ports) every 64th look.
+    fn sockets_to_look_at(&mut self) -> [bool; SOCKETS] {
+        self.polls = self.polls.wrapping_add(1);
+        if self.polls.is_multiple_of(64) {
+            return [true; SOCKETS];
+        }
+        std::array::from_fn(|i| i == 0)
+    }
+
+    /// The progress thread's look at `which` sockets: first what a polling
+    /// thread deferred, then everything that waits. Returns whether a
+    /// datagram came (and notes when).
+    fn take_sockets(&mut self, shared: &Shared, which: &[bool; SOCKETS]) -> bool {
+        let mut deferred = shared.rx_lock.lock().expect("rx lock");
+        for slot in deferred.drain(..) {
+            transmit(shared, &slot);
+        }
+        let received = self.drain_sockets(shared, which, false, false);
         if received {
             self.last_rx = shared.now().0;
         }
@@ -335,21 +358,8 @@ impl RxBuffers {
             {
                 return false;
             }
-            // Peers send to the first socket; the others every 64th look.
-            self.polls = self.polls.wrapping_add(1);
-            let mut which = [false; SOCKETS];
-            which[0] = true;
-            if self.polls.is_multiple_of(64) {
-                which = [true; SOCKETS];
-            }
-            let received = {
-                let mut deferred = shared.rx_lock.lock().expect("rx lock");
-                for slot in deferred.drain(..) {
-                    transmit(shared, &slot);
-                }
-                self.drain_sockets(shared, &which, false, false)
-            };
-            if received {
+            let which = self.sockets_to_look_at();
+            if self.take_sockets(shared, &which) {
                 return true;
             }
             std::thread::yield_now();
@@ -383,14 +393,7 @@ pub(crate) fn poll_now(shared: &Shared) {
         transmit(shared, &slot);
     }
     APP_RX.with_borrow_mut(|b| {
-        // Peers send to the device's address, the first socket: each look
-        // is one recvmsg there; the others (source ports) every 64th.
-        b.polls = b.polls.wrapping_add(1);
-        let mut which = [false; SOCKETS];
-        which[0] = true;
-        if b.polls.is_multiple_of(64) {
-            which = [true; SOCKETS];
-        }
+        let which = b.sockets_to_look_at();
         // A thread that looks again at once takes one datagram a look: the
         // answer to it (a ping-pong's next post, a receive posted again)
         // leaves without an empty `recvmsg` (about 1 µs) first. A thread
@@ -969,12 +972,7 @@ fn progress(shared: &Arc<Shared>) {
             shared.alarm_pushed.store(now, Ordering::Relaxed);
             shared.set_standby_alarm((app_since + STANDBY_NS).saturating_sub(now));
         }
-        if !standby
-            && shared.busy_poll()
-            && shared.uplink.is_none()
-            && now.saturating_sub(b.last_rx) < BUSY_SPIN_NS
-            && b.spin(shared, next)
-        {
+        if !standby && shared.busy_poll() && shared.uplink.is_none() && b.spin(shared, next) {
             continue;
         }
         let timeout = (next != u64::MAX).then(|| Duration::from_nanos(next.saturating_sub(now)));
@@ -1004,11 +1002,7 @@ fn progress(shared: &Arc<Shared>) {
         let readable: [bool; SOCKETS] = std::array::from_fn(|i| !fds[i].revents().is_empty());
         // Everything that is there.
         if readable.iter().any(|&r| r) {
-            let mut deferred = shared.rx_lock.lock().expect("rx lock");
-            for slot in deferred.drain(..) {
-                transmit(shared, &slot);
-            }
-            b.drain_sockets(shared, &readable, false, false);
+            b.take_sockets(shared, &readable);
         }
         if let (Some(uplink), true) = (&shared.uplink, uplink_open) {
             loop {

@@ -1,6 +1,6 @@
 //! What the tests share: one side's verbs objects (RoCEv2, iWARP, shared
-//! memory), a connected iWARP pair, and waiting for a completion or a QP
-//! state.
+//! memory), a connected iWARP pair, waiting for a completion or a QP state,
+//! and the CPU time of a process's threads.
 
 // Each test binary uses its own part of this.
 #![allow(dead_code)]
@@ -125,4 +125,24 @@ pub fn iwarp_pair(
     let client = iwarp_end([127, 0, 0, 1]);
     iwarp::connect(&client.qp, at, &client_cfg).unwrap();
     (client, t.join().unwrap())
+}
+
+/// CPU time (clock ticks) of this process's threads whose name starts with
+/// `prefix`.
+pub fn threads_cpu(prefix: &str) -> u64 {
+    let mut ticks = 0;
+    for t in std::fs::read_dir("/proc/self/task").unwrap() {
+        let dir = t.unwrap().path();
+        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        if !comm.starts_with(prefix) {
+            continue;
+        }
+        let stat = std::fs::read_to_string(dir.join("stat")).unwrap_or_default();
+        // Fields after the command's closing parenthesis; utime and stime
+        // are the 14th and 15th of the line.
+        let rest = &stat[stat.rfind(')').unwrap() + 2..];
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        ticks += f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+    }
+    ticks
 }
