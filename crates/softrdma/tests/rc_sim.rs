@@ -541,8 +541,10 @@ fn check_step(sim: &Sim, sides: &mut [Side; 2]) -> Result<(), String> {
                 "end {i}: requester window inverted: {oldest} .. {next}"
             ));
         }
-        // The window holds at most 128 unacknowledged PSNs, plus one READ's span.
-        if next.distance(oldest) > 128 + 4 * 4096 / 256 + 8 {
+        // The window holds at most MAX_UNACKED_PSNS unacknowledged PSNs
+        // (it may have narrowed since they went), plus one READ's span.
+        let widest = softrdma::engine::rc::MAX_UNACKED_PSNS as i32 + 4 * 4096 / 256 + 8;
+        if next.distance(oldest) > widest {
             return Err(format!(
                 "end {i}: requester window too wide: {oldest} .. {next}"
             ));

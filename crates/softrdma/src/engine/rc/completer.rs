@@ -68,13 +68,15 @@ impl RcQp {
         self.req.since_ackreq = 0;
     }
 
-    /// Counts a retry; `false` (and the oldest WQE failed) when none are left.
+    /// Counts a retry (every one is for a loss, which narrows the window);
+    /// `false` (and the oldest WQE failed) when none are left.
     fn use_retry(&mut self) -> bool {
         if self.req.retry_left == 0 {
             self.fail_oldest(WcStatus::RetryExcErr);
             return false;
         }
         self.req.retry_left -= 1;
+        self.req.window.lost();
         true
     }
 
@@ -157,7 +159,9 @@ impl RcQp {
         let info = p.info();
         self.answer(now, psn, info.operation, info.position, p);
         // Forward progress resets the retry counters (IBTA 9.7.6.1.3).
-        if self.oldest_unacked().distance(oldest) > 0 {
+        let advanced = self.oldest_unacked().distance(oldest);
+        if advanced > 0 {
+            self.req.window.acknowledged(advanced as u32);
             self.req.retry_left = self.retry_cnt;
             self.req.rnr_left = self.rnr_retry;
             self.req.last_go_back = None;

@@ -54,7 +54,7 @@ impl Default for QpCaps {
     }
 }
 
-/// Counters of transport events, for `softrdma stats` and tests.
+/// Counters of transport events, for `softrdma perf --stats` and tests.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RcStats {
     /// Request packets sent (first transmissions and retransmissions).
@@ -77,11 +77,19 @@ pub struct RcStats {
     pub duplicates: u64,
     /// Packets dropped as out of order, stale or not for this QP's state.
     pub dropped: u64,
+    /// The requester's window now: PSNs it may send past the oldest
+    /// unacknowledged one (a gauge, not a count).
+    pub window: u32,
 }
 
-/// Most PSNs the requester sends beyond the oldest unacknowledged one (rxe's
-/// RXE_MAX_UNACKED_PSNS).
-pub const MAX_UNACKED_PSNS: u32 = 128;
+/// The fewest PSNs the requester may send beyond the oldest unacknowledged
+/// one: rxe's RXE_MAX_UNACKED_PSNS, where the window starts and to which
+/// losses bring it back.
+pub const MIN_UNACKED_PSNS: u32 = 128;
+/// The most: 2 MiB of 4 KiB packets, so that a stream whose receiver answers
+/// at once (busy-poll) does not wait on ACKs in flight. A loss resends at
+/// most this many packets (go-back-N).
+pub const MAX_UNACKED_PSNS: u32 = 512;
 /// The requester asks for an ACK at least every this many packets (rxe's
 /// RXE_MAX_PKT_PER_ACK).
 pub const MAX_PKTS_PER_ACK: u32 = 64;
@@ -169,7 +177,10 @@ impl RcQp {
     }
     /// Counters.
     pub fn stats(&self) -> RcStats {
-        self.stats
+        RcStats {
+            window: self.req.window.limit(),
+            ..self.stats
+        }
     }
     /// Path MTU in bytes.
     pub fn pmtu(&self) -> usize {

@@ -1130,3 +1130,82 @@ fn lossy_network_still_delivers_in_order() {
         }
     }
 }
+
+/// End 0's packets delivered to end 1 and end 1's answers back to end 0.
+fn exchange(p: &mut Pair, packets: &[Vec<u8>]) {
+    p.deliver(1, packets);
+    let answers = take_packets(p, 1, 10_000);
+    p.deliver(0, &answers);
+}
+
+#[test]
+fn the_window_opens_as_acks_return_and_narrows_on_a_loss() {
+    // Sixty-four 16-packet WRITEs: 1024 packets queued at once.
+    let mut p = Pair::new(Setup::default());
+    for k in 0..64u64 {
+        p.write((k % 64) * 16384, 16384);
+    }
+    // It starts at rxe's 128, then doubles with each window acknowledged,
+    // up to 512.
+    let first = take_packets(&mut p, 0, 10_000);
+    assert_eq!(first.len(), MIN_UNACKED_PSNS as usize);
+    exchange(&mut p, &first);
+    let second = take_packets(&mut p, 0, 10_000);
+    assert_eq!(second.len(), 256);
+    exchange(&mut p, &second);
+    let third = take_packets(&mut p, 0, 10_000);
+    assert_eq!(third.len(), MAX_UNACKED_PSNS as usize);
+    // The 11th of those is lost: the NAK halves the window, and the go-back
+    // resends that many from the lost packet on.
+    let delivered: Vec<_> = third
+        .iter()
+        .enumerate()
+        .filter(|(k, _)| *k != 10)
+        .map(|(_, b)| b.clone())
+        .collect();
+    exchange(&mut p, &delivered);
+    let stats = p.sim.ends[0].qp.stats();
+    assert_eq!((stats.seq_naks_received, stats.window), (1, 256));
+    let resent = take_packets(&mut p, 0, 10_000);
+    assert_eq!(resent.len(), 256);
+    // The rest completes; the counts stay those of one loss.
+    exchange(&mut p, &resent);
+    p.run([64, 0]);
+    assert!(
+        p.wcs(0)
+            .iter()
+            .all(|(_, wc)| wc.status == WcStatus::Success)
+    );
+    let stats = p.sim.ends[0].qp.stats();
+    assert_eq!((stats.seq_naks_received, stats.timeouts), (1, 0));
+}
+
+#[test]
+fn after_a_loss_the_window_grows_by_one_psn_per_window_and_never_below_128() {
+    let mut w = requester::Window::default();
+    assert_eq!(w.limit(), MIN_UNACKED_PSNS);
+    w.acknowledged(100);
+    assert_eq!(w.limit(), 228);
+    w.acknowledged(10_000);
+    assert_eq!(w.limit(), MAX_UNACKED_PSNS);
+    w.lost();
+    assert_eq!(w.limit(), 256);
+    // One more PSN each time a whole window's worth is acknowledged.
+    w.acknowledged(255);
+    assert_eq!(w.limit(), 256);
+    w.acknowledged(1);
+    assert_eq!(w.limit(), 257);
+    w.acknowledged(257);
+    assert_eq!(w.limit(), 258);
+    for _ in 0..5 {
+        w.lost();
+    }
+    assert_eq!(w.limit(), MIN_UNACKED_PSNS);
+    // Losses leave no credit behind: the next step takes a whole window.
+    w.acknowledged(127);
+    w.lost();
+    w.acknowledged(127);
+    assert_eq!(w.limit(), MIN_UNACKED_PSNS);
+    w.acknowledged(1);
+    assert_eq!(w.limit(), MIN_UNACKED_PSNS + 1);
+}
