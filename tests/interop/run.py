@@ -7,7 +7,7 @@ the rdma-core tool in the guest and `softrdma` on the host (10.99.0.1), then
 the other way round. Each case checks both sides' exit status and parses their
 result lines (bytes, iterations, a non-zero rate).
 
-    tests/interop/run.py [--only REGEX] [--list] [--keep]
+    tests/interop/run.py [--only REGEX] [--variant REGEX] [--list] [--keep]
 
 Needs root, QEMU, /dev/net/tun and the harness (../shared/peers/linux-rdma, or
 $SOFTRDMA_PEERS). Without them it skips, unless CI=true: then it fails.
@@ -344,7 +344,7 @@ def perf_case(test, size, iters, extra="", pcap=False, sizes=None, rdma_cm=False
                     f"perf {test} -R -F {flags} {ours_extra}".strip(), check=check, timeout=120)
     name = f"{tool} {flags}" + (f" (softrdma {ours_extra})" if ours_extra else "")
     return Case(name, f"{tool} -d rxe0 -x 1 -F {flags}",
-                f"perf {test} -x 1 -F {flags} {ours_extra}".strip(), check=check, pcap=pcap,
+                f"perf {test} -x 1 -F {flags} --stats {ours_extra}".strip(), check=check, pcap=pcap,
                 timeout=300 if sizes else 120)
 
 
@@ -497,6 +497,11 @@ def run_case(guest, case, port, tool_is_server, keep_going=True):
         problems += check_pcap(pcap)
     if problems:
         return "; ".join(problems) + f"\n--- tool:\n{tout}\n--- softrdma:\n{host.stdout}{host.stderr}"
+    # The transport's own account (perf --stats): resends and the window
+    # against a slow peer show here even when the case passes.
+    for line in host.stderr.splitlines():
+        if "transport:" in line:
+            log(f"    softrdma {line.strip()}")
     return None
 
 
@@ -577,6 +582,8 @@ def run_rping(guest, case, port, tool_is_server, job):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="run the cases whose name matches this regular expression")
+    ap.add_argument("--variant", help="run the variants (guests: rxe1500, rxe4200, siw, siwcrc) "
+                    "whose name matches this regular expression")
     ap.add_argument("--list", action="store_true", help="list the cases")
     ap.add_argument("--keep", action="store_true", help="leave the guests up")
     args = ap.parse_args()
@@ -604,6 +611,8 @@ def main():
     failures, passed = [], 0
     port = 20000
     for vname, env, cs in variants:
+        if args.variant and not re.search(args.variant, vname):
+            continue
         cs = [c for c in cs if not args.only or re.search(args.only, c.name)]
         if not cs:
             continue

@@ -171,6 +171,10 @@ pub struct PerfArgs {
     /// time) instead of sleeping in read; completion waits still block.
     #[arg(long)]
     pub busy_poll: bool,
+    /// At the end, print each RoCEv2 RC QP's transport counters (packets
+    /// sent and resent, timeouts, NAKs, the send window) to stderr.
+    #[arg(long)]
+    pub stats: bool,
 }
 
 /// `--provider`.
@@ -799,12 +803,47 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
         credit,
     };
     let my0 = mine[0];
+    let run = traffic(&s, oob, my0);
+    if a.stats {
+        print_transport_stats(&s.qps);
+    }
+    run
+}
+
+/// Prints the transport counters of the RoCEv2 RC QPs.
+fn print_transport_stats(qps: &[Qp]) {
+    for (i, qp) in qps.iter().enumerate() {
+        if let Some(t) = qp.stats() {
+            eprintln!(
+                "QP {i} (0x{:06x}) transport: {} requests sent, {} resent, {} timeouts, {} \
+                 PSN sequence NAKs and {} RNR NAKs received, {} sent; {} responses sent, \
+                 {} duplicates and {} dropped received; send window {} PSNs",
+                qp.qpn(),
+                t.requests_sent,
+                t.retransmitted,
+                t.timeouts,
+                t.seq_naks_received,
+                t.rnr_naks_received,
+                t.seq_naks_sent + t.rnr_naks_sent,
+                t.responses_sent,
+                t.duplicates,
+                t.dropped,
+                t.window,
+            );
+        }
+    }
+}
+
+/// The handshakes' last steps and the traffic of each test and role.
+fn traffic(s: &Setup, mut oob: Oob, my0: Key) -> Result<(), String> {
+    let cfg = &s.cfg;
+    let verb = cfg.test.verb();
     match (cfg.test, cfg.client) {
         (Test::WriteBw | Test::ReadBw | Test::AtomicBw | Test::SendBw, client) if cfg.duplex => {
             println!("{RESULT_LINE}\n{}", bw_header(cfg.gbits));
             for &size in &cfg.sizes {
                 if verb == Verb::Send {
-                    post_recvs(&s, size, cfg.rx_depth as u64)?;
+                    post_recvs(s, size, cfg.rx_depth as u64)?;
                 }
                 oob.key(&my0)?;
                 let ours = if verb == Verb::Send {
@@ -812,7 +851,7 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
                     // first message is in.
                     let first_rx = AtomicBool::new(false);
                     std::thread::scope(|sc| {
-                        let rx = sc.spawn(|| send_bw_server(&s, size, Some(&first_rx)));
+                        let rx = sc.spawn(|| send_bw_server(s, size, Some(&first_rx)));
                         let deadline = Instant::now() + Duration::from_secs(60);
                         while !client && !first_rx.load(Ordering::Acquire) {
                             if Instant::now() > deadline || rx.is_finished() {
@@ -820,12 +859,12 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
                             }
                             std::thread::sleep(Duration::from_micros(50));
                         }
-                        let sent = bw_client(&s, size);
+                        let sent = bw_client(s, size);
                         let got = rx.join().expect("the receiving thread");
                         got.and(sent)
                     })?
                 } else {
-                    bw_client(&s, size)?
+                    bw_client(s, size)?
                 };
                 if cfg.sizes.len() > 1 {
                     oob.key(&my0)?;
@@ -844,8 +883,8 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
             println!("{RESULT_LINE}");
             if cfg.verify {
                 match verb {
-                    Verb::Read => check_read(&s)?,
-                    _ => check_target(&s, verb)?,
+                    Verb::Read => check_read(s)?,
+                    _ => check_target(s, verb)?,
                 }
             }
             oob.close(&my0)
@@ -854,12 +893,12 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
             println!("{RESULT_LINE}\n{}", bw_header(cfg.gbits));
             let mut last = Report::default();
             for &size in &cfg.sizes {
-                last = bw_client(&s, size)?;
+                last = bw_client(s, size)?;
                 print_bw(&last, cfg.gbits);
             }
             println!("{RESULT_LINE}");
             if cfg.verify && verb == Verb::Read {
-                check_read(&s)?;
+                check_read(s)?;
             }
             oob.key(&my0)?;
             oob.report(&last)?;
@@ -875,7 +914,7 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
             println!("{RESULT_LINE}");
             // A READ's data is checked where it lands: at the client.
             if cfg.verify && verb != Verb::Read {
-                check_target(&s, verb)?;
+                check_target(s, verb)?;
             }
             Ok(())
         }
@@ -883,13 +922,13 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
             println!("{RESULT_LINE}\n{}", bw_header(cfg.gbits));
             for &size in &cfg.sizes {
                 if !client {
-                    post_recvs(&s, size, cfg.rx_depth as u64)?;
+                    post_recvs(s, size, cfg.rx_depth as u64)?;
                 }
                 oob.key(&my0)?;
                 let r = if client {
-                    bw_client(&s, size)?
+                    bw_client(s, size)?
                 } else {
-                    send_bw_server(&s, size, None)?
+                    send_bw_server(s, size, None)?
                 };
                 print_bw(&r, cfg.gbits);
                 if cfg.sizes.len() > 1 {
@@ -898,7 +937,7 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
             }
             println!("{RESULT_LINE}");
             if cfg.verify && !client {
-                check_target(&s, verb)?;
+                check_target(s, verb)?;
             }
             oob.close(&my0)
         }
@@ -909,23 +948,23 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
             Ok(())
         }
         (Test::ReadLat | Test::AtomicLat, true) => {
-            println!("{RESULT_LINE}\n{}", lat_header(&cfg));
+            println!("{RESULT_LINE}\n{}", lat_header(cfg));
             for &size in &cfg.sizes {
-                let clock = Window::new(&cfg);
-                let posted = lat_one_sided(&s, size, clock)?;
+                let clock = Window::new(cfg);
+                let posted = lat_one_sided(s, size, clock)?;
                 print_lat(size, cfg.iters, &posted, false, clock)?;
             }
             println!("{RESULT_LINE}");
             if cfg.verify && verb == Verb::Read {
-                check_lat(&s, s.local(0), 0)?;
+                check_lat(s, s.local(0), 0)?;
             }
             oob.close(&my0)
         }
         (Test::WriteLat, _) => {
-            println!("{RESULT_LINE}\n{}", lat_header(&cfg));
+            println!("{RESULT_LINE}\n{}", lat_header(cfg));
             for &size in &cfg.sizes {
-                let clock = Window::new(&cfg);
-                let posted = write_lat(&s, size, clock)?;
+                let clock = Window::new(cfg);
+                let posted = write_lat(s, size, clock)?;
                 print_lat(size, cfg.iters, &posted, true, clock)?;
             }
             println!("{RESULT_LINE}");
@@ -935,18 +974,18 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
             Ok(())
         }
         (Test::SendLat, _) => {
-            println!("{RESULT_LINE}\n{}", lat_header(&cfg));
+            println!("{RESULT_LINE}\n{}", lat_header(cfg));
             for &size in &cfg.sizes {
                 let posts = (cfg.rx_depth as u64).min(cfg.iters);
-                post_recvs_at(&s, size, posts, true)?;
+                post_recvs_at(s, size, posts, true)?;
                 oob.key(&my0)?;
-                let clock = Window::new(&cfg);
-                let posted = send_lat(&s, size, clock)?;
+                let clock = Window::new(cfg);
+                let posted = send_lat(s, size, clock)?;
                 print_lat(size, cfg.iters, &posted, true, clock)?;
             }
             println!("{RESULT_LINE}");
             if cfg.verify {
-                check_lat(&s, s.target(0), if cfg.ud { GRH } else { 0 })?;
+                check_lat(s, s.target(0), if cfg.ud { GRH } else { 0 })?;
             }
             oob.close(&my0)
         }
