@@ -133,6 +133,23 @@ class Guest:
         return False
 
 
+def guest_aftermath(guest, port):
+    """After a failed case: the guest kernel's last words and what still runs
+    there (a hung tool, a siw thread in D state), then the case's leftover
+    tools killed so that they hold nothing the next case needs."""
+    job = f"aftermath_{port}"
+    tools = "ib_read_bw ib_write_bw ib_send_bw ib_atomic_bw ib_read_lat ib_write_lat " \
+            "ib_send_lat ib_atomic_lat rping"
+    guest.start(job, "dmesg | tail -n 40; echo '--- processes:'; "
+                     "ps -o pid,stat,args | grep -v -E '^ *[0-9]+ +[IS][^ ]* +\\['; "
+                     "for p in /proc/[0-9]*; do grep -q '^State:.*D' $p/status 2>/dev/null && "
+                     "echo \"$(basename $p) $(cat $p/comm) D in $(cat $p/wchan)\"; done; "
+                     f"left=$(pidof {tools}); [ -n \"$left\" ] && kill -9 $left && "
+                     "echo \"killed $left\"; true")
+    rc, out = guest.wait(job, 20)
+    return f"\n--- guest after the failure{'' if rc is not None else ' (no answer in 20 s)'}:\n{out}"
+
+
 def host_listening(port):
     out = subprocess.run(["ip", "netns", "exec", NS, "ss", "-ltnH"], capture_output=True,
                          text=True).stdout
@@ -638,6 +655,7 @@ def main():
                     status = "ok" if err is None else "FAIL"
                     log(f"{vname}: {c.name} [{role}] {status} ({time.time() - t:.1f} s)")
                     if err:
+                        err += guest_aftermath(guest, port)
                         failures.append(f"{vname}: {c.name} [{role}]: {err}")
                         # At once too: a run cut short keeps what failed first.
                         print(f"\nFAILED {failures[-1]}", flush=True)
