@@ -1,9 +1,10 @@
 //! The wire's per-packet work, without sockets: emitting an RC WRITE packet
-//! with its ICRC, parsing and checking one, and CRC32c over an FPDU.
+//! with its ICRC, parsing and checking one, an ICRC check with the flow's
+//! prefix computed once (as the UDP provider does), and CRC32c over an FPDU.
 //! `cargo bench -p softrdma-wire --bench packets`
 
 use divan::{Bencher, black_box};
-use softrdma_wire::icrc::{self, Ipv4Pseudo};
+use softrdma_wire::icrc::{self, Ipv4Flow, Ipv4Pseudo};
 use softrdma_wire::packet::{Packet, Repr};
 use softrdma_wire::{Opcode, Psn, reth};
 
@@ -66,6 +67,35 @@ fn parse_and_verify_rc_write(b: Bencher, len: usize) {
             icrc::verify(&ip, &UDP, &pkt).unwrap();
             Repr::parse(&p).unwrap()
         });
+}
+
+#[divan::bench(args = [8, 1024, 4096])]
+fn verify_icrc_of_a_known_flow(b: Bencher, len: usize) {
+    let mut pkt = write_packet(len);
+    let (sport, dport) = (0xc000, 4791);
+    let n = pkt.len();
+    let udp = icrc::udp_header(sport, dport, (8 + n) as u16);
+    icrc::fill(&ip(n), &udp, &mut pkt).unwrap();
+    let flow = Ipv4Flow::new(
+        Ipv4Pseudo {
+            src: [10, 0, 0, 1],
+            dst: [10, 0, 0, 2],
+            identification: 0,
+            dont_fragment: true,
+        },
+        sport,
+        dport,
+    );
+    b.counter(divan::counter::BytesCount::new(len))
+        .bench_local(|| flow.verify(0, black_box(&pkt)).unwrap());
+}
+
+#[divan::bench(args = [8, 1024, 4096])]
+fn verify_icrc_from_the_headers(b: Bencher, len: usize) {
+    let pkt = write_packet(len);
+    let ip = ip(pkt.len());
+    b.counter(divan::counter::BytesCount::new(len))
+        .bench_local(|| icrc::verify(&ip, &UDP, black_box(&pkt)).unwrap());
 }
 
 #[divan::bench(args = [1442, 32732])]

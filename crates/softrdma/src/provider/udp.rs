@@ -13,7 +13,7 @@
 //! sockets take UDP GRO, so that on loopback one recvmsg returns a whole GSO
 //! send. `SOFTRDMA_NO_GSO=1` turns both off.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::io::{self, IoSlice};
 use std::net::{SocketAddr, SocketAddrV4, UdpSocket};
@@ -27,7 +27,7 @@ use nix::sys::socket::{ControlMessage, MsgFlags, MultiHeaders, SockaddrIn, sendm
 use rustix::event::{EventfdFlags, PollFd, PollFlags, eventfd};
 use rustix::net::sockopt;
 use softrdma_wire::bth;
-use softrdma_wire::icrc::{self, Icrc, Ipv4Pseudo};
+use softrdma_wire::icrc::{self, Ipv4Flow, Ipv4Pseudo};
 use softrdma_wire::opcode::Opcode;
 
 use super::pcap::{PacketMeta, PcapWriter};
@@ -284,13 +284,16 @@ impl RxBuffers {
 
     /// Receives and handles what waits on the device's sockets: everything,
     /// or (`one`) at most a datagram per socket (`defer`: see
-    /// [`receive_datagram`]).
+    /// [`receive_datagram`]). `looked_at`: when the caller started looking,
+    /// taken as the first datagram's arrival (the clock is read for the
+    /// others).
     fn drain_sockets(
         &mut self,
         shared: &Shared,
         readable: &[bool; SOCKETS],
         defer: bool,
         one: bool,
+        mut looked_at: Option<Time>,
     ) -> bool {
         let mut received = false;
         for (i, sock) in shared.sockets.iter().enumerate() {
@@ -306,6 +309,7 @@ impl RxBuffers {
                     shared.ports[i],
                     &mut self.touched,
                     defer,
+                    looked_at.take().unwrap_or_else(|| shared.now()),
                 );
                 if one {
                     break;
@@ -333,7 +337,7 @@ impl RxBuffers {
         for slot in deferred.drain(..) {
             transmit(shared, &slot);
         }
-        let received = self.drain_sockets(shared, which, false, false);
+        let received = self.drain_sockets(shared, which, false, false, None);
         if received {
             self.last_rx = shared.now().0;
         }
@@ -398,7 +402,13 @@ pub(crate) fn poll_now(shared: &Shared) {
         // answer to it (a ping-pong's next post, a receive posted again)
         // leaves without an empty `recvmsg` (about 1 µs) first. A thread
         // that looks seldom takes everything that waits.
-        b.drain_sockets(shared, &which, true, since_last_look < LOOKS_OFTEN_NS);
+        b.drain_sockets(
+            shared,
+            &which,
+            true,
+            since_last_look < LOOKS_OFTEN_NS,
+            Some(Time(now)),
+        );
         deferred.append(&mut b.touched);
     });
     let waiting = !deferred.is_empty();
@@ -422,6 +432,10 @@ thread_local! {
             MultiHeaders::preallocate(1, Some(nix::cmsg_space!(u16))),
         ));
     static APP_RX: RefCell<RxBuffers> = RefCell::new(RxBuffers::new());
+    // The flows this thread last sent on and received from, with their ICRC
+    // prefixes: consecutive packets mostly share them.
+    static SEND_FLOW: Cell<Option<Ipv4Flow>> = const { Cell::new(None) };
+    static RECV_FLOW: Cell<Option<Ipv4Flow>> = const { Cell::new(None) };
     static TX: RefCell<Vec<TxSlot>> = RefCell::new(
         (0..BATCH)
             .map(|_| TxSlot {
@@ -786,26 +800,17 @@ fn gso_run(gso: bool, tx: &[TxSlot]) -> usize {
 /// Frames `s` as the `ident`th datagram: headers, region pieces, pad and
 /// the ICRC (in `trailer`, which must outlive the send).
 fn frame<'a>(
-    shared: &Shared,
-    peer: SocketAddrV4,
-    sock: usize,
+    flow: &Ipv4Flow,
     s: &'a TxSlot,
     ident: u16,
     trailer: &'a mut [u8; 7],
     iov: &mut smallvec::SmallVec<[IoSlice<'a>; GSO_MAX_IOV]>,
 ) {
     let t = s.t;
-    let udp_len = udp_len(&t) as u16;
-    let ip = Ipv4Pseudo {
-        src: shared.local.ip().octets(),
-        dst: peer.ip().octets(),
-        identification: ident,
-        dont_fragment: true,
-    }
-    .header(udp_len);
-    let udp = icrc::udp_header(shared.ports[sock], peer.port(), udp_len);
     let head = &s.buf[..t.len];
-    let mut crc = Icrc::with_ib_headers(&ip, &udp, head).expect("a valid pseudo-header");
+    let mut crc = flow
+        .icrc(ident, udp_len(&t) as u16, head)
+        .expect("headers from the engine start with a BTH");
     iov.push(IoSlice::new(head));
     for p in &s.pieces {
         // SAFETY: the bytes go to the kernel in this send and are not kept; a
@@ -823,6 +828,23 @@ fn frame<'a>(
     iov.push(IoSlice::new(&trailer[..tl]));
 }
 
+/// The flow of `ip` and these ports, from `cache` if it is the one there.
+fn cached_flow(
+    cache: &'static std::thread::LocalKey<Cell<Option<Ipv4Flow>>>,
+    ip: Ipv4Pseudo,
+    src_port: u16,
+    dst_port: u16,
+) -> Ipv4Flow {
+    cache.with(|c| match c.get() {
+        Some(f) if f.is(&ip, src_port, dst_port) => f,
+        _ => {
+            let f = Ipv4Flow::new(ip, src_port, dst_port);
+            c.set(Some(f));
+            f
+        }
+    })
+}
+
 /// Sends packets as one datagram each: with more than one, in one GSO send
 /// (UDP_SEGMENT), which the kernel cuts into datagrams numbered from IP ID
 /// 0 (each ICRC covers its ID). Zero copy here: headers, region memory and
@@ -833,9 +855,16 @@ fn send_packets(shared: &Shared, peer: SocketAddrV4, tx: &[TxSlot], qpn: u32) {
     let mut trailers = [[0u8; 7]; GSO_MAX_SEGMENTS_BULK];
     let mut iov = smallvec::SmallVec::<[IoSlice<'_>; GSO_MAX_IOV]>::new();
     let mut bounds = [0usize; GSO_MAX_SEGMENTS_BULK + 1];
+    let ip = Ipv4Pseudo {
+        src: shared.local.ip().octets(),
+        dst: peer.ip().octets(),
+        identification: 0,
+        dont_fragment: true,
+    };
+    let flow = cached_flow(&SEND_FLOW, ip, shared.ports[sock], peer.port());
     for (k, (s, trailer)) in tx.iter().zip(trailers.iter_mut()).enumerate() {
         let ident = if tx.len() > 1 { k as u16 } else { 0 };
-        frame(shared, peer, sock, s, ident, trailer, &mut iov);
+        frame(&flow, s, ident, trailer, &mut iov);
         bounds[k + 1] = iov.len();
     }
     if let Some(pcap) = &shared.pcap {
@@ -1023,6 +1052,7 @@ fn progress(shared: &Arc<Shared>) {
                         shared.local.port(),
                         &mut b.touched,
                         false,
+                        shared.now(),
                     ),
                     Ok(None) => break,
                     Err(_) => {
@@ -1122,10 +1152,11 @@ pub(crate) fn recv_datagram(
     ))
 }
 
-/// A datagram (with UDP GRO, several packets of one segment size): each
-/// packet to its QP, then each QP it reached sends what it has (ACKs
-/// coalesce over the datagram) — unless `defer`, when the QPs are left in
-/// `touched` for the caller to transmit later.
+/// A datagram (with UDP GRO, several packets of one segment size) received
+/// at `now` (one time for its packets: they arrived together): each packet
+/// to its QP, then each QP it reached sends what it has (ACKs coalesce over
+/// the datagram) — unless `defer`, when the QPs are left in `touched` for
+/// the caller to transmit later.
 fn receive_datagram(
     shared: &Shared,
     datagram: &[u8],
@@ -1133,10 +1164,9 @@ fn receive_datagram(
     dst_port: u16,
     touched: &mut Vec<Arc<QpSlot>>,
     defer: bool,
+    now: Time,
 ) {
     let segment = rx.gro_segment.unwrap_or(datagram.len()).max(1);
-    // One clock reading for the datagram's packets: they arrived together.
-    let now = shared.now();
     // The QP the last packet went to: the packets of a GRO datagram come
     // from one GSO send, so from one QP to one QP.
     let mut last = None;
@@ -1168,31 +1198,30 @@ fn receive(
 ) -> Option<Arc<QpSlot>> {
     let from = rx.from;
     shared.stats.received.fetch_add(1, Ordering::Relaxed);
-    let udp_len = (8 + packet.len()) as u16;
     let ip = Ipv4Pseudo {
         src: from.ip().octets(),
         dst: shared.local.ip().octets(),
         identification: 0,
         dont_fragment: true,
-    }
-    .header(udp_len);
-    let udp = icrc::udp_header(from.port(), dst_port, udp_len);
+    };
+    let flow = cached_flow(&RECV_FLOW, ip, from.port(), dst_port);
     // softrdma peers send IP ID 0, or k for the kth segment of a GSO send
     // (the kernel numbers segments from 0); others (rxe) a counting ID that
     // the socket does not show: then the ID is solved from the ICRC.
-    let with_id = |id: u16| {
-        let mut ip = ip;
-        ip[4..6].copy_from_slice(&id.to_be_bytes());
-        icrc::verify(&ip, &udp, packet).is_ok()
-    };
+    let with_id = |id: u16| flow.verify(id, packet).is_ok();
     let ident = if with_id(k as u16) {
         Some(k as u16)
     } else if k != 0 && with_id(0) {
         Some(0)
     } else {
-        icrc::solve_ipv4_identification(&ip, &udp, packet)
-            .ok()
-            .flatten()
+        let udp_len = (8 + packet.len()) as u16;
+        icrc::solve_ipv4_identification(
+            &ip.header(udp_len),
+            &icrc::udp_header(from.port(), dst_port, udp_len),
+            packet,
+        )
+        .ok()
+        .flatten()
     };
     if let Some(pcap) = &shared.pcap {
         let m = PacketMeta {
