@@ -1167,15 +1167,35 @@ fn receive_datagram(
     now: Time,
 ) {
     let segment = rx.gro_segment.unwrap_or(datagram.len()).max(1);
-    // The QP the last packet went to: the packets of a GRO datagram come
-    // from one GSO send, so from one QP to one QP.
-    let mut last = None;
+    let count = datagram.len().div_ceil(segment);
+    shared
+        .stats
+        .received
+        .fetch_add(count as u64, Ordering::Relaxed);
+    // Consecutive packets for one QP (a GRO datagram's come from one GSO
+    // send, so from one QP to one QP) are handled under one hold of its
+    // lock: one look-up, one lock and one completion drain a run, not a
+    // packet.
+    let mut run: smallvec::SmallVec<[(&[u8], u16); GSO_MAX_SEGMENTS_BULK]> =
+        smallvec::SmallVec::new();
+    let mut run_slot: Option<Arc<QpSlot>> = None;
     for (k, packet) in datagram.chunks(segment).enumerate() {
-        if let Some(slot) = receive(shared, packet, rx, dst_port, k, now, &mut last)
-            && !touched.iter().any(|t| Arc::ptr_eq(t, &slot))
-        {
-            touched.push(slot);
+        let Some((dest_qp, ident)) = check_packet(shared, packet, rx, dst_port, k) else {
+            continue;
+        };
+        if let Some(slot) = run_slot.take_if(|s| s.qpn != dest_qp) {
+            deliver(shared, &slot, &mut run, rx, now, touched);
         }
+        if run_slot.is_none() {
+            run_slot = qp_for(shared, dest_qp, rx.from);
+            if run_slot.is_none() {
+                continue;
+            }
+        }
+        run.push((packet, ident));
+    }
+    if let Some(slot) = run_slot {
+        deliver(shared, &slot, &mut run, rx, now, touched);
     }
     if !defer {
         for slot in touched.drain(..) {
@@ -1184,20 +1204,16 @@ fn receive_datagram(
     }
 }
 
-/// One packet, the `k`th of its datagram (received at `now`): to its QP, if
-/// the ICRC holds (`last`: the QP the datagram's last packet went to).
-/// Returns the QP it reached.
-fn receive(
+/// Checks a packet, the `k`th of its datagram: its ICRC (solving the IP ID
+/// it came under) and its BTH. Returns the QP number it is for and the ID.
+fn check_packet(
     shared: &Shared,
     packet: &[u8],
     rx: &RxMeta,
     dst_port: u16,
     k: usize,
-    now: Time,
-    last: &mut Option<Arc<QpSlot>>,
-) -> Option<Arc<QpSlot>> {
+) -> Option<(u32, u16)> {
     let from = rx.from;
-    shared.stats.received.fetch_add(1, Ordering::Relaxed);
     let ip = Ipv4Pseudo {
         src: from.ip().octets(),
         dst: shared.local.ip().octets(),
@@ -1241,22 +1257,14 @@ fn receive(
         shared.stats.no_qp.fetch_add(1, Ordering::Relaxed);
         return None;
     };
-    let slot = match last {
-        Some(s) if s.qpn == h.dest_qp() => s.clone(),
-        _ => {
-            let Some(slot) = shared
-                .qps
-                .read()
-                .expect("QP table lock")
-                .get(&h.dest_qp())
-                .cloned()
-            else {
-                shared.stats.no_qp.fetch_add(1, Ordering::Relaxed);
-                return None;
-            };
-            *last = Some(slot.clone());
-            slot
-        }
+    Some((h.dest_qp(), ident))
+}
+
+/// The QP `qpn` names, if it takes packets from `from`.
+fn qp_for(shared: &Shared, qpn: u32, from: SocketAddrV4) -> Option<Arc<QpSlot>> {
+    let Some(slot) = shared.qps.read().expect("QP table lock").get(&qpn).cloned() else {
+        shared.stats.no_qp.fetch_add(1, Ordering::Relaxed);
+        return None;
     };
     // As rxe: an RC QP takes packets only from its peer's address.
     if let Some(peer) = *slot.peer.lock().expect("peer lock")
@@ -1265,23 +1273,39 @@ fn receive(
         shared.stats.wrong_source.fetch_add(1, Ordering::Relaxed);
         return None;
     }
-    let meta = RecvMeta::V4 {
-        src: from.ip().octets(),
-        dst: shared.local.ip().octets(),
-        tos: rx.tos,
-        ttl: rx.ttl,
-        identification: ident,
-    };
-    let meta = &meta;
+    Some(slot)
+}
+
+/// Hands checked packets (with the IP ID each came under) to their QP,
+/// received at `now`, and notes the QP in `touched`.
+fn deliver(
+    shared: &Shared,
+    slot: &Arc<QpSlot>,
+    run: &mut smallvec::SmallVec<[(&[u8], u16); GSO_MAX_SEGMENTS_BULK]>,
+    rx: &RxMeta,
+    now: Time,
+    touched: &mut Vec<Arc<QpSlot>>,
+) {
     let mut signal = [false; 2];
     {
         let mrs = shared.mrs.read().expect("MR table lock");
         let mut qp = slot.engine.lock().expect("QP lock");
-        qp.handle_packet(now, packet, meta, &mrs);
-        drain_completions(&mut qp, &slot, &shared.events, &mut signal);
+        for (packet, ident) in run.drain(..) {
+            let meta = RecvMeta::V4 {
+                src: rx.from.ip().octets(),
+                dst: shared.local.ip().octets(),
+                tos: rx.tos,
+                ttl: rx.ttl,
+                identification: ident,
+            };
+            qp.handle_packet(now, packet, &meta, &mrs);
+        }
+        drain_completions(&mut qp, slot, &shared.events, &mut signal);
     }
-    signal_cqs(&slot, signal);
-    Some(slot)
+    signal_cqs(slot, signal);
+    if !touched.iter().any(|t| Arc::ptr_eq(t, slot)) {
+        touched.push(slot.clone());
+    }
 }
 
 #[cfg(test)]
