@@ -73,8 +73,9 @@ const _: () = assert!(MAX_SGE + 2 <= MAX_IOV);
 pub(crate) struct QpSlot {
     pub qpn: u32,
     pub engine: Mutex<QpEngine>,
-    /// The peer's address, set at RTR.
-    pub peer: Mutex<Option<SocketAddrV4>>,
+    /// The peer's address, set at RTR (see [`QpSlot::peer`]): an atomic,
+    /// since every packet in and out reads it.
+    peer: AtomicU64,
     pub send_cq: Arc<CqInner>,
     pub recv_cq: Arc<CqInner>,
     /// The SRQ the QP takes receives from, with its number.
@@ -93,13 +94,28 @@ impl QpSlot {
         QpSlot {
             qpn: qp.qpn(),
             engine: Mutex::new(qp),
-            peer: Mutex::new(None),
+            peer: AtomicU64::new(0),
             send_cq,
             recv_cq,
             srq,
             tx_busy: AtomicBool::new(false),
             tx_again: AtomicBool::new(false),
         }
+    }
+
+    /// The peer's address, once set.
+    pub fn peer(&self) -> Option<SocketAddrV4> {
+        let v = self.peer.load(Ordering::Acquire);
+        (v >> 48 != 0)
+            .then(|| SocketAddrV4::new(std::net::Ipv4Addr::from((v >> 16) as u32), v as u16))
+    }
+
+    /// Sets (or clears) the peer's address.
+    pub fn set_peer(&self, peer: Option<SocketAddrV4>) {
+        let v = peer.map_or(0, |a| {
+            1 << 48 | u64::from(u32::from(*a.ip())) << 16 | u64::from(a.port())
+        });
+        self.peer.store(v, Ordering::Release);
     }
 }
 
@@ -380,7 +396,10 @@ pub(crate) fn poll_now(shared: &Shared) {
         return;
     }
     let now = shared.now().0;
-    let since_last_look = now.saturating_sub(shared.app_polled.swap(now, Ordering::Relaxed));
+    // A load and a store, not a (locked) swap: polling threads racing here
+    // only blur the time of the last look.
+    let since_last_look = now.saturating_sub(shared.app_polled.load(Ordering::Relaxed));
+    shared.app_polled.store(now, Ordering::Relaxed);
     if shared.standing_by.load(Ordering::Relaxed)
         && now.saturating_sub(shared.alarm_pushed.load(Ordering::Relaxed)) >= ALARM_PUSH_NS
     {
@@ -679,7 +698,7 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
                     }
                     drain_completions(&mut qp, slot, &shared.events, &mut signal);
                     timer = qp.poll_timeout();
-                    (n, *slot.peer.lock().expect("peer lock"))
+                    (n, slot.peer())
                 };
                 signal_cqs(slot, signal);
                 // ACKs (the responder's, a PSN space of their own) after
@@ -902,7 +921,9 @@ fn send_packets(shared: &Shared, peer: SocketAddrV4, tx: &[TxSlot], qpn: u32) {
                 .stats
                 .sent
                 .fetch_add(tx.len() as u64, Ordering::Relaxed);
-            if !shared.uplink_lost.load(Ordering::Acquire)
+            // Loaded first: a locked swap on every send costs the latency.
+            if !shared.port_up.load(Ordering::Acquire)
+                && !shared.uplink_lost.load(Ordering::Acquire)
                 && !shared.port_up.swap(true, Ordering::AcqRel)
             {
                 shared.events.push(AsyncEvent::PortActive);
@@ -1267,7 +1288,7 @@ fn qp_for(shared: &Shared, qpn: u32, from: SocketAddrV4) -> Option<Arc<QpSlot>> 
         return None;
     };
     // As rxe: an RC QP takes packets only from its peer's address.
-    if let Some(peer) = *slot.peer.lock().expect("peer lock")
+    if let Some(peer) = slot.peer()
         && peer.ip() != from.ip()
     {
         shared.stats.wrong_source.fetch_add(1, Ordering::Relaxed);

@@ -1129,10 +1129,10 @@ impl Qp {
             let mut qp = slot.engine.lock().expect("QP lock");
             qp.modify(&a)?;
             if let Some(av) = av {
-                *slot.peer.lock().expect("peer lock") = Some(av.addr);
+                slot.set_peer(Some(av.addr));
             }
             if qp.state() == QpState::Reset {
-                *slot.peer.lock().expect("peer lock") = None;
+                slot.set_peer(None);
             }
         }
         // Entering ERR flushes: the completions must reach the CQs.
