@@ -588,6 +588,15 @@ impl QpEngine {
         }
     }
 
+    /// Response packets the RC responder has queued (ACKs, READ responses,
+    /// atomic ACKs); 0 on UD.
+    pub fn responses_queued(&self) -> u32 {
+        match self {
+            QpEngine::Rc(q) => q.responses_queued(),
+            QpEngine::Ud(_) => 0,
+        }
+    }
+
     /// QP number.
     pub fn qpn(&self) -> u32 {
         match self {

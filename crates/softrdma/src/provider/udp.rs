@@ -273,6 +273,10 @@ const LOOKS_OFTEN_NS: u64 = 20_000;
 /// every 200 µs, it slowed 6 % of busy-poll round trips).
 const ALARM_PUSH_NS: u64 = 5_000_000;
 
+/// Most datagrams a receiving thread takes before it sends the responses
+/// it holds back for GSO sends (see [`RxBuffers::drain_sockets`]).
+const HELD_DATAGRAMS: usize = 16;
+
 /// How long the progress thread spins on the sockets after the last
 /// datagram before it sleeps (busy-poll mode, no application thread
 /// polling; see [`RxBuffers::spin`]).
@@ -301,10 +305,16 @@ impl RxBuffers {
     }
 
     /// Receives and handles what waits on the device's sockets: everything,
-    /// or (`one`) at most a datagram per socket (`defer`: see
-    /// [`receive_datagram`]). `looked_at`: when the caller started looking,
-    /// taken as the first datagram's arrival (the clock is read for the
-    /// others).
+    /// or (`one`) at most a datagram per socket. With `defer`, the QPs the
+    /// datagrams reached are left in `touched` (see [`receive_datagram`]);
+    /// otherwise they send what they have after each datagram, unless one
+    /// has a GSO send's worth of responses queued: then the next datagrams
+    /// are taken first (at most [`HELD_DATAGRAMS`]), so that consecutive READ
+    /// responses share GSO sends (a 64 KiB READ's FIRST and LAST packets are
+    /// 4 bytes longer than its MIDDLE ones, so alone it takes three sends;
+    /// with the next READ's, two). `looked_at`: when the caller started
+    /// looking, taken as the first datagram's arrival (the clock is read for
+    /// the others).
     fn drain_sockets(
         &mut self,
         shared: &Shared,
@@ -314,6 +324,7 @@ impl RxBuffers {
         mut looked_at: Option<Time>,
     ) -> bool {
         let mut received = false;
+        let mut held = 0;
         for (i, sock) in shared.sockets.iter().enumerate() {
             if !readable[i] {
                 continue;
@@ -326,12 +337,30 @@ impl RxBuffers {
                     &meta,
                     shared.ports[i],
                     &mut self.touched,
-                    defer,
+                    true,
                     looked_at.take().unwrap_or_else(|| shared.now()),
                 );
+                held += 1;
+                if !defer
+                    && (held >= HELD_DATAGRAMS
+                        || self.touched.iter().all(|s| {
+                            s.engine.lock().expect("QP lock").responses_queued()
+                                < GSO_MAX_SEGMENTS as u32
+                        }))
+                {
+                    for slot in self.touched.drain(..) {
+                        transmit(shared, &slot);
+                    }
+                    held = 0;
+                }
                 if one {
                     break;
                 }
+            }
+        }
+        if !defer {
+            for slot in self.touched.drain(..) {
+                transmit(shared, &slot);
             }
         }
         received

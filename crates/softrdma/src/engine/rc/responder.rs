@@ -509,6 +509,19 @@ impl RcQp {
         }
     }
 
+    /// Response packets queued: ACKs, READ response packets not yet sent,
+    /// atomic ACKs.
+    pub(crate) fn responses_queued(&self) -> u32 {
+        self.resp
+            .out
+            .iter()
+            .map(|p| match p {
+                Pending::Read { npsn, next, .. } => npsn - next,
+                Pending::Ack { .. } | Pending::AtomicAck { .. } => 1,
+            })
+            .sum()
+    }
+
     pub(super) fn resp_transmit(
         &mut self,
         buf: &mut [u8],

@@ -426,6 +426,40 @@ fn rdma_read() {
     assert_eq!(p.read_mem(0, 50_000, 3000), data[7000..]);
 }
 
+/// The responder counts what it has queued to send: each READ response
+/// packet not yet sent, and an ACK as one.
+#[test]
+fn the_responder_counts_the_responses_it_has_queued() {
+    let mut p = Pair::new(Setup::default());
+    assert_eq!(p.sim.ends[1].qp.responses_queued(), 0);
+    for k in 0..2 {
+        p.send(
+            0,
+            SendOp::Read {
+                remote_addr: IOVA[1] + k * 8192,
+                rkey: RKEY[1],
+            },
+            vec![Pair::sge(0, k * 8192, 3000)],
+        );
+    }
+    let requests = take_packets(&mut p, 0, 2);
+    p.deliver(1, &requests);
+    // Two READs of three 1 KiB packets each.
+    assert_eq!(p.sim.ends[1].qp.responses_queued(), 6);
+    let first = take_packets(&mut p, 1, 4);
+    assert_eq!(first.len(), 4);
+    assert_eq!(p.sim.ends[1].qp.responses_queued(), 2);
+    take_packets(&mut p, 1, 2);
+    assert_eq!(p.sim.ends[1].qp.responses_queued(), 0);
+    // A WRITE asks for an ACK: one packet queued until it is sent.
+    p.write(0, 8);
+    let write = take_packets(&mut p, 0, 1);
+    p.deliver(1, &write);
+    assert_eq!(p.sim.ends[1].qp.responses_queued(), 1);
+    take_packets(&mut p, 1, 1);
+    assert_eq!(p.sim.ends[1].qp.responses_queued(), 0);
+}
+
 /// No more READs in flight than max_rd_atomic (4 here), however many are
 /// queued; each answered one lets the next go, and all land.
 #[test]
