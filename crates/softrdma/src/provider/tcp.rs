@@ -15,7 +15,7 @@
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -55,6 +55,13 @@ struct Shared {
     send_cq: Arc<CqInner>,
     recv_cq: Arc<CqInner>,
     events: Arc<EventQueue>,
+    /// The FPDU buffers of whichever thread sends: the transmit thread, or
+    /// a poster sending its lone small work request itself.
+    tx: Mutex<Vec<TxFpdu>>,
+    /// When a send last finished (ns from `epoch`): a post that comes soon
+    /// after one leaves batching to the transmit thread.
+    last_sent: AtomicU64,
+    epoch: Instant,
     /// The transmit thread's wake-up.
     tx_wake: Condvar,
     tx_pending: Mutex<bool>,
@@ -99,6 +106,9 @@ impl TcpQp {
             send_cq,
             recv_cq,
             events,
+            tx: Mutex::new((0..TX_BATCH).map(|_| TxFpdu::new()).collect()),
+            last_sent: AtomicU64::new(0),
+            epoch: Instant::now(),
             tx_wake: Condvar::new(),
             tx_pending: Mutex::new(false),
             closed: AtomicBool::new(false),
@@ -120,9 +130,30 @@ impl TcpQp {
         })
     }
 
-    /// Posts a send WR (the transmit thread sends it).
+    /// Posts a send WR. A lone small one (nothing else queued, the
+    /// transmit thread idle, no send in the last [`STREAM_GAP`]) is sent on
+    /// this thread, as siw does: waking the transmit thread costs a
+    /// ping-pong more than the send itself. Anything else, and a stream of
+    /// posts, goes to the transmit thread, which sends many per `writev`.
     pub fn post_send(&self, wr: SendWr) -> Result<(), PostError> {
-        self.shared.engine.lock().expect("QP lock").post_send(wr)?;
+        let lone = {
+            let mut qp = self.shared.engine.lock().expect("QP lock");
+            qp.post_send(wr)?;
+            qp.lone_send_within(POSTER_SENDS_UP_TO)
+        };
+        let lone = lone && {
+            let s = &self.shared;
+            let now = s.epoch.elapsed().as_nanos() as u64;
+            now.saturating_sub(s.last_sent.load(Ordering::Relaxed)) > STREAM_GAP.as_nanos() as u64
+        };
+        if lone && let Ok(mut batch) = self.shared.tx.try_lock() {
+            let sent = send_all(&self.shared, &mut batch);
+            drop(batch);
+            if sent.is_err() {
+                self.shared.lost();
+            }
+            return Ok(());
+        }
         self.shared.kick();
         Ok(())
     }
@@ -167,6 +198,14 @@ impl Drop for TcpQp {
 }
 
 const TX_NAME: &str = "softrdma-iwarp-tx";
+
+/// The largest work request a poster sends on its own thread: a small one
+/// fits the socket's buffer, so the `writev` does not wait.
+const POSTER_SENDS_UP_TO: usize = 16 << 10;
+
+/// Posts closer than this to the last send are a stream (their sends are
+/// batched by the transmit thread); a ping-pong's come a round trip apart.
+const STREAM_GAP: Duration = Duration::from_micros(5);
 
 impl Shared {
     fn kick(&self) {
@@ -233,7 +272,6 @@ impl Shared {
 }
 
 fn transmit_loop(s: &Shared) {
-    let mut batch: Vec<TxFpdu> = (0..TX_BATCH).map(|_| TxFpdu::new()).collect();
     loop {
         {
             let mut p = s.tx_pending.lock().expect("tx lock");
@@ -242,12 +280,15 @@ fn transmit_loop(s: &Shared) {
             }
             *p = false;
         }
+        let mut batch = s.tx.lock().expect("tx buffers lock");
         if s.closed.load(Ordering::Acquire) {
             // Send a queued Terminate before leaving, if the socket still takes it.
             let _ = send_all(s, &mut batch);
             return;
         }
-        if send_all(s, &mut batch).is_err() {
+        let sent = send_all(s, &mut batch);
+        drop(batch);
+        if sent.is_err() {
             s.lost();
             return;
         }
@@ -266,6 +307,7 @@ const TX_BATCH_BYTES: usize = 256 << 10;
 
 /// An FPDU being framed: its headers (and inline payload), region pieces,
 /// and pad and CRC.
+#[derive(Debug)]
 struct TxFpdu {
     buf: Vec<u8>,
     pieces: Vec<Segment>,
@@ -358,6 +400,8 @@ fn send_all(s: &Shared, batch: &mut [TxFpdu]) -> io::Result<()> {
         }
         s.engine.lock().expect("QP lock").transmitted();
         s.drain();
+        s.last_sent
+            .store(s.epoch.elapsed().as_nanos() as u64, Ordering::Relaxed);
     }
 }
 

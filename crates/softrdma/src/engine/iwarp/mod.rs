@@ -517,6 +517,22 @@ impl IwarpQp {
         self.fail(None);
     }
 
+    /// Whether all there is to send is one work request of at most
+    /// `max_bytes` not yet started (and no READ to answer): what a poster
+    /// can send on its own thread without waiting long in the socket.
+    pub fn lone_send_within(&self, max_bytes: usize) -> bool {
+        self.state == State::Rts
+            && self.rtr_to_send.is_none()
+            && self.rtr_awaited.is_none()
+            && self.irq.is_empty()
+            && self.sq.len() == 1
+            && self
+                .sq
+                .front()
+                .is_some_and(|e| e.sent == 0 && e.len <= max_bytes)
+            && self.sq_ready()
+    }
+
     /// Whether the QP has something to send.
     pub fn wants_transmit(&self) -> bool {
         match self.state {

@@ -718,3 +718,31 @@ fn zero_length_writes_and_reads_do_not_check_the_stag() {
     );
     assert!(p.s[1].qp.own_terminate().is_none());
 }
+
+/// A poster may send on its own thread only what is alone and small: one
+/// WR not yet started, within the bound, nothing else queued.
+#[test]
+fn a_lone_small_send_is_the_posters_to_send() {
+    let mut p = Pair::new();
+    let write = |id, len| {
+        SendWr::new(
+            id,
+            SendOp::Write {
+                remote_addr: IOVA[1],
+                rkey: RKEY[1],
+            },
+            vec![sge(0, 0, len)],
+        )
+    };
+    assert!(!p.s[0].qp.lone_send_within(4096), "nothing queued");
+    p.post(0, write(1, 64));
+    assert!(p.s[0].qp.lone_send_within(4096));
+    assert!(!p.s[0].qp.lone_send_within(63), "larger than the bound");
+    p.post(0, write(2, 64));
+    assert!(!p.s[0].qp.lone_send_within(4096), "two queued");
+    p.transmit(0);
+    assert!(!p.s[0].qp.lone_send_within(4096), "all sent");
+    p.post(0, write(3, 10_000));
+    assert!(!p.s[0].qp.lone_send_within(4096));
+    assert!(p.s[0].qp.lone_send_within(10_000));
+}
