@@ -14,14 +14,16 @@ fn main() {
 
 const UDP: [u8; 8] = [0xc0, 0x00, 0x12, 0xb7, 0, 0, 0, 0];
 
+/// The benches' IPv4 addresses.
+const PSEUDO: Ipv4Pseudo = Ipv4Pseudo {
+    src: [10, 0, 0, 1],
+    dst: [10, 0, 0, 2],
+    identification: 0,
+    dont_fragment: true,
+};
+
 fn ip(len: usize) -> [u8; 20] {
-    Ipv4Pseudo {
-        src: [10, 0, 0, 1],
-        dst: [10, 0, 0, 2],
-        identification: 0,
-        dont_fragment: true,
-    }
-    .header((8 + len) as u16)
+    PSEUDO.header((8 + len) as u16)
 }
 
 /// An RC WRITE ONLY of `payload_len` bytes.
@@ -76,16 +78,7 @@ fn verify_icrc_of_a_known_flow(b: Bencher, len: usize) {
     let n = pkt.len();
     let udp = icrc::udp_header(sport, dport, (8 + n) as u16);
     icrc::fill(&ip(n), &udp, &mut pkt).unwrap();
-    let flow = Ipv4Flow::new(
-        Ipv4Pseudo {
-            src: [10, 0, 0, 1],
-            dst: [10, 0, 0, 2],
-            identification: 0,
-            dont_fragment: true,
-        },
-        sport,
-        dport,
-    );
+    let flow = Ipv4Flow::new(PSEUDO, sport, dport);
     b.counter(divan::counter::BytesCount::new(len))
         .bench_local(|| flow.verify(0, black_box(&pkt)).unwrap());
 }

@@ -368,24 +368,18 @@ impl Ipv4Flow {
             identification: 0,
             ..ip
         };
-        let mut prefix = [0u8; IPV4_PREFIX_LEN];
-        prefix[..8].fill(0xff);
+        // The prefix with the per-packet fields (lengths, ID) zero, masked
+        // as every ICRC masks it.
         let mut h = ip.header(0);
-        h[2..4].fill(0); // total length: per packet
-        h[1] = 0xff; // TOS
-        h[8] = 0xff; // TTL
-        h[10] = 0xff; // header checksum
-        h[11] = 0xff;
-        prefix[8..8 + IPV4_HEADER_LEN].copy_from_slice(&h);
-        let mut u = udp_header(src_port, dst_port, 0);
-        u[6] = 0xff; // checksum
-        u[7] = 0xff;
-        prefix[8 + IPV4_HEADER_LEN..].copy_from_slice(&u);
+        h[2..4].fill(0);
+        let base = Icrc::new(&h, &udp_header(src_port, dst_port, 0))
+            .expect("an IPv4 header without options")
+            .finish();
         Ipv4Flow {
             ip,
             src_port,
             dst_port,
-            base: crc32fast::hash(&prefix),
+            base,
         }
     }
 

@@ -325,13 +325,14 @@ impl RxBuffers {
     ) -> bool {
         let mut received = false;
         let mut held = 0;
+        let mut holding = false;
         for (i, sock) in shared.sockets.iter().enumerate() {
             if !readable[i] {
                 continue;
             }
             while let Some((n, meta)) = recv_datagram(sock, &mut self.rx, &mut self.cmsg) {
                 received = true;
-                receive_datagram(
+                holding |= receive_datagram(
                     shared,
                     &self.rx[..n],
                     &meta,
@@ -341,17 +342,12 @@ impl RxBuffers {
                     looked_at.take().unwrap_or_else(|| shared.now()),
                 );
                 held += 1;
-                if !defer
-                    && (held >= HELD_DATAGRAMS
-                        || self.touched.iter().all(|s| {
-                            s.engine.lock().expect("QP lock").responses_queued()
-                                < GSO_MAX_SEGMENTS as u32
-                        }))
-                {
+                if !defer && (held >= HELD_DATAGRAMS || !holding) {
                     for slot in self.touched.drain(..) {
                         transmit(shared, &slot);
                     }
                     held = 0;
+                    holding = false;
                 }
                 if one {
                     break;
@@ -1101,15 +1097,17 @@ fn progress(shared: &Arc<Shared>) {
         if let (Some(uplink), true) = (&shared.uplink, uplink_open) {
             loop {
                 match super::hostd::recv_forwarded(uplink, &mut b.rx) {
-                    Ok(Some((n, meta))) => receive_datagram(
-                        shared,
-                        &b.rx[..n],
-                        &meta,
-                        shared.local.port(),
-                        &mut b.touched,
-                        false,
-                        shared.now(),
-                    ),
+                    Ok(Some((n, meta))) => {
+                        receive_datagram(
+                            shared,
+                            &b.rx[..n],
+                            &meta,
+                            shared.local.port(),
+                            &mut b.touched,
+                            false,
+                            shared.now(),
+                        );
+                    }
                     Ok(None) => break,
                     Err(_) => {
                         // The daemon is gone: nothing reaches the device now.
@@ -1212,7 +1210,8 @@ pub(crate) fn recv_datagram(
 /// at `now` (one time for its packets: they arrived together): each packet
 /// to its QP, then each QP it reached sends what it has (ACKs coalesce over
 /// the datagram) — unless `defer`, when the QPs are left in `touched` for
-/// the caller to transmit later.
+/// the caller to transmit later. Returns whether a QP it reached holds a GSO
+/// send's worth of responses (see [`RxBuffers::drain_sockets`]).
 fn receive_datagram(
     shared: &Shared,
     datagram: &[u8],
@@ -1221,7 +1220,7 @@ fn receive_datagram(
     touched: &mut Vec<Arc<QpSlot>>,
     defer: bool,
     now: Time,
-) {
+) -> bool {
     let segment = rx.gro_segment.unwrap_or(datagram.len()).max(1);
     let count = datagram.len().div_ceil(segment);
     shared
@@ -1232,15 +1231,15 @@ fn receive_datagram(
     // send, so from one QP to one QP) are handled under one hold of its
     // lock: one look-up, one lock and one completion drain a run, not a
     // packet.
-    let mut run: smallvec::SmallVec<[(&[u8], u16); GSO_MAX_SEGMENTS_BULK]> =
-        smallvec::SmallVec::new();
+    let mut run = Run::new();
     let mut run_slot: Option<Arc<QpSlot>> = None;
+    let mut holding = false;
     for (k, packet) in datagram.chunks(segment).enumerate() {
         let Some((dest_qp, ident)) = check_packet(shared, packet, rx, dst_port, k) else {
             continue;
         };
         if let Some(slot) = run_slot.take_if(|s| s.qpn != dest_qp) {
-            deliver(shared, &slot, &mut run, rx, now, touched);
+            holding |= deliver(shared, &slot, &mut run, rx, now, touched);
         }
         if run_slot.is_none() {
             run_slot = qp_for(shared, dest_qp, rx.from);
@@ -1251,14 +1250,18 @@ fn receive_datagram(
         run.push((packet, ident));
     }
     if let Some(slot) = run_slot {
-        deliver(shared, &slot, &mut run, rx, now, touched);
+        holding |= deliver(shared, &slot, &mut run, rx, now, touched);
     }
     if !defer {
         for slot in touched.drain(..) {
             transmit(shared, &slot);
         }
     }
+    holding
 }
+
+/// Checked packets for one QP, each with the IP ID it came under.
+type Run<'a> = smallvec::SmallVec<[(&'a [u8], u16); GSO_MAX_SEGMENTS_BULK]>;
 
 /// Checks a packet, the `k`th of its datagram: its ICRC (solving the IP ID
 /// it came under) and its BTH. Returns the QP number it is for and the ID.
@@ -1332,18 +1335,19 @@ fn qp_for(shared: &Shared, qpn: u32, from: SocketAddrV4) -> Option<Arc<QpSlot>> 
     Some(slot)
 }
 
-/// Hands checked packets (with the IP ID each came under) to their QP,
-/// received at `now`, and notes the QP in `touched`.
+/// Hands checked packets to their QP, received at `now`, and notes the QP
+/// in `touched`. Returns whether the QP then holds a GSO send's worth of
+/// responses (read under the lock the packets took).
 fn deliver(
     shared: &Shared,
     slot: &Arc<QpSlot>,
-    run: &mut smallvec::SmallVec<[(&[u8], u16); GSO_MAX_SEGMENTS_BULK]>,
+    run: &mut Run<'_>,
     rx: &RxMeta,
     now: Time,
     touched: &mut Vec<Arc<QpSlot>>,
-) {
+) -> bool {
     let mut signal = [false; 2];
-    {
+    let holding = {
         let mrs = shared.mrs.read().expect("MR table lock");
         let mut qp = slot.engine.lock().expect("QP lock");
         for (packet, ident) in run.drain(..) {
@@ -1357,11 +1361,13 @@ fn deliver(
             qp.handle_packet(now, packet, &meta, &mrs);
         }
         drain_completions(&mut qp, slot, &shared.events, &mut signal);
-    }
+        qp.responses_queued() >= GSO_MAX_SEGMENTS as u32
+    };
     signal_cqs(slot, signal);
     if !touched.iter().any(|t| Arc::ptr_eq(t, slot)) {
         touched.push(slot.clone());
     }
+    holding
 }
 
 #[cfg(test)]
