@@ -309,6 +309,54 @@ fn regions_registered_later_work_and_deregistered_ones_stop() {
 }
 
 #[test]
+fn a_local_region_works_once_registered_and_fails_once_deregistered() {
+    let (a, b) = pair(&pid_name("local-regs"));
+    let write = |wr_id, sge| {
+        a.qp.post_send(SendWr::new(
+            wr_id,
+            SendOp::Write {
+                remote_addr: b.mr.addr() + 64,
+                rkey: b.mr.rkey(),
+            },
+            vec![sge],
+        ))
+        .unwrap();
+        one(&a.scq)
+    };
+    // The QP has moved bytes already before this region exists.
+    assert_eq!(write(1, a.mr.sge(0, 8)).status, WcStatus::Success);
+    let local = a.pd.register(4096, Access::ALL).unwrap();
+    local.write(0, b"from a region registered later").unwrap();
+    assert_eq!(write(2, local.sge(0, 30)).status, WcStatus::Success);
+    assert_eq!(
+        b.mr.read_vec(64, 30).unwrap(),
+        b"from a region registered later"
+    );
+    a.qp.post_send(SendWr::new(
+        3,
+        SendOp::Read {
+            remote_addr: b.mr.addr() + 64,
+            rkey: b.mr.rkey(),
+        },
+        vec![local.sge(100, 30)],
+    ))
+    .unwrap();
+    assert_eq!(one(&a.scq).status, WcStatus::Success);
+    assert_eq!(
+        local.read_vec(100, 30).unwrap(),
+        b"from a region registered later"
+    );
+    // Its key, used by this QP, fails once the region is deregistered.
+    let stale = local.sge(0, 30);
+    drop(local);
+    b.mr.write(64, &[0; 30]).unwrap();
+    let wc = write(4, stale);
+    assert_eq!((wc.wr_id, wc.status), (4, WcStatus::LocProtErr));
+    assert_eq!(b.mr.read_vec(64, 30).unwrap(), [0; 30]);
+    wait_state(&a.qp, QpState::Err);
+}
+
+#[test]
 fn a_destroyed_peer_flushes_the_survivor() {
     let (a, b) = pair(&pid_name("gone"));
     a.qp.post_recv(RecvWr::new(3, [a.mr.sge(0, 64)])).unwrap();

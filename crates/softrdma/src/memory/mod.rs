@@ -401,6 +401,17 @@ impl MrTable {
         r
     }
 
+    /// The region whose local key is `lkey`.
+    pub fn by_lkey(&self, lkey: u32) -> Option<&Arc<Region>> {
+        self.regions.get(&lkey).filter(|r| r.lkey == lkey)
+    }
+
+    /// Adds a region of another table under its lkey only: a cache of the
+    /// regions local accesses use (remove it with [`MrTable::remove`]).
+    pub fn insert_local(&mut self, region: Arc<Region>) {
+        self.regions.insert(region.lkey, region);
+    }
+
     /// Invalidates a remote key (iWARP SEND with invalidate): later remote
     /// accesses with it fail; local use of the region goes on. Returns
     /// whether `rkey` named a region's remote key.

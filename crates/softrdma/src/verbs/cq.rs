@@ -6,6 +6,9 @@ use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
+
+use spin::mutex::SpinMutex;
+use spin::relax::Yield;
 use std::time::{Duration, Instant};
 
 use rustix::event::{EventfdFlags, eventfd};
@@ -39,8 +42,16 @@ pub(crate) struct CqInner {
     /// Where a CQ error is reported.
     events: Option<std::sync::Arc<super::events::EventQueue>>,
     capacity: usize,
-    state: Mutex<State>,
+    /// Held for a push or a poll only, so it spins (giving the CPU away
+    /// while it waits), as rdma-core's providers lock their CQs: its unlock
+    /// is a plain store, where a futex mutex's is a locked instruction (and
+    /// the first locked instruction after a large copy waits for the copy's
+    /// stores to drain).
+    state: SpinMutex<State, Yield>,
     overrun: AtomicBool,
+    /// Blocked waiters sleep on `ready` with this held; a push that sees
+    /// waiters takes it before notifying, so no wake-up is lost.
+    sleep: Mutex<()>,
     ready: Condvar,
     event: OwnedFd,
 }
@@ -55,12 +66,13 @@ impl CqInner {
             id,
             events,
             capacity,
-            state: Mutex::new(State {
+            state: SpinMutex::new(State {
                 queue: VecDeque::with_capacity(capacity.min(4096)),
                 armed: None,
                 waiters: 0,
             }),
             overrun: AtomicBool::new(false),
+            sleep: Mutex::new(()),
             ready: Condvar::new(),
             event: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?,
         })
@@ -69,7 +81,7 @@ impl CqInner {
     /// Adds a completion; returns whether the completion channel must be
     /// signalled (call [`CqInner::signal`] after dropping other locks).
     pub(crate) fn push(&self, wc: WorkCompletion) -> bool {
-        let mut s = self.state.lock().expect("CQ lock");
+        let mut s = self.state.lock();
         if s.queue.len() >= self.capacity {
             if !self.overrun.swap(true, Ordering::AcqRel)
                 && let Some(e) = &self.events
@@ -91,6 +103,7 @@ impl CqInner {
         let waiters = s.waiters > 0;
         drop(s);
         if waiters {
+            drop(self.sleep.lock().expect("CQ sleep lock"));
             self.ready.notify_all();
         }
         fire
@@ -174,7 +187,7 @@ impl Cq {
             return Err(CqError::Overrun(self.inner.capacity));
         }
         self.poll_device_if_empty();
-        let mut s = self.inner.state.lock().expect("CQ lock");
+        let mut s = self.inner.state.lock();
         let n = out.len().min(s.queue.len());
         for (slot, wc) in out.iter_mut().zip(s.queue.drain(..n)) {
             *slot = wc;
@@ -188,11 +201,11 @@ impl Cq {
             return Err(CqError::Overrun(self.inner.capacity));
         }
         self.poll_device_if_empty();
-        Ok(self.inner.state.lock().expect("CQ lock").queue.pop_front())
+        Ok(self.inner.state.lock().queue.pop_front())
     }
 
     fn is_empty(&self) -> bool {
-        self.inner.state.lock().expect("CQ lock").queue.is_empty()
+        self.inner.state.lock().queue.is_empty()
     }
 
     /// Waits until a completion is there, then takes it; `Ok(None)` after
@@ -213,26 +226,29 @@ impl Cq {
                 std::hint::spin_loop();
             }
         }
-        let mut s = self.inner.state.lock().expect("CQ lock");
+        let mut asleep = self.inner.sleep.lock().expect("CQ sleep lock");
         loop {
             if self.inner.overrun.load(Ordering::Acquire) {
                 return Err(CqError::Overrun(self.inner.capacity));
             }
-            if let Some(wc) = s.queue.pop_front() {
-                return Ok(Some(wc));
-            }
             let now = Instant::now();
-            if now >= deadline {
-                return Ok(None);
+            {
+                let mut s = self.inner.state.lock();
+                if let Some(wc) = s.queue.pop_front() {
+                    return Ok(Some(wc));
+                }
+                if now >= deadline {
+                    return Ok(None);
+                }
+                s.waiters += 1;
             }
-            s.waiters += 1;
-            s = self
+            asleep = self
                 .inner
                 .ready
-                .wait_timeout(s, deadline - now)
-                .expect("CQ lock")
+                .wait_timeout(asleep, deadline - now)
+                .expect("CQ sleep lock")
                 .0;
-            s.waiters -= 1;
+            self.inner.state.lock().waiters -= 1;
         }
     }
 
@@ -254,7 +270,7 @@ impl Cq {
     /// (`ibv_req_notify_cq`); with `solicited_only`, only at a solicited one
     /// or an error. If completions are already waiting, the event fires now.
     pub fn req_notify(&self, solicited_only: bool) {
-        let mut s = self.inner.state.lock().expect("CQ lock");
+        let mut s = self.inner.state.lock();
         let pending = s.queue.iter().any(|wc| {
             !solicited_only || wc.solicited || wc.status != crate::engine::WcStatus::Success
         });

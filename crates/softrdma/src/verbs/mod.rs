@@ -994,6 +994,10 @@ impl Drop for Mr {
             .write()
             .expect("MR table lock")
             .remove(self.region.lkey);
+        if let Provider::Shm(d) = &self.ctx.inner.dev {
+            // Then the QPs that used it (no copy holds the table's lock).
+            d.shm.forget_local(self.region.lkey);
+        }
     }
 }
 
