@@ -285,9 +285,14 @@ def ceiling_bw():
     """The datagrams of a RoCEv2 WRITE stream with only the mandatory work
     (an ICRC per packet on each side, one copy on receive) and no transport:
     the better of the blocking and the spinning run, an upper bound for any
-    message size."""
+    message size. READs add their requests and the responses' AETHs (FIRST
+    and LAST cannot share a MIDDLE's GSO send): their own stream, per size."""
     gbs = max(roce_ceiling("stream", "1")[0], roce_ceiling("stream", "1", "--busy")[0])
-    return {f"{v} {KIB[s]}": gbs for v in ("WRITE", "READ") for s in (65536, 1048576)}
+    res = {f"WRITE {KIB[s]}": gbs for s in (65536, 1048576)}
+    for s in (65536, 1048576):
+        res[f"READ {KIB[s]}"] = max(roce_ceiling("read", "1", str(s))[0],
+                                    roce_ceiling("read", "1", str(s), "--busy")[0])
+    return res
 
 
 def ceiling_lat():
@@ -452,7 +457,9 @@ def report(samples, rounds, failures):
         cells = [fmt(samples.get((s, row), [])) for s in used]
         lines.append(f"| {row}{unit(row)} | " + " | ".join(cells) + " |")
     lines += ["", f"The ceiling column puts \"{CEILING}\" (`roce_ceiling`: softrdma's "
-              "datagrams with only the work the wire and one copy make mandatory, no transport) "
+              "datagrams with only the work the wire and one copy make mandatory, no transport; "
+              "for READs, a READ's own datagrams: its requests, and responses whose FIRST and "
+              "LAST carry an AETH) "
               "in softrdma's place: a target the ceiling misses too is beyond what RoCEv2 over "
               "this machine's UDP sockets reaches.", "",
               "| target | ratio in this run | ceiling | wanted | |", "|---|---|---|---|---|"]

@@ -7,6 +7,7 @@
 //!
 //! ```text
 //! roce_ceiling stream SECS [--busy] [--bare]   # prints "stream <GB/s>"
+//! roce_ceiling read SECS SIZE [--busy] [--bare] # prints "read <GB/s>"
 //! roce_ceiling pingpong ITERS [--bare|--plain] # prints "pingpong <p50 µs> <p99 µs>"
 //! ```
 //!
@@ -17,7 +18,14 @@
 //! keeps at most 4 MiB ahead of what the receiver has taken, counted in
 //! shared memory (no ACK packets). The receiver blocks in `recvmsg` and the
 //! sender sleeps while the window is full, as a blocking transport does;
-//! `--busy` makes both spin instead. `pingpong`: two threads busy-polling
+//! `--busy` makes both spin instead. `read`: the same for RDMA READs of SIZE
+//! bytes, with what READ adds on the wire: a requester keeps 16 READ
+//! requests out (one datagram each, sent as each READ's last response
+//! arrives), a responder takes each request (its ICRC checked) and sends the
+//! responses, whose FIRST and LAST packets carry an AETH (4 bytes more than a
+//! MIDDLE's, so they cannot share a MIDDLE's GSO send): each READ's LAST
+//! goes with the next READ's FIRST in one send where a request waits, as
+//! softrdma's responder does at best. `pingpong`: two threads busy-polling
 //! their sockets pass the datagram of one half round trip of softrdma's
 //! WRITE ping-pong: an 8-byte WRITE ONLY and the ACK of the peer's WRITE in
 //! one GSO send; each side checks both ICRCs and copies the 8 bytes, then
@@ -64,11 +72,22 @@ fn main() {
         (Some("stream"), Some(secs)) => {
             stream(secs, flag("--busy"), flag("--bare")).map(|gbs| println!("stream {gbs:.3}"))
         }
+        (Some("read"), Some(secs)) => match number(2).filter(|&n| {
+            n as usize >= PAYLOAD && (n as usize).is_multiple_of(PAYLOAD) && n as usize <= REGION
+        }) {
+            Some(size) => read_stream(secs, size as usize, flag("--busy"), flag("--bare"))
+                .map(|gbs| println!("read {gbs:.3}")),
+            None => Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "read SECS SIZE: SIZE a multiple of 4096 up to 1 MiB",
+            )),
+        },
         (Some("pingpong"), Some(iters)) => pingpong(iters, flag("--bare"), flag("--plain"))
             .map(|(p50, p99)| println!("pingpong {p50:.2} {p99:.2}")),
         _ => Err(io::Error::new(
             io::ErrorKind::InvalidInput,
-            "usage: roce_ceiling stream SECS [--busy] [--bare] | pingpong ITERS [--bare|--plain]",
+            "usage: roce_ceiling stream SECS [--busy] [--bare] | read SECS SIZE [--busy] \
+             [--bare] | pingpong ITERS [--bare|--plain]",
         )),
     };
     if let Err(e) = result {
@@ -279,6 +298,268 @@ fn stream(secs: u64, busy: bool, bare: bool) -> io::Result<f64> {
     sender
         .join()
         .map_err(|_| io::Error::other("sender panicked"))??;
+    std::hint::black_box(&target);
+    if bad > 0 {
+        return Err(io::Error::other(format!(
+            "{bad} packets with a bad ICRC or size"
+        )));
+    }
+    let secs = started.map_or(0.0, |s| s.elapsed().as_secs_f64());
+    if secs == 0.0 {
+        return Err(io::Error::other("nothing received"));
+    }
+    Ok(bytes as f64 / secs / 1e9)
+}
+
+/// READ RESPONSE FIRST, MIDDLE and LAST; RDMA READ request.
+const READ_FIRST: u8 = 0x0d;
+const READ_MIDDLE: u8 = 0x0e;
+const READ_LAST: u8 = 0x0f;
+const READ_REQUEST: u8 = 0x0c;
+const AETH: usize = 4;
+/// READs a requester keeps out.
+const OUTSTANDING_READS: u32 = 16;
+
+/// A READ request for the `packets` responses from `psn` on: BTH, RETH
+/// (its length field is what the responder reads), ICRC.
+fn read_request(from: SocketAddrV4, to: SocketAddrV4, psn: u32, len: u32, bare: bool) -> [u8; 32] {
+    let mut r = [0u8; 32];
+    r[..BTH].copy_from_slice(&bth(READ_REQUEST, psn));
+    r[BTH + 12..BTH + 16].copy_from_slice(&len.to_be_bytes());
+    if !bare {
+        let crc = icrc_of(from, to, 0, &r[..BTH + 16], &[]);
+        r[28..].copy_from_slice(&crc.to_le_bytes());
+    }
+    r
+}
+
+/// The responder's sends: packets of one size in GSO sends of at most 15,
+/// each after the flow-control window has room.
+struct Responder {
+    sock: UdpSocket,
+    me: SocketAddrV4,
+    peer: SocketAddrV4,
+    headers: MultiHeaders<SockaddrIn>,
+    region: Vec<u8>,
+    bare: bool,
+    busy: bool,
+    sent: u64,
+}
+
+impl Responder {
+    /// Sends one GSO datagram of the packets `(opcode, psn)`, all of one size.
+    fn send(
+        &mut self,
+        packets: &[(u8, u32)],
+        taken: &AtomicU64,
+        stop: &AtomicBool,
+    ) -> io::Result<()> {
+        while self.sent.saturating_sub(taken.load(Ordering::Acquire)) > WINDOW_PACKETS {
+            if stop.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            if self.busy {
+                std::hint::spin_loop();
+            } else {
+                std::thread::park_timeout(Duration::from_millis(10));
+            }
+        }
+        let mut heads = [[0u8; BTH + AETH]; PER_SEND];
+        let mut trailers = [[0u8; icrc::LEN]; PER_SEND];
+        let mut head_len = BTH;
+        for (k, &(opcode, psn)) in packets.iter().enumerate() {
+            heads[k][..BTH].copy_from_slice(&bth(opcode, psn));
+            head_len = if opcode == READ_MIDDLE {
+                BTH
+            } else {
+                BTH + AETH
+            };
+            if !self.bare {
+                let crc = icrc_of(
+                    self.me,
+                    self.peer,
+                    if packets.len() > 1 { k as u16 } else { 0 },
+                    &heads[k][..head_len],
+                    &self.region[region_at(psn)],
+                );
+                trailers[k] = crc.to_le_bytes();
+            }
+        }
+        let mut iov = Vec::with_capacity(3 * packets.len());
+        for (k, &(_, psn)) in packets.iter().enumerate() {
+            iov.push(IoSlice::new(&heads[k][..head_len]));
+            iov.push(IoSlice::new(&self.region[region_at(psn)]));
+            iov.push(IoSlice::new(&trailers[k]));
+        }
+        // One packet goes as a plain datagram (no longer than the segment).
+        let segment = (head_len + PAYLOAD + icrc::LEN) as u16;
+        send_gso(&self.sock, &mut self.headers, self.peer, &iov, segment)?;
+        self.sent += packets.len() as u64;
+        Ok(())
+    }
+
+    /// Answers the READ at `psn` of `packets` packets; its LAST waits in
+    /// `last` for the next READ's FIRST.
+    fn answer(
+        &mut self,
+        psn: u32,
+        packets: u32,
+        last: &mut Option<u32>,
+        taken: &AtomicU64,
+        stop: &AtomicBool,
+    ) -> io::Result<()> {
+        match last.take() {
+            Some(l) => self.send(&[(READ_LAST, l), (READ_FIRST, psn)], taken, stop)?,
+            None => self.send(&[(READ_FIRST, psn)], taken, stop)?,
+        }
+        let middles: Vec<(u8, u32)> = (1..packets - 1)
+            .map(|i| (READ_MIDDLE, psn.wrapping_add(i)))
+            .collect();
+        for chunk in middles.chunks(PER_SEND) {
+            self.send(chunk, taken, stop)?;
+        }
+        *last = Some(psn.wrapping_add(packets - 1));
+        Ok(())
+    }
+}
+
+fn read_stream(secs: u64, size: usize, busy: bool, bare: bool) -> io::Result<f64> {
+    let packets = (size / PAYLOAD) as u32;
+    if packets < 2 {
+        return Err(io::Error::other("a READ of two packets at least"));
+    }
+    let requester = socket(B, busy)?;
+    let responder = socket(A, busy)?;
+    let (req_addr, resp_addr) = (addr(&requester)?, addr(&responder)?);
+    let taken = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let answering = {
+        let (taken, stop) = (taken.clone(), stop.clone());
+        std::thread::spawn(move || -> io::Result<()> {
+            let mut r = Responder {
+                sock: responder,
+                me: resp_addr,
+                peer: req_addr,
+                headers: MultiHeaders::preallocate(1, Some(nix::cmsg_space!(u16))),
+                region: (0..REGION).map(|i| (i * 7 + 1) as u8).collect(),
+                bare,
+                busy,
+                sent: 0,
+            };
+            let mut buf = vec![0u8; 65536];
+            let mut cmsg = nix::cmsg_space!(i32);
+            let mut last = None;
+            while !stop.load(Ordering::Relaxed) {
+                // A request waiting, else the LAST held for it goes alone.
+                let got = recv(&r.sock, &mut buf, &mut cmsg, MsgFlags::MSG_DONTWAIT);
+                let (n, from) = match got {
+                    Ok((n, from, _)) => (n, from),
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        if let Some(l) = last.take() {
+                            r.send(&[(READ_LAST, l)], &taken, &stop)?;
+                        }
+                        let flags = if busy {
+                            MsgFlags::MSG_DONTWAIT
+                        } else {
+                            MsgFlags::empty()
+                        };
+                        match recv(&r.sock, &mut buf, &mut cmsg, flags) {
+                            Ok((n, from, _)) => (n, from),
+                            Err(e)
+                                if matches!(
+                                    e.kind(),
+                                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                                ) =>
+                            {
+                                continue;
+                            }
+                            Err(e) => return Err(e),
+                        }
+                    }
+                    Err(e) => return Err(e),
+                };
+                let request = &buf[..n];
+                if n != 32
+                    || request[0] != READ_REQUEST
+                    || (!bare && !icrc_ok(from, r.me, 0, request))
+                {
+                    return Err(io::Error::other("a bad READ request"));
+                }
+                let psn = u32::from_be_bytes([0, request[9], request[10], request[11]]);
+                r.answer(psn, packets, &mut last, &taken, &stop)?;
+            }
+            Ok(())
+        })
+    };
+    let mut buf = vec![0u8; 65536];
+    let mut cmsg = nix::cmsg_space!(i32);
+    let mut target = vec![0u8; REGION];
+    let (mut bytes, mut bad) = (0u64, 0u64);
+    let mut next_psn = 0u32;
+    let ask = |next_psn: &mut u32| -> io::Result<()> {
+        let r = read_request(req_addr, resp_addr, *next_psn, size as u32, bare);
+        *next_psn = next_psn.wrapping_add(packets);
+        requester.send_to(&r, resp_addr).map(drop)
+    };
+    for _ in 0..OUTSTANDING_READS {
+        ask(&mut next_psn)?;
+    }
+    let mut started = None;
+    let flags = if busy {
+        MsgFlags::MSG_DONTWAIT
+    } else {
+        MsgFlags::empty()
+    };
+    let end = Instant::now() + Duration::from_secs(secs);
+    while Instant::now() < end {
+        let (n, src, segment) = match recv(&requester, &mut buf, &mut cmsg, flags) {
+            Ok(r) => r,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        started.get_or_insert_with(Instant::now);
+        let mut count = 0;
+        let mut lasts = 0;
+        for (k, packet) in buf[..n].chunks(segment).enumerate() {
+            count += 1;
+            let head = match packet.first() {
+                Some(&READ_MIDDLE) => BTH,
+                Some(&READ_FIRST | &READ_LAST) => BTH + AETH,
+                _ => 0,
+            };
+            let k = if n > segment { k as u16 } else { 0 };
+            if head == 0
+                || packet.len() != head + PAYLOAD + icrc::LEN
+                || (!bare && !icrc_ok(src, req_addr, k, packet))
+            {
+                bad += 1;
+                continue;
+            }
+            let psn = u32::from_be_bytes([0, packet[9], packet[10], packet[11]]);
+            if !bare {
+                target[region_at(psn)].copy_from_slice(&packet[head..head + PAYLOAD]);
+            }
+            bytes += PAYLOAD as u64;
+            lasts += u32::from(packet[0] == READ_LAST);
+        }
+        taken.fetch_add(count, Ordering::Release);
+        answering.thread().unpark();
+        for _ in 0..lasts {
+            ask(&mut next_psn)?;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    answering.thread().unpark();
+    answering
+        .join()
+        .map_err(|_| io::Error::other("responder panicked"))??;
     std::hint::black_box(&target);
     if bad > 0 {
         return Err(io::Error::other(format!(
