@@ -1730,7 +1730,13 @@ fn send_lat(s: &Setup, size: u64, clock: Option<Window>) -> Result<Vec<Instant>,
         // The client sends first; the server waits for it.
         let client_first = s.cfg.client && scnt == 0;
         if rcnt < n && !client_first {
-            if wait_one(&s.rcq, end, side(s))?.is_none() {
+            // Busy-poll mode spins on the CQ, as perftest's polling does.
+            let got = if s.cfg.busy_poll {
+                spin_one(&s.rcq, end, side(s))?
+            } else {
+                wait_one(&s.rcq, end, side(s))?
+            };
+            if got.is_none() {
                 break;
             }
             rcnt += 1;
@@ -1752,7 +1758,12 @@ fn send_lat(s: &Setup, size: u64, clock: Option<Window>) -> Result<Vec<Instant>,
             wr.wr_id = scnt;
             s.qps[0].post_send(wr).map_err(|e| e.to_string())?;
             scnt += 1;
-            if wait_one(&s.scq, end, side(s))?.is_none() {
+            let done = if s.cfg.busy_poll {
+                spin_one(&s.scq, end, side(s))?
+            } else {
+                wait_one(&s.scq, end, side(s))?
+            };
+            if done.is_none() {
                 break;
             }
         }

@@ -6,7 +6,9 @@
 //! next FPDU in the same `readv`. A transmit thread per connection writes
 //! FPDUs with gather I/O from the region, many per `writev`. Two threads, so
 //! that receiving never waits for a blocked send: a peer that is itself
-//! blocked sending to us is always drained.
+//! blocked sending to us is always drained. In busy-poll mode an application
+//! thread polling a CQ of the connection receives whole FPDUs itself, and
+//! the receive thread stands by meanwhile (see [`poll_now`]).
 //!
 //! Copies of payload bytes (the design's budget): none on send, none on
 //! receive (READ Requests and Terminates, small control messages, are read
@@ -66,7 +68,50 @@ struct Shared {
     tx_wake: Condvar,
     tx_pending: Mutex<bool>,
     closed: AtomicBool,
+    /// The receive side, held by whichever thread reads the stream.
+    rx: Mutex<RxState>,
+    /// When an application thread last polled (ns from `epoch`; busy-poll
+    /// mode): the receive thread stands by until [`STANDBY`] after it.
+    app_polled: AtomicU64,
+    rx_standby: Condvar,
+    rx_standby_lock: Mutex<()>,
+    /// Until when (ns from `epoch`) the receive thread receives even while
+    /// applications poll: it took over an FPDU too large for a poll.
+    rx_active_until: AtomicU64,
+    /// Application threads sleeping in a CQ wait (busy-poll mode): the
+    /// receive thread does not stand by meanwhile.
+    app_asleep: AtomicU64,
+    /// When an application thread last went to or came from such a sleep.
+    app_slept: AtomicU64,
+    /// The receive thread is standing by (its wakers' cue).
+    standing_by: AtomicBool,
+    /// FPDUs application threads' polls received.
+    polled_fpdus: AtomicU64,
+    /// The largest FPDU a poll receives: a quarter of the socket's receive
+    /// buffer, which then always holds it whole (larger ones are the
+    /// receive thread's).
+    poll_fpdu_max: usize,
 }
+
+/// What receiving keeps between FPDUs.
+#[derive(Debug, Default)]
+struct RxState {
+    control: Vec<u8>,
+    pieces: Vec<Segment>,
+    ahead: Lookahead,
+    /// The stream ended (or failed): nobody reads it again.
+    done: bool,
+}
+
+/// How long after an application thread's last poll the receive thread
+/// stays in standby (RoCEv2's span too): an application that stops polling
+/// leaves its FPDUs to the receive thread this long after.
+const STANDBY: Duration = Duration::from_millis(10);
+
+/// How long application threads must have polled without sleeping in a CQ
+/// wait before the receive thread stands by: one that sleeps between polls
+/// (a bandwidth test reaping completions) keeps it receiving.
+const POLLING_ONLY: Duration = Duration::from_micros(200);
 
 /// How a connection runs.
 #[derive(Debug, Clone, Default)]
@@ -75,6 +120,76 @@ pub(crate) struct ConnOptions {
     pub crc: bool,
     /// Busy-poll mode, shared with the device (it may change at any time).
     pub busy_poll: Arc<AtomicBool>,
+    /// The device's connections, which polls of its CQs work for.
+    pub connections: Option<Arc<Connections>>,
+}
+
+/// An application thread asleep in a CQ wait (see [`Connections::app_sleeps`]).
+pub(crate) struct AppAsleep(smallvec::SmallVec<[Arc<Shared>; 4]>);
+
+impl Drop for AppAsleep {
+    fn drop(&mut self) {
+        for c in &self.0 {
+            c.app_slept.store(c.now(), Ordering::SeqCst);
+            c.app_asleep.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// An iWARP device's connections: in busy-poll mode, a thread polling any
+/// of the device's CQs sends and receives for them (as a RoCEv2 device's
+/// pollers receive on its sockets), so that a thread waiting on one QP
+/// (perftest's control QP) does not leave another's to a second spinning
+/// thread.
+#[derive(Debug, Default)]
+pub(crate) struct Connections {
+    list: spin::mutex::SpinMutex<Vec<std::sync::Weak<Shared>>, spin::relax::Yield>,
+}
+
+impl Connections {
+    fn add(&self, c: &Arc<Shared>) {
+        let mut list = self.list.lock();
+        list.retain(|w| w.strong_count() > 0);
+        list.push(Arc::downgrade(c));
+    }
+
+    /// An application thread goes to sleep in a CQ wait: until the guard
+    /// drops, the receive threads receive (busy-poll mode).
+    pub(crate) fn app_sleeps(&self) -> AppAsleep {
+        let live: smallvec::SmallVec<[Arc<Shared>; 4]> = self
+            .list
+            .lock()
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .collect();
+        for c in &live {
+            c.app_asleep.fetch_add(1, Ordering::SeqCst);
+            c.app_slept.store(c.now(), Ordering::SeqCst);
+            if c.standing_by.load(Ordering::SeqCst) {
+                c.wake_receiver();
+            }
+        }
+        AppAsleep(live)
+    }
+
+    /// One busy-poll look at every connection (see [`poll_now`]). While a
+    /// receive thread streams large FPDUs, the polling thread gives it the
+    /// CPU between looks (two CPUs, three spinning threads otherwise).
+    pub(crate) fn poll(&self) {
+        let live: smallvec::SmallVec<[Arc<Shared>; 4]> = self
+            .list
+            .lock()
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .collect();
+        let mut streaming = false;
+        for c in &live {
+            streaming |= poll_now(c);
+        }
+        if streaming {
+            std::thread::yield_now();
+        }
+    }
 }
 
 /// An iWARP QP on its connection.
@@ -97,6 +212,14 @@ impl TcpQp {
     ) -> io::Result<TcpQp> {
         stream.set_nodelay(true)?;
         stream.set_read_timeout(None)?;
+        // Busy-poll mode: a receive buffer that holds the largest FPDUs whole
+        // lets polling threads receive them (see `poll_now`). The kernel caps
+        // it (net.core.rmem_max); the size it took decides.
+        let sock = socket2::SockRef::from(&stream);
+        if options.busy_poll.load(Ordering::Relaxed) {
+            let _ = sock.set_recv_buffer_size(POLL_RCVBUF);
+        }
+        let poll_fpdu_max = (sock.recv_buffer_size().unwrap_or(0) / 4).min(POLL_FPDU_MAX);
         let shared = Arc::new(Shared {
             engine: Mutex::new(engine),
             mrs,
@@ -112,7 +235,21 @@ impl TcpQp {
             tx_wake: Condvar::new(),
             tx_pending: Mutex::new(false),
             closed: AtomicBool::new(false),
+            rx: Mutex::new(RxState::default()),
+            app_polled: AtomicU64::new(0),
+            rx_standby: Condvar::new(),
+            rx_standby_lock: Mutex::new(()),
+            rx_active_until: AtomicU64::new(0),
+            app_asleep: AtomicU64::new(0),
+            app_slept: AtomicU64::new(0),
+            standing_by: AtomicBool::new(false),
+            polled_fpdus: AtomicU64::new(0),
+            poll_fpdu_max,
         });
+        // Busy-poll mode: the pollers of the device's CQs work for it.
+        if let Some(c) = &options.connections {
+            c.add(&shared);
+        }
         let (a, b) = (shared.clone(), shared.clone());
         let rx = std::thread::Builder::new()
             .name("softrdma-iwarp-rx".into())
@@ -161,6 +298,12 @@ impl TcpQp {
     /// Posts a receive WR.
     pub fn post_recv(&self, wr: RecvWr) -> Result<(), PostError> {
         self.shared.engine.lock().expect("QP lock").post_recv(wr)
+    }
+
+    /// FPDUs that application threads' polls received (busy-poll mode).
+    #[cfg(test)]
+    pub fn polled_fpdus(&self) -> u64 {
+        self.shared.polled_fpdus.load(Ordering::Relaxed)
     }
 
     /// Runs `f` on the engine (state, stats, the Terminates).
@@ -217,6 +360,53 @@ impl Shared {
     fn close(&self) {
         self.closed.store(true, Ordering::Release);
         self.kick();
+        self.wake_receiver();
+    }
+
+    /// Ends the receive thread's standby.
+    fn wake_receiver(&self) {
+        let _g = self.rx_standby_lock.lock().expect("standby lock");
+        self.rx_standby.notify_all();
+    }
+
+    /// Nanoseconds since `epoch`.
+    fn now(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
+    }
+
+    /// Whether the receive thread may stand by: busy-poll mode, an
+    /// application thread polling (within the standby span), none asleep in
+    /// a CQ wait for the last [`POLLING_ONLY`], no large FPDUs streaming.
+    /// Returns how long it may, if it may.
+    fn standby_left(&self) -> Option<Duration> {
+        if !self.busy_poll.load(Ordering::Relaxed)
+            || self.closed.load(Ordering::Acquire)
+            || self.app_asleep.load(Ordering::SeqCst) > 0
+        {
+            return None;
+        }
+        let now = self.now();
+        if now < self.rx_active_until.load(Ordering::Acquire)
+            || now.saturating_sub(self.app_slept.load(Ordering::SeqCst))
+                < POLLING_ONLY.as_nanos() as u64
+        {
+            return None;
+        }
+        let idle = now.saturating_sub(self.app_polled.load(Ordering::Relaxed));
+        STANDBY
+            .checked_sub(Duration::from_nanos(idle))
+            .filter(|left| !left.is_zero())
+    }
+
+    /// The stream ended or failed under `rx` (receiving is over).
+    fn end_of_stream(&self, rx: &mut RxState) {
+        rx.done = true;
+        if !self.closed.load(Ordering::Acquire) {
+            self.lost();
+        } else {
+            self.engine.lock().expect("QP lock").connection_lost();
+            self.drain();
+        }
     }
 
     /// The connection failed: the engine flushes, the threads end.
@@ -226,6 +416,7 @@ impl Shared {
         self.closed.store(true, Ordering::Release);
         let _ = self.stream.shutdown(Shutdown::Both);
         self.kick();
+        self.wake_receiver();
     }
 
     /// Moves completions and events out of the engine.
@@ -275,7 +466,10 @@ fn transmit_loop(s: &Shared) {
     loop {
         {
             let mut p = s.tx_pending.lock().expect("tx lock");
-            while !*p && !s.closed.load(Ordering::Acquire) {
+            loop {
+                if *p || s.closed.load(Ordering::Acquire) {
+                    break;
+                }
                 p = s.tx_wake.wait(p).expect("tx lock");
             }
             *p = false;
@@ -418,23 +612,143 @@ fn write_all_vectored(mut stream: &TcpStream, mut iov: &mut [IoSlice<'_>]) -> io
 }
 
 fn receive_loop(s: &Shared) {
-    let mut control = Vec::new();
-    let mut pieces = Vec::new();
-    let mut ahead = Lookahead::default();
     loop {
-        match receive_one(s, &mut control, &mut pieces, &mut ahead) {
-            Ok(()) => {}
-            Err(_) => {
-                // Closed, reset, or framing the stream cannot recover from.
-                if !s.closed.load(Ordering::Acquire) {
-                    s.lost();
-                } else {
-                    s.engine.lock().expect("QP lock").connection_lost();
-                    s.drain();
-                }
-                return;
+        // Standing by while an application thread polls (busy-poll mode):
+        // two threads spinning on one side of a ping-pong take turns on
+        // the CPUs, which cost iWARP's latency several times over.
+        if s.busy_poll.load(Ordering::Relaxed) {
+            // The flag first, then the conditions, under the lock its wakers
+            // take: a waker either sees the flag or is seen.
+            let g = s.rx_standby_lock.lock().expect("standby lock");
+            s.standing_by.store(true, Ordering::SeqCst);
+            if let Some(left) = s.standby_left() {
+                drop(s.rx_standby.wait_timeout(g, left).expect("standby lock"));
+                s.standing_by.store(false, Ordering::SeqCst);
+                continue;
             }
+            s.standing_by.store(false, Ordering::SeqCst);
         }
+        let mut rx = s.rx.lock().expect("rx lock");
+        if rx.done {
+            return;
+        }
+        let RxState {
+            control,
+            pieces,
+            ahead,
+            ..
+        } = &mut *rx;
+        if receive_one(s, control, pieces, ahead, &s.busy_poll).is_err() {
+            // Closed, reset, or framing the stream cannot recover from.
+            s.end_of_stream(&mut rx);
+            return;
+        }
+    }
+}
+
+/// Most FPDUs an application thread's poll receives.
+const POLL_FPDUS: usize = 16;
+
+/// The receive buffer a busy-polling connection asks for (4 MiB: a quarter
+/// holds the largest FPDU a poll takes many times over).
+const POLL_RCVBUF: usize = 4 << 20;
+
+/// The largest FPDU a poll takes: larger ones come in streams, which the
+/// receive thread reads as they arrive (a poll would wait for each whole).
+const POLL_FPDU_MAX: usize = 16 << 10;
+
+/// Busy-poll mode: the calling application thread (polling a CQ of the
+/// device) receives the FPDUs that are whole in the socket, unless another
+/// thread is receiving; the receive thread stands by while such polls come
+/// (see [`Shared::standby_left`]). Only whole FPDUs, so that a peer that
+/// stops mid-FPDU cannot hold the application in `read`; one larger than a
+/// poll takes wakes the receive thread, which then streams for the standby
+/// span. Returns whether it does.
+fn poll_now(s: &Shared) -> bool {
+    if !s.busy_poll.load(Ordering::Relaxed) || s.closed.load(Ordering::Relaxed) {
+        return false;
+    }
+    let now = s.now();
+    s.app_polled.store(now, Ordering::Relaxed);
+    if now < s.rx_active_until.load(Ordering::Acquire) {
+        return true;
+    }
+    let Ok(mut rx) = s.rx.try_lock() else {
+        return false;
+    };
+    for _ in 0..POLL_FPDUS {
+        if rx.done {
+            return false;
+        }
+        match next_fpdu(&s.stream, &mut rx.ahead, s.poll_fpdu_max) {
+            NextFpdu::Whole(len) if len <= s.poll_fpdu_max => {}
+            NextFpdu::Whole(_) | NextFpdu::Large => {
+                s.rx_active_until
+                    .store(now + STANDBY.as_nanos() as u64, Ordering::Release);
+                drop(rx);
+                s.wake_receiver();
+                return true;
+            }
+            NextFpdu::NotYet => return false,
+        }
+        let RxState {
+            control,
+            pieces,
+            ahead,
+            ..
+        } = &mut *rx;
+        // The FPDU is whole in the socket: its reads need no spinning first.
+        if receive_one(s, control, pieces, ahead, &NO_SPIN).is_err() {
+            s.end_of_stream(&mut rx);
+            return false;
+        }
+        s.polled_fpdus.fetch_add(1, Ordering::Relaxed);
+    }
+    false
+}
+
+/// What a poll finds of the next FPDU.
+enum NextFpdu {
+    /// Whole in what was read ahead and the socket (its bytes), or the
+    /// stream failed or ended (for the reading to find out).
+    Whole(usize),
+    /// Larger than a poll takes, not whole yet.
+    Large,
+    /// Nothing, or part of a small one.
+    NotYet,
+}
+
+/// The next FPDU's state. Its first bytes (at most [`LOOKAHEAD`], never
+/// payload) are read into `ahead` without waiting, where the FPDU's reading
+/// takes them from.
+fn next_fpdu(stream: &TcpStream, ahead: &mut Lookahead, most: usize) -> NextFpdu {
+    if ahead.len - ahead.at < mpa::LENGTH_FIELD_LEN {
+        ahead.buf.copy_within(ahead.at..ahead.len, 0);
+        ahead.len -= ahead.at;
+        ahead.at = 0;
+        let flags = rustix::net::RecvFlags::DONTWAIT;
+        match rustix::net::recv(stream, &mut ahead.buf[ahead.len..], flags) {
+            Ok((0, _)) => return NextFpdu::Whole(0),
+            Ok((n, _)) => ahead.len += n,
+            Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) => return NextFpdu::NotYet,
+            Err(_) => return NextFpdu::Whole(0),
+        }
+        if ahead.len < mpa::LENGTH_FIELD_LEN {
+            return NextFpdu::NotYet;
+        }
+    }
+    let length = [ahead.buf[ahead.at], ahead.buf[ahead.at + 1]];
+    let ulpdu = usize::from(u16::from_be_bytes(length));
+    let whole = mpa::LENGTH_FIELD_LEN + ulpdu + mpa::pad_len(ulpdu) + mpa::CRC_LEN;
+    let buffered = ahead.len - ahead.at;
+    if buffered >= whole
+        || buffered + rustix::io::ioctl_fionread(stream).unwrap_or(0) as usize >= whole
+    {
+        NextFpdu::Whole(whole)
+    } else if whole > most {
+        NextFpdu::Large
+    } else {
+        NextFpdu::NotYet
     }
 }
 
@@ -465,7 +779,7 @@ fn spin_for_bytes(stream: &TcpStream, busy_poll: &AtomicBool) {
 const LOOKAHEAD: usize = mpa::LENGTH_FIELD_LEN + ddp::TAGGED_HEADER_LEN;
 
 /// Bytes of the stream read ahead (`buf[at..len]` not yet used).
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct Lookahead {
     buf: [u8; LOOKAHEAD],
     at: usize,
@@ -552,18 +866,22 @@ fn read_rest(
     Ok(())
 }
 
-/// Reads, places and hands one FPDU to the engine.
+/// A busy-poll flag that is off: reads that need not spin for their bytes.
+static NO_SPIN: AtomicBool = AtomicBool::new(false);
+
+/// Reads, places and hands one FPDU to the engine; `busy`: spin for bytes
+/// before each read while it is on (see [`spin_for_bytes`]).
 fn receive_one(
     s: &Shared,
     control: &mut Vec<u8>,
     pieces: &mut Vec<Segment>,
     ahead: &mut Lookahead,
+    busy: &AtomicBool,
 ) -> io::Result<()> {
     let stream = &s.stream;
     let mut crc = Crc32c::default();
     // The length field and the shorter (tagged) header in one read.
     let mut head = [0u8; mpa::LENGTH_FIELD_LEN + ddp::UNTAGGED_HEADER_LEN];
-    let busy = &*s.busy_poll;
     ahead.read_exact(stream, busy, &mut head[..LOOKAHEAD])?;
     let ulpdu_len = usize::from(u16::from_be_bytes([head[0], head[1]]));
     let hlen = if head[2] & 0x80 != 0 {

@@ -121,6 +121,9 @@ pub struct Cq {
     pub(crate) inner: Arc<CqInner>,
     /// The RoCEv2 device whose receiving a poll may do (busy-poll mode).
     driver: Option<std::sync::Weak<crate::provider::udp::Shared>>,
+    /// The iWARP device's connections, whose sending and receiving a poll
+    /// may do, and its busy-poll flag.
+    connections: Option<(Arc<crate::provider::tcp::Connections>, Arc<AtomicBool>)>,
 }
 
 impl Cq {
@@ -132,7 +135,27 @@ impl Cq {
         Ok(Cq {
             inner: Arc::new(CqInner::new(capacity, id, events)?),
             driver: None,
+            connections: None,
         })
+    }
+
+    /// A CQ of an iWARP device: in the device's busy-poll mode, polling it
+    /// sends and receives for the device's connections.
+    pub(crate) fn polls_connections(
+        mut self,
+        connections: &Arc<crate::provider::tcp::Connections>,
+        busy_poll: &Arc<AtomicBool>,
+    ) -> Cq {
+        self.connections = Some((connections.clone(), busy_poll.clone()));
+        self
+    }
+
+    /// The iWARP device's connections, in busy-poll mode.
+    fn busy_connections(&self) -> Option<&crate::provider::tcp::Connections> {
+        self.connections
+            .as_ref()
+            .filter(|(_, busy)| busy.load(Ordering::Relaxed))
+            .map(|(c, _)| &**c)
     }
 
     /// A CQ of a RoCEv2 device: in the device's busy-poll mode, polling it
@@ -143,12 +166,16 @@ impl Cq {
     }
 
     /// In busy-poll mode (`Device::busy_poll`), receives and handles what
-    /// waits for the CQ's device on this thread, as every poll of an empty
-    /// CQ does; a thread spinning on memory (a WRITE ping-pong) calls this
-    /// between looks. Otherwise, and on iWARP and shm, does nothing.
+    /// waits for the CQ's device (RoCEv2) or its QPs' connections (iWARP) on
+    /// this thread, as every poll of an empty CQ does; a thread spinning on
+    /// memory (a WRITE ping-pong) calls this between looks. Otherwise, and
+    /// on shm, does nothing.
     pub fn progress(&self) {
         if let Some(d) = self.driver.as_ref().and_then(|d| d.upgrade()) {
             crate::provider::udp::poll_now(&d);
+        }
+        if let Some(c) = self.busy_connections() {
+            c.poll();
         }
     }
 
@@ -168,6 +195,11 @@ impl Cq {
             && self.is_empty()
         {
             crate::provider::udp::poll_now(&d);
+        }
+        if let Some(c) = self.busy_connections()
+            && self.is_empty()
+        {
+            c.poll();
         }
     }
 
@@ -226,6 +258,14 @@ impl Cq {
                 std::hint::spin_loop();
             }
         }
+        // iWARP in busy-poll mode: a thread that sleeps here leaves the
+        // receiving to the connections' receive threads meanwhile.
+        let _sleeping = self.busy_connections().map(|c| c.app_sleeps());
+        self.block(deadline)
+    }
+
+    /// Sleeps until a completion comes (then takes it) or `deadline`.
+    fn block(&self, deadline: Instant) -> Result<Option<WorkCompletion>, CqError> {
         let mut asleep = self.inner.sleep.lock().expect("CQ sleep lock");
         loop {
             if self.inner.overrun.load(Ordering::Acquire) {

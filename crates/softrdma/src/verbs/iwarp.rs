@@ -144,6 +144,7 @@ impl Qp {
             ConnOptions {
                 crc: mpa.crc,
                 busy_poll: dev.busy_poll.clone(),
+                connections: Some(dev.connections.clone()),
             },
             slot.send_cq.clone(),
             slot.recv_cq.clone(),

@@ -244,6 +244,7 @@ impl Device {
                     mrs: Arc::new(RwLock::new(MrTable::new())),
                     events,
                     busy_poll: Arc::new(AtomicBool::new(self.busy_poll)),
+                    connections: Default::default(),
                 }),
                 0,
             )
@@ -310,6 +311,8 @@ pub(crate) struct IwarpDevice {
     pub(crate) events: Arc<EventQueue>,
     /// Busy-poll mode, shared with the device's connections.
     pub(crate) busy_poll: Arc<AtomicBool>,
+    /// The connections, which polls of the device's CQs work for.
+    pub(crate) connections: Arc<crate::provider::tcp::Connections>,
 }
 
 impl ContextInner {
@@ -561,7 +564,8 @@ impl Context {
             .map_err(io_err("cannot create a completion queue"))?;
         Ok(match &self.inner.dev {
             Provider::Udp(d) => cq.driven_by(&d.shared),
-            _ => cq,
+            Provider::Iwarp(d) => cq.polls_connections(&d.connections, &d.busy_poll),
+            Provider::Shm(_) => cq,
         })
     }
 

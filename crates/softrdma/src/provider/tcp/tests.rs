@@ -3,6 +3,7 @@
 //! bad STag, and a peer that vanishes mid-transfer.
 
 use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -27,15 +28,23 @@ struct End {
     iova: u64,
 }
 
-fn end(i: u32, stream: TcpStream, crc: bool) -> End {
+/// An end; with `busy`, of a device in busy-poll mode (its CQs' polls work
+/// for its connection).
+fn end_with(i: u32, stream: TcpStream, crc: bool, busy: Option<Arc<AtomicBool>>) -> End {
     let mem = Arc::new(RegionMemory::zeroed(MEM).unwrap());
     let (lkey, rkey, iova) = (0x100 + i, 0x200 + i, 0x1000_0000 * u64::from(i + 1));
     let mut t = MrTable::new();
     t.insert(Region::new(1, (lkey, rkey), mem.clone(), 0, MEM, iova, Access::ALL).unwrap());
     let mrs = Arc::new(RwLock::new(t));
     let events = Arc::new(EventQueue::new().unwrap());
-    let scq = Cq::new(256, 1, Some(events.clone())).unwrap();
-    let rcq = Cq::new(256, 2, Some(events.clone())).unwrap();
+    let connections = Arc::new(Connections::default());
+    let flag = busy.clone().unwrap_or_default();
+    let mut scq = Cq::new(256, 1, Some(events.clone())).unwrap();
+    let mut rcq = Cq::new(256, 2, Some(events.clone())).unwrap();
+    if busy.is_some() {
+        scq = scq.polls_connections(&connections, &flag);
+        rcq = rcq.polls_connections(&connections, &flag);
+    }
     let caps = QpCaps {
         max_send_wr: 64,
         max_recv_wr: 64,
@@ -56,7 +65,8 @@ fn end(i: u32, stream: TcpStream, crc: bool) -> End {
         mrs,
         ConnOptions {
             crc,
-            busy_poll: Default::default(),
+            busy_poll: flag,
+            connections: busy.map(|_| connections),
         },
         scq.inner.clone(),
         rcq.inner.clone(),
@@ -82,6 +92,10 @@ fn pair(crc: bool) -> (End, End) {
 /// Two ends connected through MPA, the bytes each way going through
 /// [`dribble`] if `dribbled`.
 fn connected(crc: bool, dribbled: bool) -> (End, End) {
+    connected_with(crc, dribbled, None)
+}
+
+fn connected_with(crc: bool, dribbled: bool, busy: Option<Arc<AtomicBool>>) -> (End, End) {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let mut at = l.local_addr().unwrap();
     if dribbled {
@@ -113,7 +127,10 @@ fn connected(crc: bool, dribbled: bool) -> (End, End) {
     let co = cm_mpa::connect(&mut c, &cfg).unwrap();
     let (s, so) = server.join().unwrap();
     assert_eq!((co.crc, so.crc), (crc, crc));
-    (end(0, c, co.crc), end(1, s, so.crc))
+    (
+        end_with(0, c, co.crc, busy.clone()),
+        end_with(1, s, so.crc, busy),
+    )
 }
 
 fn sge(e: &End, off: u64, len: u32) -> Sge {
@@ -354,4 +371,81 @@ fn a_peer_that_vanishes_mid_transfer_flushes_and_never_hangs() {
     let r = one(&a.rcq);
     assert_eq!((r.wr_id, r.status), (50, WcStatus::WrFlushErr));
     assert_eq!(a.qp.with_engine(|q| q.state()), crate::engine::QpState::Err);
+}
+
+/// Spins on `cq` (a busy-polling application) until a completion comes.
+fn spin(cq: &Cq) -> WorkCompletion {
+    let deadline = std::time::Instant::now() + T;
+    loop {
+        if let Some(wc) = cq.poll_one().unwrap() {
+            return wc;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no completion in 10 s"
+        );
+        std::hint::spin_loop();
+    }
+}
+
+#[test]
+fn busy_polling_threads_receive_and_large_or_cut_fpdus_still_arrive() {
+    for dribbled in [false, true] {
+        let busy = Arc::new(AtomicBool::new(true));
+        let (a, b) = connected_with(true, dribbled, Some(busy));
+        // A ping-pong of SENDs, each side spinning on its CQs: after the
+        // first, the polls receive (the receive threads stand by).
+        let rounds = 40;
+        for k in 0..rounds {
+            b.qp.post_recv(RecvWr::new(k, [sge(&b, 0, 64)])).unwrap();
+            a.qp.post_recv(RecvWr::new(k, [sge(&a, 0, 64)])).unwrap();
+        }
+        for k in 0..rounds {
+            a.mem.write(128, &pattern(64, k as u8));
+            a.qp.post_send(SendWr::new(k, SendOp::Send, [sge(&a, 128, 64)]))
+                .unwrap();
+            assert_eq!(spin(&a.scq).status, WcStatus::Success);
+            let r = spin(&b.rcq);
+            assert_eq!((r.wr_id, r.status, r.byte_len), (k, WcStatus::Success, 64));
+            let mut got = vec![0u8; 64];
+            b.mem.read(0, &mut got);
+            assert_eq!(got, pattern(64, k as u8));
+            b.qp.post_send(SendWr::new(k, SendOp::Send, [sge(&b, 0, 64)]))
+                .unwrap();
+            assert_eq!(spin(&b.scq).status, WcStatus::Success);
+            assert_eq!(spin(&a.rcq).status, WcStatus::Success);
+        }
+        assert!(
+            b.qp.polled_fpdus() > 0,
+            "dribbled {dribbled}: no poll received"
+        );
+        // FPDUs larger than a poll takes (loopback's MSS makes them about 64
+        // KiB) go to the receive thread while the application spins.
+        let big = pattern(1 << 20, 9);
+        a.mem.write(0, &big);
+        b.qp.post_recv(RecvWr::new(77, [sge(&b, 0, 8)])).unwrap();
+        a.qp.post_send(SendWr::new(
+            1,
+            SendOp::Write {
+                remote_addr: b.iova + (1 << 20),
+                rkey: b.rkey,
+            },
+            vec![sge(&a, 0, 1 << 20)],
+        ))
+        .unwrap();
+        a.qp.post_send(SendWr::new(2, SendOp::Send, [sge(&a, 0, 8)]))
+            .unwrap();
+        let r = spin(&b.rcq);
+        assert_eq!((r.wr_id, r.status), (77, WcStatus::Success));
+        let mut got = vec![0u8; 1 << 20];
+        b.mem.read(1 << 20, &mut got);
+        assert!(got == big, "the 1 MiB WRITE's bytes");
+        // An application that stops polling and sleeps in a wait: the
+        // receive thread takes over.
+        b.qp.post_recv(RecvWr::new(78, [sge(&b, 0, 8)])).unwrap();
+        a.qp.post_send(SendWr::new(3, SendOp::Send, [sge(&a, 0, 8)]))
+            .unwrap();
+        let r = one(&b.rcq);
+        assert_eq!((r.wr_id, r.status), (78, WcStatus::Success));
+    }
 }
