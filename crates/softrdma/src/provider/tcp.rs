@@ -7,8 +7,8 @@
 //! FPDUs with gather I/O from the region, many per `writev`. Two threads, so
 //! that receiving never waits for a blocked send: a peer that is itself
 //! blocked sending to us is always drained. In busy-poll mode an application
-//! thread polling a CQ of the connection receives whole FPDUs itself, and
-//! the receive thread stands by meanwhile (see [`poll_now`]).
+//! thread polling a CQ of the device receives small FPDUs itself, and the
+//! receive thread stands by meanwhile (see [`poll_now`]).
 //!
 //! Copies of payload bytes (the design's budget): none on send, none on
 //! receive (READ Requests and Terminates, small control messages, are read
@@ -87,9 +87,9 @@ struct Shared {
     standing_by: AtomicBool,
     /// FPDUs application threads' polls received.
     polled_fpdus: AtomicU64,
-    /// The largest FPDU a poll receives: a quarter of the socket's receive
-    /// buffer, which then always holds it whole (larger ones are the
-    /// receive thread's).
+    /// The largest FPDU a poll receives: at most a quarter of the socket's
+    /// receive buffer, which then always holds it whole, and at most
+    /// [`POLL_FPDU_MAX`] (larger ones are the receive thread's).
     poll_fpdu_max: usize,
 }
 
@@ -137,10 +137,9 @@ impl Drop for AppAsleep {
 }
 
 /// An iWARP device's connections: in busy-poll mode, a thread polling any
-/// of the device's CQs sends and receives for them (as a RoCEv2 device's
-/// pollers receive on its sockets), so that a thread waiting on one QP
-/// (perftest's control QP) does not leave another's to a second spinning
-/// thread.
+/// of the device's CQs receives for them (as a RoCEv2 device's pollers
+/// receive on its sockets), so that a thread polling for one QP (perftest's
+/// control QP) does not leave another's to a second spinning thread.
 #[derive(Debug, Default)]
 pub(crate) struct Connections {
     list: spin::mutex::SpinMutex<Vec<std::sync::Weak<Shared>>, spin::relax::Yield>,
@@ -466,10 +465,7 @@ fn transmit_loop(s: &Shared) {
     loop {
         {
             let mut p = s.tx_pending.lock().expect("tx lock");
-            loop {
-                if *p || s.closed.load(Ordering::Acquire) {
-                    break;
-                }
+            while !*p && !s.closed.load(Ordering::Acquire) {
                 p = s.tx_wake.wait(p).expect("tx lock");
             }
             *p = false;

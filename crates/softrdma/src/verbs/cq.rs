@@ -344,6 +344,9 @@ impl Cq {
             tv_sec: timeout.as_secs() as i64,
             tv_nsec: i64::from(timeout.subsec_nanos()),
         };
+        // iWARP in busy-poll mode: the receiving is the connections' threads'
+        // while this one sleeps.
+        let _sleeping = self.busy_connections().map(|c| c.app_sleeps());
         matches!(rustix::event::poll(&mut fds, Some(&ts)), Ok(n) if n > 0) && self.take_events() > 0
     }
 }

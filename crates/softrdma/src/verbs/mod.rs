@@ -160,11 +160,15 @@ impl Device {
     /// Busy-poll mode. RoCEv2: a thread polling or waiting on one of the
     /// device's CQs receives and handles the device's packets itself,
     /// spinning instead of sleeping, and the progress thread stands by while
-    /// it does (within 1 ms of the last poll). A ping-pong then takes no
+    /// it does (within 10 ms of the last poll). A ping-pong then takes no
     /// thread wake-up: lower latency, a CPU spent per polling thread.
     /// iWARP: each connection's receiving thread spins on its socket for up
     /// to 1 ms before it sleeps in `read`, so a stream of FPDUs wakes no
-    /// thread (the shared-memory device ignores the mode).
+    /// thread; a thread polling one of the device's CQs receives the small
+    /// FPDUs whole in its connections' sockets itself, the receiving threads
+    /// standing by while polls keep coming (waits still sleep, and leave the
+    /// receiving to those threads). The shared-memory device ignores the
+    /// mode.
     #[must_use]
     pub fn busy_poll(mut self, on: bool) -> Device {
         self.busy_poll = on;
