@@ -6,12 +6,11 @@ use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-
-use spin::mutex::SpinMutex;
-use spin::relax::Yield;
 use std::time::{Duration, Instant};
 
 use rustix::event::{EventfdFlags, eventfd};
+use spin::mutex::SpinMutex;
+use spin::relax::Yield;
 
 use crate::engine::WorkCompletion;
 
@@ -121,8 +120,8 @@ pub struct Cq {
     pub(crate) inner: Arc<CqInner>,
     /// The RoCEv2 device whose receiving a poll may do (busy-poll mode).
     driver: Option<std::sync::Weak<crate::provider::udp::Shared>>,
-    /// The iWARP device's connections, whose sending and receiving a poll
-    /// may do, and its busy-poll flag.
+    /// The iWARP device's connections, whose receiving a poll may do, and
+    /// its busy-poll flag.
     connections: Option<(Arc<crate::provider::tcp::Connections>, Arc<AtomicBool>)>,
 }
 
@@ -140,7 +139,7 @@ impl Cq {
     }
 
     /// A CQ of an iWARP device: in the device's busy-poll mode, polling it
-    /// sends and receives for the device's connections.
+    /// receives for the device's connections.
     pub(crate) fn polls_connections(
         mut self,
         connections: &Arc<crate::provider::tcp::Connections>,
