@@ -38,6 +38,7 @@ impl ShmSlot {
         self.conn.get()
     }
 
+    #[inline]
     pub(crate) fn post_send(&self, wr: SendWr) -> Result<(), PostError> {
         match self.conn() {
             Some(c) => c.post_send(wr),

@@ -506,6 +506,7 @@ impl ShmQp {
 
     /// Posts and (unless receives are awaited) runs a send WR on the
     /// caller's thread.
+    #[inline]
     pub(crate) fn post_send(&self, wr: SendWr) -> Result<(), PostError> {
         if self.failed.load(Ordering::Acquire) {
             return Err(PostError::BadState(QpState::Err));
