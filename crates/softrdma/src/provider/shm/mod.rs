@@ -255,12 +255,13 @@ pub(crate) struct ShmQp {
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
-/// The send queue's lock. It is held for one operation (a copy at most) and
-/// taken by other threads rarely (posts from several threads, the progress
-/// thread's region updates), so it spins, giving the CPU away while it
-/// waits, as rdma-core's providers lock their send queues. Unlocking is a
-/// plain store: after a large copy, a locked instruction waits until the
-/// copy's stores drain (some 30 ns at 64 KiB here).
+/// The send queue's lock. It is held for one operation (its copy at most)
+/// and taken by other threads rarely (posts from several threads, the
+/// progress thread's region updates), so it spins, giving the CPU away
+/// between looks, as rdma-core's providers lock their send queues. Unlocking
+/// is a plain store: after a large copy, the first locked instruction waits
+/// until the copy's stores drain (most of a 64 KiB READ's own post time sat
+/// on the table lock's release in `perf record`).
 type SqLock = spin::mutex::SpinMutex<SendSide, spin::relax::Yield>;
 
 /// What runs an operation needs, under the send queue's lock.
