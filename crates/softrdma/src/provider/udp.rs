@@ -282,6 +282,16 @@ const HELD_DATAGRAMS: usize = 16;
 /// polling; see [`RxBuffers::spin`]).
 const BUSY_SPIN_NS: u64 = 1_000_000;
 
+/// Blocking mode: [`STREAM_LOOKS`] looks in a row that each found datagrams
+/// within this of the one before are a stream, and the progress thread then
+/// spins on the sockets while datagrams keep coming this close together,
+/// instead of sleeping between them (a sleeping receiver costs every
+/// datagram a wake-up, which on loopback the sender pays). A ping-pong's
+/// datagrams come a round trip apart, further than this: it still sleeps,
+/// and no spinning costs it a CPU.
+const STREAM_GAP_NS: u64 = 20_000;
+const STREAM_LOOKS: u32 = 4;
+
 /// A receiving thread's buffers.
 struct RxBuffers {
     rx: Vec<u8>,
@@ -399,13 +409,20 @@ impl RxBuffers {
     /// a wake-up, at `deadline` (the next timer), once an application thread
     /// polls, or after [`BUSY_SPIN_NS`] without a datagram.
     fn spin(&mut self, shared: &Shared, deadline: u64) -> bool {
+        self.spin_for(shared, deadline, BUSY_SPIN_NS, true)
+    }
+
+    /// As [`RxBuffers::spin`], until `idle_ns` without a datagram; `busy`:
+    /// only in busy-poll mode with no application thread polling.
+    fn spin_for(&mut self, shared: &Shared, deadline: u64, idle_ns: u64, busy: bool) -> bool {
         loop {
             let now = shared.now().0;
             if shared.woken.load(Ordering::SeqCst)
                 || now >= deadline
-                || now.saturating_sub(self.last_rx) >= BUSY_SPIN_NS
-                || now.saturating_sub(shared.app_polled.load(Ordering::Relaxed)) < STANDBY_NS
-                || !shared.busy_poll()
+                || now.saturating_sub(self.last_rx) >= idle_ns
+                || (busy
+                    && (now.saturating_sub(shared.app_polled.load(Ordering::Relaxed)) < STANDBY_NS
+                        || !shared.busy_poll()))
             {
                 return false;
             }
@@ -994,6 +1011,8 @@ fn progress(shared: &Arc<Shared>) {
     let mut b = RxBuffers::new();
     let mut slots: Vec<Arc<QpSlot>> = Vec::new();
     let mut uplink_open = shared.uplink.is_some();
+    // Consecutive looks that found a stream (see [`STREAM_GAP_NS`]).
+    let mut stream_looks = 0u32;
     while !shared.stop.load(Ordering::Acquire) {
         // Timers.
         let now = shared.now();
@@ -1090,9 +1109,20 @@ fn progress(shared: &Arc<Shared>) {
         }
         let readable: [bool; SOCKETS] =
             std::array::from_fn(|i| !fds[FIRST_SOCKET + i].revents().is_empty());
-        // Everything that is there.
+        // Everything that is there; in a stream (blocking mode), the next
+        // datagrams without sleeping in between.
         if readable.iter().any(|&r| r) {
-            b.take_sockets(shared, &readable);
+            let before = b.last_rx;
+            if b.take_sockets(shared, &readable) {
+                stream_looks = if b.last_rx.saturating_sub(before) < STREAM_GAP_NS {
+                    stream_looks.saturating_add(1)
+                } else {
+                    0
+                };
+                if stream_looks >= STREAM_LOOKS && !shared.busy_poll() && shared.uplink.is_none() {
+                    while b.spin_for(shared, next, STREAM_GAP_NS, false) {}
+                }
+            }
         }
         if let (Some(uplink), true) = (&shared.uplink, uplink_open) {
             loop {
