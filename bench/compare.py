@@ -287,11 +287,12 @@ def ceiling_bw():
     the better of the blocking and the spinning run, an upper bound for any
     message size. READs add their requests and the responses' AETHs (FIRST
     and LAST cannot share a MIDDLE's GSO send): their own stream, per size."""
-    gbs = max(roce_ceiling("stream", "1")[0], roce_ceiling("stream", "1", "--busy")[0])
+    def best(*args):
+        return max(roce_ceiling(*args)[0], roce_ceiling(*args, "--busy")[0])
+    gbs = best("stream", "1")
     res = {f"WRITE {KIB[s]}": gbs for s in (65536, 1048576)}
     for s in (65536, 1048576):
-        res[f"READ {KIB[s]}"] = max(roce_ceiling("read", "1", str(s))[0],
-                                    roce_ceiling("read", "1", str(s), "--busy")[0])
+        res[f"READ {KIB[s]}"] = best("read", "1", str(s))
     return res
 
 

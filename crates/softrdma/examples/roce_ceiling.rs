@@ -216,41 +216,15 @@ fn stream(secs: u64, busy: bool, bare: bool) -> io::Result<f64> {
     let stop = Arc::new(AtomicBool::new(false));
     let sender = {
         let (taken, stop) = (taken.clone(), stop.clone());
+        // The send headers are not Send: the sender is made on its thread.
         std::thread::spawn(move || -> io::Result<()> {
-            let region: Vec<u8> = (0..REGION).map(|i| (i * 7 + 1) as u8).collect();
-            let mut headers = MultiHeaders::preallocate(1, Some(nix::cmsg_space!(u16)));
-            let (mut psn, mut sent) = (0u32, 0u64);
+            let mut out = Sender::new(tx, from, to, &taken, &stop, bare, busy);
+            let mut psn = 0u32;
             while !stop.load(Ordering::Relaxed) {
-                while sent.saturating_sub(taken.load(Ordering::Acquire)) > WINDOW_PACKETS {
-                    if stop.load(Ordering::Relaxed) {
-                        return Ok(());
-                    }
-                    if busy {
-                        std::hint::spin_loop();
-                    } else {
-                        std::thread::park_timeout(Duration::from_millis(10));
-                    }
-                }
-                let mut heads = [[0u8; BTH]; PER_SEND];
-                let mut trailers = [[0u8; icrc::LEN]; PER_SEND];
-                let payloads: [&[u8]; PER_SEND] =
-                    std::array::from_fn(|k| &region[region_at(psn.wrapping_add(k as u32))]);
-                for k in 0..PER_SEND {
-                    heads[k] = bth(0x07, psn.wrapping_add(k as u32));
-                    if !bare {
-                        let crc = icrc_of(from, to, k as u16, &heads[k], payloads[k]);
-                        trailers[k] = crc.to_le_bytes();
-                    }
-                }
+                let packets: [(u8, u32); PER_SEND] =
+                    std::array::from_fn(|k| (WRITE_MIDDLE, psn.wrapping_add(k as u32)));
+                out.send(&packets)?;
                 psn = psn.wrapping_add(PER_SEND as u32);
-                // On the stack, as the provider's gather list is.
-                let iov: [IoSlice<'_>; 3 * PER_SEND] = std::array::from_fn(|i| match i % 3 {
-                    0 => IoSlice::new(&heads[i / 3]),
-                    1 => IoSlice::new(payloads[i / 3]),
-                    _ => IoSlice::new(&trailers[i / 3]),
-                });
-                send_gso(&tx, &mut headers, to, &iov, SEGMENT as u16)?;
-                sent += PER_SEND as u64;
             }
             Ok(())
         })
@@ -293,12 +267,24 @@ fn stream(secs: u64, busy: bool, bare: bool) -> io::Result<f64> {
         taken.fetch_add(packets, Ordering::Release);
         sender.thread().unpark();
     }
+    std::hint::black_box(&target);
+    finish(&stop, sender, bad, bytes, started)
+}
+
+/// Ends a stream: stops the sending thread, and gives the GB/s received
+/// since `started`, unless packets were bad.
+fn finish(
+    stop: &AtomicBool,
+    sender: std::thread::JoinHandle<io::Result<()>>,
+    bad: u64,
+    bytes: u64,
+    started: Option<Instant>,
+) -> io::Result<f64> {
     stop.store(true, Ordering::Relaxed);
     sender.thread().unpark();
     sender
         .join()
-        .map_err(|_| io::Error::other("sender panicked"))??;
-    std::hint::black_box(&target);
+        .map_err(|_| io::Error::other("the sending thread panicked"))??;
     if bad > 0 {
         return Err(io::Error::other(format!(
             "{bad} packets with a bad ICRC or size"
@@ -311,7 +297,8 @@ fn stream(secs: u64, busy: bool, bare: bool) -> io::Result<f64> {
     Ok(bytes as f64 / secs / 1e9)
 }
 
-/// READ RESPONSE FIRST, MIDDLE and LAST; RDMA READ request.
+/// RDMA WRITE MIDDLE; READ RESPONSE FIRST, MIDDLE and LAST; RDMA READ request.
+const WRITE_MIDDLE: u8 = 0x07;
 const READ_FIRST: u8 = 0x0d;
 const READ_MIDDLE: u8 = 0x0e;
 const READ_LAST: u8 = 0x0f;
@@ -333,29 +320,52 @@ fn read_request(from: SocketAddrV4, to: SocketAddrV4, psn: u32, len: u32, bare: 
     r
 }
 
-/// The responder's sends: packets of one size in GSO sends of at most 15,
-/// each after the flow-control window has room.
-struct Responder {
+/// A stream's sends: packets of one size in GSO sends of at most 15 (as the
+/// provider makes them), each after the flow-control window has room.
+struct Sender {
     sock: UdpSocket,
     me: SocketAddrV4,
     peer: SocketAddrV4,
     headers: MultiHeaders<SockaddrIn>,
     region: Vec<u8>,
+    /// Packets the receiver has taken, and the stop flag.
+    taken: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
     bare: bool,
     busy: bool,
     sent: u64,
 }
 
-impl Responder {
-    /// Sends one GSO datagram of the packets `(opcode, psn)`, all of one size.
-    fn send(
-        &mut self,
-        packets: &[(u8, u32)],
-        taken: &AtomicU64,
-        stop: &AtomicBool,
-    ) -> io::Result<()> {
-        while self.sent.saturating_sub(taken.load(Ordering::Acquire)) > WINDOW_PACKETS {
-            if stop.load(Ordering::Relaxed) {
+impl Sender {
+    fn new(
+        sock: UdpSocket,
+        me: SocketAddrV4,
+        peer: SocketAddrV4,
+        taken: &Arc<AtomicU64>,
+        stop: &Arc<AtomicBool>,
+        bare: bool,
+        busy: bool,
+    ) -> Sender {
+        Sender {
+            sock,
+            me,
+            peer,
+            headers: MultiHeaders::preallocate(1, Some(nix::cmsg_space!(u16))),
+            region: (0..REGION).map(|i| (i * 7 + 1) as u8).collect(),
+            taken: taken.clone(),
+            stop: stop.clone(),
+            bare,
+            busy,
+            sent: 0,
+        }
+    }
+
+    /// Sends one GSO datagram of the packets `(opcode, psn)`, all of one
+    /// size (READ FIRST and LAST carry an AETH, the others only a BTH),
+    /// once the window has room (nothing once stopped).
+    fn send(&mut self, packets: &[(u8, u32)]) -> io::Result<()> {
+        while self.sent.saturating_sub(self.taken.load(Ordering::Acquire)) > WINDOW_PACKETS {
+            if self.stop.load(Ordering::Relaxed) {
                 return Ok(());
             }
             if self.busy {
@@ -364,59 +374,56 @@ impl Responder {
                 std::thread::park_timeout(Duration::from_millis(10));
             }
         }
+        let head_len = match packets.first() {
+            Some(&(READ_FIRST | READ_LAST, _)) => BTH + AETH,
+            _ => BTH,
+        };
         let mut heads = [[0u8; BTH + AETH]; PER_SEND];
         let mut trailers = [[0u8; icrc::LEN]; PER_SEND];
-        let mut head_len = BTH;
         for (k, &(opcode, psn)) in packets.iter().enumerate() {
             heads[k][..BTH].copy_from_slice(&bth(opcode, psn));
-            head_len = if opcode == READ_MIDDLE {
-                BTH
-            } else {
-                BTH + AETH
-            };
             if !self.bare {
                 let crc = icrc_of(
                     self.me,
                     self.peer,
-                    if packets.len() > 1 { k as u16 } else { 0 },
+                    k as u16,
                     &heads[k][..head_len],
                     &self.region[region_at(psn)],
                 );
                 trailers[k] = crc.to_le_bytes();
             }
         }
-        let mut iov = Vec::with_capacity(3 * packets.len());
+        // On the stack, as the provider's gather list is.
+        let mut iov = [IoSlice::new(&[]); 3 * PER_SEND];
         for (k, &(_, psn)) in packets.iter().enumerate() {
-            iov.push(IoSlice::new(&heads[k][..head_len]));
-            iov.push(IoSlice::new(&self.region[region_at(psn)]));
-            iov.push(IoSlice::new(&trailers[k]));
+            iov[3 * k] = IoSlice::new(&heads[k][..head_len]);
+            iov[3 * k + 1] = IoSlice::new(&self.region[region_at(psn)]);
+            iov[3 * k + 2] = IoSlice::new(&trailers[k]);
         }
         // One packet goes as a plain datagram (no longer than the segment).
         let segment = (head_len + PAYLOAD + icrc::LEN) as u16;
-        send_gso(&self.sock, &mut self.headers, self.peer, &iov, segment)?;
+        let iov = &iov[..3 * packets.len()];
+        send_gso(&self.sock, &mut self.headers, self.peer, iov, segment)?;
         self.sent += packets.len() as u64;
         Ok(())
     }
 
     /// Answers the READ at `psn` of `packets` packets; its LAST waits in
     /// `last` for the next READ's FIRST.
-    fn answer(
-        &mut self,
-        psn: u32,
-        packets: u32,
-        last: &mut Option<u32>,
-        taken: &AtomicU64,
-        stop: &AtomicBool,
-    ) -> io::Result<()> {
+    fn answer(&mut self, psn: u32, packets: u32, last: &mut Option<u32>) -> io::Result<()> {
         match last.take() {
-            Some(l) => self.send(&[(READ_LAST, l), (READ_FIRST, psn)], taken, stop)?,
-            None => self.send(&[(READ_FIRST, psn)], taken, stop)?,
+            Some(l) => self.send(&[(READ_LAST, l), (READ_FIRST, psn)])?,
+            None => self.send(&[(READ_FIRST, psn)])?,
         }
-        let middles: Vec<(u8, u32)> = (1..packets - 1)
-            .map(|i| (READ_MIDDLE, psn.wrapping_add(i)))
-            .collect();
-        for chunk in middles.chunks(PER_SEND) {
-            self.send(chunk, taken, stop)?;
+        let mut i = 1;
+        while i < packets - 1 {
+            let n = (packets - 1 - i).min(PER_SEND as u32);
+            let mut chunk = [(READ_MIDDLE, 0u32); PER_SEND];
+            for (j, c) in chunk.iter_mut().enumerate().take(n as usize) {
+                c.1 = psn.wrapping_add(i + j as u32);
+            }
+            self.send(&chunk[..n as usize])?;
+            i += n;
         }
         *last = Some(psn.wrapping_add(packets - 1));
         Ok(())
@@ -436,16 +443,7 @@ fn read_stream(secs: u64, size: usize, busy: bool, bare: bool) -> io::Result<f64
     let answering = {
         let (taken, stop) = (taken.clone(), stop.clone());
         std::thread::spawn(move || -> io::Result<()> {
-            let mut r = Responder {
-                sock: responder,
-                me: resp_addr,
-                peer: req_addr,
-                headers: MultiHeaders::preallocate(1, Some(nix::cmsg_space!(u16))),
-                region: (0..REGION).map(|i| (i * 7 + 1) as u8).collect(),
-                bare,
-                busy,
-                sent: 0,
-            };
+            let mut r = Sender::new(responder, resp_addr, req_addr, &taken, &stop, bare, busy);
             let mut buf = vec![0u8; 65536];
             let mut cmsg = nix::cmsg_space!(i32);
             let mut last = None;
@@ -456,7 +454,7 @@ fn read_stream(secs: u64, size: usize, busy: bool, bare: bool) -> io::Result<f64
                     Ok((n, from, _)) => (n, from),
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                         if let Some(l) = last.take() {
-                            r.send(&[(READ_LAST, l)], &taken, &stop)?;
+                            r.send(&[(READ_LAST, l)])?;
                         }
                         let flags = if busy {
                             MsgFlags::MSG_DONTWAIT
@@ -486,7 +484,7 @@ fn read_stream(secs: u64, size: usize, busy: bool, bare: bool) -> io::Result<f64
                     return Err(io::Error::other("a bad READ request"));
                 }
                 let psn = u32::from_be_bytes([0, request[9], request[10], request[11]]);
-                r.answer(psn, packets, &mut last, &taken, &stop)?;
+                r.answer(psn, packets, &mut last)?;
             }
             Ok(())
         })
@@ -555,22 +553,8 @@ fn read_stream(secs: u64, size: usize, busy: bool, bare: bool) -> io::Result<f64
             ask(&mut next_psn)?;
         }
     }
-    stop.store(true, Ordering::Relaxed);
-    answering.thread().unpark();
-    answering
-        .join()
-        .map_err(|_| io::Error::other("responder panicked"))??;
     std::hint::black_box(&target);
-    if bad > 0 {
-        return Err(io::Error::other(format!(
-            "{bad} packets with a bad ICRC or size"
-        )));
-    }
-    let secs = started.map_or(0.0, |s| s.elapsed().as_secs_f64());
-    if secs == 0.0 {
-        return Err(io::Error::other("nothing received"));
-    }
-    Ok(bytes as f64 / secs / 1e9)
+    finish(&stop, answering, bad, bytes, started)
 }
 
 /// One side of the ping-pong: waits for the peer's datagram (unless it

@@ -1718,6 +1718,16 @@ fn write_lat(s: &Setup, size: u64, clock: Option<Window>) -> Result<Vec<Instant>
     Ok(posted)
 }
 
+/// The next completion of `cq`: spun for in busy-poll mode (as perftest's
+/// polling does), waited for otherwise.
+fn next_one(s: &Setup, cq: &Cq, end: Option<Instant>) -> Result<Option<WorkCompletion>, String> {
+    if s.cfg.busy_poll {
+        spin_one(cq, end, side(s))
+    } else {
+        wait_one(cq, end, side(s))
+    }
+}
+
 fn side(s: &Setup) -> &'static str {
     if s.cfg.client { "client" } else { "server" }
 }
@@ -1737,13 +1747,7 @@ fn send_lat(s: &Setup, size: u64, clock: Option<Window>) -> Result<Vec<Instant>,
         // The client sends first; the server waits for it.
         let client_first = s.cfg.client && scnt == 0;
         if rcnt < n && !client_first {
-            // Busy-poll mode spins on the CQ, as perftest's polling does.
-            let got = if s.cfg.busy_poll {
-                spin_one(&s.rcq, end, side(s))?
-            } else {
-                wait_one(&s.rcq, end, side(s))?
-            };
-            if got.is_none() {
+            if next_one(s, &s.rcq, end)?.is_none() {
                 break;
             }
             rcnt += 1;
@@ -1765,12 +1769,7 @@ fn send_lat(s: &Setup, size: u64, clock: Option<Window>) -> Result<Vec<Instant>,
             wr.wr_id = scnt;
             s.qps[0].post_send(wr).map_err(|e| e.to_string())?;
             scnt += 1;
-            let done = if s.cfg.busy_poll {
-                spin_one(&s.scq, end, side(s))?
-            } else {
-                wait_one(&s.scq, end, side(s))?
-            };
-            if done.is_none() {
+            if next_one(s, &s.scq, end)?.is_none() {
                 break;
             }
         }

@@ -152,15 +152,19 @@ impl Connections {
         list.push(Arc::downgrade(c));
     }
 
-    /// An application thread goes to sleep in a CQ wait: until the guard
-    /// drops, the receive threads receive (busy-poll mode).
-    pub(crate) fn app_sleeps(&self) -> AppAsleep {
-        let live: smallvec::SmallVec<[Arc<Shared>; 4]> = self
-            .list
+    /// The connections not yet dropped.
+    fn live(&self) -> smallvec::SmallVec<[Arc<Shared>; 4]> {
+        self.list
             .lock()
             .iter()
             .filter_map(std::sync::Weak::upgrade)
-            .collect();
+            .collect()
+    }
+
+    /// An application thread goes to sleep in a CQ wait: until the guard
+    /// drops, the receive threads receive (busy-poll mode).
+    pub(crate) fn app_sleeps(&self) -> AppAsleep {
+        let live = self.live();
         for c in &live {
             c.app_asleep.fetch_add(1, Ordering::SeqCst);
             c.app_slept.store(c.now(), Ordering::SeqCst);
@@ -175,12 +179,7 @@ impl Connections {
     /// receive thread streams large FPDUs, the polling thread gives it the
     /// CPU between looks (two CPUs, three spinning threads otherwise).
     pub(crate) fn poll(&self) {
-        let live: smallvec::SmallVec<[Arc<Shared>; 4]> = self
-            .list
-            .lock()
-            .iter()
-            .filter_map(std::sync::Weak::upgrade)
-            .collect();
+        let live = self.live();
         let mut streaming = false;
         for c in &live {
             streaming |= poll_now(c);
