@@ -477,12 +477,7 @@ impl Setup {
 
     /// Address step between messages (perftest's INC), if messages step.
     fn step(&self, size: u64, k: u64) -> usize {
-        let size = size as usize;
-        if size > self.cycle / 2 {
-            return 0;
-        }
-        let inc = size.div_ceil(self.cache_line).max(1) * self.cache_line;
-        (k as usize % (self.cycle / inc)) * inc
+        message_step(size as usize, k as usize, self.cycle, self.cache_line)
     }
 
     /// Offset in the MR of QP `i`'s source area (first half) or target area.
@@ -1863,4 +1858,61 @@ fn check_read(s: &Setup) -> Result<(), String> {
     }
     println!(" Payload check (--verify): OK");
     Ok(())
+}
+
+/// Where message `k` of `size` bytes goes in a `cycle`-byte cycle buffer:
+/// perftest's INC (the size rounded up to whole cache lines) times `k`,
+/// wrapped; 0 for messages larger than half the cycle (they do not step).
+/// Every post asks, so where the sizes are powers of two (the usual page
+/// and cache line) it shifts and masks: a division costs about as much as
+/// the rest of a shared-memory post.
+fn message_step(size: usize, k: usize, cycle: usize, line: usize) -> usize {
+    if size > cycle / 2 {
+        return 0;
+    }
+    let inc = if line.is_power_of_two() {
+        ((size + line - 1) & !(line - 1)).max(line)
+    } else {
+        size.div_ceil(line).max(1) * line
+    };
+    let slot = if cycle.is_power_of_two() && inc.is_power_of_two() {
+        k & ((cycle >> inc.trailing_zeros()) - 1)
+    } else {
+        k % (cycle / inc)
+    };
+    slot * inc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::message_step;
+
+    #[test]
+    fn message_steps_match_perftests_formula() {
+        for (cycle, line) in [
+            (4096usize, 64usize),
+            (8192, 128),
+            (4096, 48),
+            (6000, 64),
+            (65536, 64),
+        ] {
+            for size in [
+                0usize, 1, 2, 8, 63, 64, 65, 100, 128, 1000, 2048, 2049, 3000, 4096,
+            ] {
+                for k in [0usize, 1, 2, 3, 31, 63, 64, 65, 1000, 123_457] {
+                    let want = if size > cycle / 2 {
+                        0
+                    } else {
+                        let inc = size.div_ceil(line).max(1) * line;
+                        (k % (cycle / inc)) * inc
+                    };
+                    assert_eq!(
+                        message_step(size, k, cycle, line),
+                        want,
+                        "size {size} k {k} cycle {cycle} line {line}"
+                    );
+                }
+            }
+        }
+    }
 }
