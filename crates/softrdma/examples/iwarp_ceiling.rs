@@ -25,7 +25,7 @@ use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use softrdma_wire::{ddp, mpa};
+use softrdma_wire::{ddp, mpa, rdmap};
 
 const SERVER: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 95);
 const CLIENT: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 96);
@@ -38,8 +38,6 @@ const HEAD: usize = 2 + ddp::TAGGED_HEADER_LEN;
 /// The provider's most FPDUs, and ULPDU bytes, in one `writev`.
 const MAX_BATCH: usize = 16;
 const BATCH_BYTES: usize = 256 << 10;
-/// An RDMA WRITE's RDMAP control byte (version 1, opcode 0).
-const RDMAP_WRITE: u8 = 0x40;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -81,7 +79,7 @@ fn fpdus(size: usize) -> Vec<Fpdu> {
         head[..2].copy_from_slice(&(ulpdu as u16).to_be_bytes());
         let mut seg = ddp::Segment::new_unchecked(&mut head[2..]);
         seg.set_control(true, offset + len == size, ddp::VERSION);
-        seg.set_rsvd_ulp(RDMAP_WRITE);
+        seg.set_rsvd_ulp(rdmap::Opcode::Write.control_byte());
         seg.set_stag(0x1234_5600);
         seg.set_tagged_offset(offset as u64);
         out.push(Fpdu {

@@ -37,16 +37,26 @@ const BULK_COPY_MIN: usize = 4096;
 unsafe fn copy_apart(from: *const u8, to: *mut u8, len: usize) {
     #[cfg(target_arch = "x86_64")]
     if len >= BULK_COPY_MIN && !(to as usize).wrapping_sub(from as usize).is_multiple_of(64) {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: AVX-512F is present (checked); the rest is the caller's
-            // contract.
-            unsafe { copy_avx512(from, to, len) };
-            return;
-        }
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: AVX2 is present (checked); the rest is the caller's
-            // contract.
-            unsafe { copy_avx2(from, to, len) };
+        let vector_loop: Option<unsafe fn(*const u8, *mut u8, usize)> =
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                Some(copy_avx512)
+            } else if std::arch::is_x86_feature_detected!("avx2") {
+                Some(copy_avx2)
+            } else {
+                None
+            };
+        if let Some(copy_loop) = vector_loop {
+            // Stores that straddle cache lines cost two: the loop starts at
+            // a 64-byte-aligned destination (its loads may straddle; they
+            // cost less).
+            let head = (to as usize).wrapping_neg() & 63;
+            // SAFETY: head < 64 <= len, so both parts lie inside both ranges;
+            // the loop's CPU feature was checked above; the rest is the
+            // caller's contract.
+            unsafe {
+                std::ptr::copy_nonoverlapping(from, to, head);
+                copy_loop(from.add(head), to.add(head), len - head);
+            }
             return;
         }
     }
@@ -69,25 +79,12 @@ pub fn copy_bytes(dst: &mut [u8], src: &[u8]) {
 #[target_feature(enable = "avx2")]
 unsafe fn copy_avx2(from: *const u8, to: *mut u8, len: usize) {
     use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_storeu_si256};
-    // Stores that straddle cache lines cost two: align the destination to
-    // 64 bytes first (the loads may straddle; they cost less).
-    let head = (to as usize).wrapping_neg() & 63;
-    if head >= len {
-        // SAFETY: the caller's contract.
-        unsafe { std::ptr::copy_nonoverlapping(from, to, len) };
-        return;
-    }
-    // SAFETY: head < len: inside both ranges.
-    let (from, to, len) = unsafe {
-        std::ptr::copy_nonoverlapping(from, to, head);
-        (from.add(head), to.add(head), len - head)
-    };
     // Whole 128-byte blocks through four registers, the tail by memcpy.
     let body = len & !127;
     let mut i = 0;
     while i < body {
         // SAFETY: i + 128 <= len, inside both ranges (the caller's contract);
-        // unaligned loads, stores to 64-byte-aligned addresses.
+        // unaligned loads and stores (aligned ones from `copy_apart`).
         unsafe {
             let s = from.add(i).cast::<__m256i>();
             let d = to.add(i).cast::<__m256i>();
@@ -108,25 +105,12 @@ unsafe fn copy_avx2(from: *const u8, to: *mut u8, len: usize) {
 #[target_feature(enable = "avx512f")]
 unsafe fn copy_avx512(from: *const u8, to: *mut u8, len: usize) {
     use std::arch::x86_64::{__m512i, _mm512_loadu_si512, _mm512_storeu_si512};
-    // Stores that straddle cache lines cost two: align the destination to
-    // 64 bytes first (the loads may straddle; they cost less).
-    let head = (to as usize).wrapping_neg() & 63;
-    if head >= len {
-        // SAFETY: the caller's contract.
-        unsafe { std::ptr::copy_nonoverlapping(from, to, len) };
-        return;
-    }
-    // SAFETY: head < len: inside both ranges.
-    let (from, to, len) = unsafe {
-        std::ptr::copy_nonoverlapping(from, to, head);
-        (from.add(head), to.add(head), len - head)
-    };
     // Whole 256-byte blocks through four registers, the tail by memcpy.
     let body = len & !255;
     let mut i = 0;
     while i < body {
         // SAFETY: i + 256 <= len, inside both ranges (the caller's contract);
-        // unaligned loads, stores to 64-byte-aligned addresses.
+        // unaligned loads and stores (aligned ones from `copy_apart`).
         unsafe {
             let s = from.add(i).cast::<__m512i>();
             let d = to.add(i).cast::<__m512i>();
