@@ -336,7 +336,10 @@ impl RxBuffers {
         let mut received = false;
         let mut held = 0;
         let mut holding = false;
-        for (i, sock) in shared.sockets.iter().enumerate() {
+        // The device's address last: a polling thread's answer to what it
+        // takes there then leaves without an empty `recvmsg` on a source
+        // port first (every 8th look has one).
+        for (i, sock) in shared.sockets.iter().enumerate().rev() {
             if !readable[i] {
                 continue;
             }
