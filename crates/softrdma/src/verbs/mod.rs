@@ -1223,7 +1223,7 @@ impl Qp {
                 }
             }
             QpKind::Iwarp(s) => s.post_send(wr)?,
-            QpKind::Shm(s) => s.post_send(wr)?,
+            QpKind::Shm(s) => s.post_send(&wr)?,
         }
         Ok(())
     }

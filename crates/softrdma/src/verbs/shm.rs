@@ -39,7 +39,7 @@ impl ShmSlot {
     }
 
     #[inline]
-    pub(crate) fn post_send(&self, wr: SendWr) -> Result<(), PostError> {
+    pub(crate) fn post_send(&self, wr: &SendWr) -> Result<(), PostError> {
         match self.conn() {
             Some(c) => c.post_send(wr),
             None => Err(PostError::BadState(self.state())),
