@@ -236,7 +236,7 @@ def ucx(tls, test, size, iters, extra=()):
 
 
 def ucx_bw(tls, verb, size):
-    # UCX tcp moves about 1 GB/s here: half the counts keep it near a second.
+    # UCX tcp moves 0.5-1 GB/s here: half the counts keep it to a second or two.
     iters = FAST_BW_ITERS[size] if tls != "tcp" else BW_ITERS[size] // 2
     if verb == "WRITE":
         r = ucx(tls, "ucp_put_bw", size, iters, ("-w", "20"))
