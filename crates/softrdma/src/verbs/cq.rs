@@ -227,9 +227,9 @@ impl Cq {
     }
 
     /// Takes one completion, if there is one.
-    // Inline: across the crate boundary the completion went through two
-    // stack copies whose loads stalled on the stores just before them (an
-    // shm 8-byte post and poll took 66 ns, inline 51).
+    // Inline: called across the crate boundary, the completion went through
+    // two stack copies that held most of this function's samples (an shm
+    // 8-byte post and poll took 66 ns, inline 51).
     #[inline]
     pub fn poll_one(&self) -> Result<Option<WorkCompletion>, CqError> {
         if self.inner.overrun.load(Ordering::Acquire) {
