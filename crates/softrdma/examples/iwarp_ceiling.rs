@@ -30,9 +30,7 @@ use softrdma_wire::{ddp, mpa, rdmap};
 const SERVER: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 95);
 const CLIENT: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 96);
 const REGION: usize = 1 << 20;
-/// MPA's largest ULPDU (its 16-bit length field, less pad and CRC room).
-const ULPDU: usize = 65_527;
-const PAYLOAD: usize = ULPDU - ddp::TAGGED_HEADER_LEN;
+const PAYLOAD: usize = mpa::MAX_ULPDU - ddp::TAGGED_HEADER_LEN;
 /// MPA length and DDP tagged header: what precedes a payload.
 const HEAD: usize = 2 + ddp::TAGGED_HEADER_LEN;
 /// The provider's most FPDUs, and ULPDU bytes, in one `writev`.

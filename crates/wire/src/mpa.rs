@@ -27,6 +27,9 @@ pub const IRD_ORD_LEN: usize = 4;
 pub const LENGTH_FIELD_LEN: usize = 2;
 /// Length of the CRC field.
 pub const CRC_LEN: usize = 4;
+/// The largest ULPDU softrdma frames: the 16-bit length field's maximum,
+/// less room for pad and CRC.
+pub const MAX_ULPDU: usize = u16::MAX as usize - 8;
 /// Markers sit this many stream bytes apart (counting the markers themselves).
 pub const MARKER_INTERVAL: usize = 512;
 /// Length of a marker.

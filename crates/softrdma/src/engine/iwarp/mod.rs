@@ -277,7 +277,7 @@ impl IwarpQp {
             pd,
             caps,
             cfg: IwarpConfig {
-                max_ulpdu: cfg.max_ulpdu.clamp(64, 65535 - 8),
+                max_ulpdu: cfg.max_ulpdu.clamp(64, softrdma_wire::mpa::MAX_ULPDU),
                 ..cfg
             },
             state: State::Rts,
