@@ -18,6 +18,10 @@ use std::time::Duration;
 
 pub use qp::{QpAttr, QpState, TransitionError};
 
+/// The most inline bytes a work request carries (a QP's largest
+/// `max_inline_data`): providers size their framing buffers by it.
+pub const MAX_INLINE_DATA: u32 = 4096;
+
 /// The engine's clock: nanoseconds since an arbitrary origin, given by the driver.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct Time(pub u64);
@@ -493,10 +497,11 @@ pub(crate) fn check_post_send(wr: &SendWr, caps: &rc::QpCaps) -> Result<u64, Pos
             "inline data is for SEND and RDMA WRITE only",
         ));
     }
-    if wr.inline_data.len() > caps.max_inline_data as usize {
+    let max = caps.max_inline_data.min(MAX_INLINE_DATA);
+    if wr.inline_data.len() > max as usize {
         return Err(PostError::InlineTooLarge {
             given: wr.inline_data.len(),
-            max: caps.max_inline_data,
+            max,
         });
     }
     Ok(wr.inline_data.len() as u64)

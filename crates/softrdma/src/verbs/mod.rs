@@ -746,10 +746,11 @@ impl Pd {
         if caps.max_send_wr == 0 || caps.max_send_wr > 1 << 16 || caps.max_recv_wr > 1 << 16 {
             return Err(VerbsError::Invalid("queue depths must be 1..=65536".into()));
         }
-        if caps.max_inline_data > 4096 {
-            return Err(VerbsError::Invalid(
-                "at most 4096 bytes of inline data".into(),
-            ));
+        if caps.max_inline_data > crate::engine::MAX_INLINE_DATA {
+            return Err(VerbsError::Invalid(format!(
+                "at most {} bytes of inline data",
+                crate::engine::MAX_INLINE_DATA
+            )));
         }
         if let Provider::Iwarp(_) = &self.ctx.inner.dev {
             return self.create_iwarp_qp(init);

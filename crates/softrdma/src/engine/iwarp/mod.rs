@@ -556,7 +556,8 @@ impl IwarpQp {
     }
 
     /// The next FPDU to send, if any (see [`Transmit`]). `buf` needs
-    /// [`MAX_HEADER_LEN`] bytes.
+    /// [`MAX_HEADER_LEN`] bytes, and room for the inline payload of an
+    /// inline WR ([`crate::engine::MAX_INLINE_DATA`] covers any).
     pub fn poll_transmit(
         &mut self,
         mrs: &MrTable,
