@@ -13,13 +13,13 @@
 //! provider frames them between softrdma ends: FPDUs of MPA's largest ULPDU
 //! (a 14-byte tagged DDP header and 65 513 payload bytes, the last of a
 //! message shorter), each its 2-byte MPA length, header, payload, pad and a
-//! CRC field (zero: CRC off, as `softrdma perf` runs), up to 24 FPDUs and
-//! 1 MiB in one `writev` gathered straight from the region. Another thread receives as
-//! the provider does: each payload read straight into its place in a 1 MiB
-//! target, with the pad, the CRC field and the next FPDU's header in the
-//! same `readv`. GB/s of payload received. Both block in the socket calls;
-//! `--busy` makes them spin on non-blocking sockets instead. Loopback
-//! only: 127.0.0.95 and 127.0.0.96.
+//! CRC field (zero: CRC off, as `softrdma perf` runs), up to 16 FPDUs and
+//! 1 MiB in one `writev` gathered straight from the region. Another thread
+//! receives as the provider does: each payload read straight into its
+//! place in a 1 MiB target, with the pad, the CRC field and the next FPDU's
+//! header in the same `readv`. GB/s of payload received. Both block in the
+//! socket calls; `--busy` makes them spin on non-blocking sockets instead.
+//! Loopback only: 127.0.0.95 and 127.0.0.96.
 
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream};
@@ -34,7 +34,7 @@ const PAYLOAD: usize = mpa::MAX_ULPDU - ddp::TAGGED_HEADER_LEN;
 /// MPA length and DDP tagged header: what precedes a payload.
 const HEAD: usize = 2 + ddp::TAGGED_HEADER_LEN;
 /// The provider's most FPDUs, and ULPDU bytes, in one `writev`.
-const MAX_BATCH: usize = 24;
+const MAX_BATCH: usize = 16;
 const BATCH_BYTES: usize = 1 << 20;
 
 fn main() {
@@ -108,7 +108,7 @@ fn stream(secs: u64, size: usize, busy: bool) -> io::Result<f64> {
     let region: Vec<u8> = (0..REGION).map(|i| (i * 7) as u8).collect();
     let frames = fpdus(size);
     // WRITE after WRITE, FPDUs batched across them as the provider's
-    // transmit loop takes them: at most 24 FPDUs, until 1 MiB of ULPDUs.
+    // transmit loop takes them: at most 16 FPDUs, until 1 MiB of ULPDUs.
     let mut next = frames.iter().cycle().peekable();
     let start = Instant::now();
     let mut sender = sender;

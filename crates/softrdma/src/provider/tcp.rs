@@ -59,7 +59,7 @@ struct Shared {
     events: Arc<EventQueue>,
     /// The FPDU buffers of whichever thread sends: the transmit thread, or
     /// a poster sending its lone small work request itself.
-    tx: Mutex<TxBatch>,
+    tx: Mutex<Vec<TxFpdu>>,
     /// When a send last finished (ns from `epoch`): a post that comes soon
     /// after one leaves batching to the transmit thread.
     last_sent: AtomicU64,
@@ -227,7 +227,7 @@ impl TcpQp {
             send_cq,
             recv_cq,
             events,
-            tx: Mutex::new(TxBatch::new()),
+            tx: Mutex::new((0..TX_BATCH).map(|_| TxFpdu::new()).collect()),
             last_sent: AtomicU64::new(0),
             epoch: Instant::now(),
             tx_wake: Condvar::new(),
@@ -489,42 +489,19 @@ fn transmit_loop(s: &Shared) {
     }
 }
 
-/// Most FPDUs in one `writev`, and about the most bytes: a 1 MiB WRITE in
-/// MPA's largest FPDUs (17) goes out in one call. Batches of 256 KiB moved
-/// 64 KiB and 1 MiB WRITEs 20-50 % slower, with more of the sender's kernel
-/// time per byte; 64 FPDUs a batch slowed 4 KiB WRITEs (`docs/performance.md`,
+/// Most FPDUs in one `writev`, and about the most bytes: small messages go
+/// out many per system call, MPA's largest FPDUs 16 at a time. 256 KiB a
+/// call moved 64 KiB and 1 MiB WRITEs 20-40 % slower; 24 or 32 FPDUs (a 1 MiB
+/// WRITE's 17 in one call) no faster than 16 (`docs/performance.md`,
 /// thirteenth session).
-const TX_BATCH: usize = 24;
+const TX_BATCH: usize = 16;
 const TX_BATCH_BYTES: usize = 1 << 20;
-/// Room for the headers (and inline payloads) of a batch: a new FPDU is
-/// taken only while the largest one fits, so at least 16 per batch.
-const TX_HEADER_ROOM: usize = 16 * TX_FPDU_ROOM;
-/// The most header and inline bytes one FPDU takes.
-const TX_FPDU_ROOM: usize = MAX_HEADER_LEN + MAX_INLINE_DATA as usize;
 
-/// FPDUs being framed for one `writev`: their headers (with any inline
-/// payload) one after another in `headers`, and per FPDU its region
-/// pieces, pad and CRC.
-#[derive(Debug)]
-struct TxBatch {
-    headers: Vec<u8>,
-    fpdus: Vec<TxFpdu>,
-}
-
-impl TxBatch {
-    fn new() -> TxBatch {
-        TxBatch {
-            headers: vec![0u8; TX_HEADER_ROOM],
-            fpdus: (0..TX_BATCH).map(|_| TxFpdu::new()).collect(),
-        }
-    }
-}
-
-/// One FPDU of a batch.
+/// An FPDU being framed: its headers (and inline payload), region pieces,
+/// and pad and CRC.
 #[derive(Debug)]
 struct TxFpdu {
-    /// Where its header starts in the batch's `headers`.
-    at: usize,
+    buf: Vec<u8>,
     pieces: Vec<Segment>,
     trailer: [u8; 7],
     t: Transmit,
@@ -533,7 +510,7 @@ struct TxFpdu {
 impl TxFpdu {
     fn new() -> TxFpdu {
         TxFpdu {
-            at: 0,
+            buf: vec![0u8; MAX_HEADER_LEN + MAX_INLINE_DATA as usize],
             // An FPDU's payload from up to four SGEs, without growing.
             pieces: Vec::with_capacity(4),
             trailer: [0; 7],
@@ -545,22 +522,18 @@ impl TxFpdu {
         }
     }
 
-    fn header<'a>(&self, headers: &'a [u8]) -> &'a [u8] {
-        &headers[self.at..self.at + self.t.header_len]
-    }
-
     /// Pad and CRC: the bytes of `trailer` that follow the payload.
     fn trailer_len(&self) -> usize {
         mpa::pad_len(self.t.ulpdu_len) + mpa::CRC_LEN
     }
 
     /// Fills in pad and CRC.
-    fn seal(&mut self, headers: &[u8], with_crc: bool) {
+    fn seal(&mut self, with_crc: bool) {
         let pad = mpa::pad_len(self.t.ulpdu_len);
         self.trailer = [0; 7];
         if with_crc {
             let mut crc = Crc32c::default();
-            crc.update(self.header(headers));
+            crc.update(&self.buf[..self.t.header_len]);
             for p in &self.pieces {
                 // SAFETY: read now, not kept; a concurrent remote write into
                 // these bytes makes what is sent unspecified, as on a NIC.
@@ -575,23 +548,19 @@ impl TxFpdu {
 /// Sends every FPDU the engine has, a batch per `writev`. The engine
 /// completes a SEND or WRITE only once told its bytes are in the socket: the
 /// application may reuse a buffer as soon as it sees its completion.
-fn send_all(s: &Shared, batch: &mut TxBatch) -> io::Result<()> {
-    let TxBatch { headers, fpdus } = batch;
+fn send_all(s: &Shared, batch: &mut [TxFpdu]) -> io::Result<()> {
     loop {
         let mut n = 0;
         {
             let mrs = s.mrs.read().expect("MR table lock");
             let mut qp = s.engine.lock().expect("QP lock");
-            let (mut bytes, mut used) = (0, 0);
-            while n < fpdus.len() && bytes < TX_BATCH_BYTES && headers.len() - used >= TX_FPDU_ROOM
-            {
-                let f = &mut fpdus[n];
-                let Some(t) = qp.poll_transmit(&mrs, &mut headers[used..], &mut f.pieces) else {
+            let mut bytes = 0;
+            while n < batch.len() && bytes < TX_BATCH_BYTES {
+                let f = &mut batch[n];
+                let Some(t) = qp.poll_transmit(&mrs, &mut f.buf, &mut f.pieces) else {
                     break;
                 };
-                f.at = used;
                 f.t = t;
-                used += t.header_len;
                 bytes += t.ulpdu_len;
                 n += 1;
             }
@@ -600,16 +569,13 @@ fn send_all(s: &Shared, batch: &mut TxBatch) -> io::Result<()> {
             s.drain();
             return Ok(());
         }
-        for f in &mut fpdus[..n] {
-            f.seal(headers, s.crc);
+        for f in &mut batch[..n] {
+            f.seal(s.crc);
         }
         {
-            // On the stack: header, trailer and up to two pieces per FPDU.
-            // (`write_vectored` passes the kernel at most UIO_MAXIOV a call.)
-            let mut iov: smallvec::SmallVec<[IoSlice<'_>; 4 * TX_BATCH]> =
-                smallvec::SmallVec::new();
-            for f in &fpdus[..n] {
-                iov.push(IoSlice::new(f.header(headers)));
+            let mut iov: smallvec::SmallVec<[IoSlice<'_>; 64]> = smallvec::SmallVec::new();
+            for f in &batch[..n] {
+                iov.push(IoSlice::new(&f.buf[..f.t.header_len]));
                 for p in f.pieces.iter().take(MAX_PIECES) {
                     // SAFETY: as in `seal`: the kernel copies them in this call.
                     iov.push(IoSlice::new(unsafe { p.bytes() }));
@@ -621,7 +587,7 @@ fn send_all(s: &Shared, batch: &mut TxBatch) -> io::Result<()> {
                 return Err(e);
             }
         }
-        for f in &mut fpdus[..n] {
+        for f in &mut batch[..n] {
             f.pieces.clear();
         }
         s.engine.lock().expect("QP lock").transmitted();

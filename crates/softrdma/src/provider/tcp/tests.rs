@@ -199,9 +199,7 @@ fn send_write_and_read_over_tcp_with_and_without_crc() {
 }
 
 /// A queue of the largest inline WRITEs, then of WRITEs gathered from 30
-/// pieces each, all taken in batches: the inline ones fill the room for
-/// headers and inline payloads, the others pass the kernel's gather limit
-/// per `writev`; every byte lands where it should.
+/// pieces each, all sent in full batches: every byte lands where it should.
 #[test]
 fn inline_and_many_piece_writes_fill_batches_and_arrive_whole() {
     let (a, b) = pair(false);
