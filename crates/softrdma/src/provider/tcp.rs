@@ -85,6 +85,8 @@ struct Shared {
     app_slept: AtomicU64,
     /// The receive thread is standing by (its wakers' cue).
     standing_by: AtomicBool,
+    /// The transmit thread is sending (busy-poll mode: pollers give it the CPU).
+    transmitting: AtomicBool,
     /// FPDUs application threads' polls received.
     polled_fpdus: AtomicU64,
     /// The largest FPDU a poll receives: at most a quarter of the socket's
@@ -176,13 +178,14 @@ impl Connections {
     }
 
     /// One busy-poll look at every connection (see [`poll_now`]). While a
-    /// receive thread streams large FPDUs, the polling thread gives it the
-    /// CPU between looks (two CPUs, three spinning threads otherwise).
+    /// receive thread streams large FPDUs, or a transmit thread sends, the
+    /// polling thread gives the CPU away between looks (two CPUs, three
+    /// spinning threads otherwise).
     pub(crate) fn poll(&self) {
         let live = self.live();
         let mut streaming = false;
         for c in &live {
-            streaming |= poll_now(c);
+            streaming |= poll_now(c) | c.transmitting.load(Ordering::Relaxed);
         }
         if streaming {
             std::thread::yield_now();
@@ -241,6 +244,7 @@ impl TcpQp {
             app_asleep: AtomicU64::new(0),
             app_slept: AtomicU64::new(0),
             standing_by: AtomicBool::new(false),
+            transmitting: AtomicBool::new(false),
             polled_fpdus: AtomicU64::new(0),
             poll_fpdu_max,
         });
@@ -475,7 +479,9 @@ fn transmit_loop(s: &Shared) {
             let _ = send_all(s, &mut batch);
             return;
         }
+        s.transmitting.store(true, Ordering::Relaxed);
         let sent = send_all(s, &mut batch);
+        s.transmitting.store(false, Ordering::Relaxed);
         drop(batch);
         if sent.is_err() {
             s.lost();
