@@ -34,7 +34,7 @@ use super::pcap::{PacketMeta, PcapWriter};
 use crate::engine::rc::MAX_HEADER_LEN;
 use crate::engine::srq::Srq;
 use crate::engine::ud::RecvMeta;
-use crate::engine::{AhId, CqKind, QpEngine, Time, Transmit};
+use crate::engine::{AhId, CqKind, MAX_INLINE_DATA, QpEngine, Time, Transmit};
 use crate::memory::{MrTable, Segment};
 use crate::verbs::cq::CqInner;
 use crate::verbs::events::{AsyncEvent, EventQueue};
@@ -509,7 +509,7 @@ thread_local! {
     static TX: RefCell<Vec<TxSlot>> = RefCell::new(
         (0..BATCH)
             .map(|_| TxSlot {
-                buf: vec![0u8; MAX_HEADER_LEN + 4096],
+                buf: vec![0u8; MAX_HEADER_LEN + MAX_INLINE_DATA as usize],
                 // A packet's payload from up to four SGEs, without growing.
                 pieces: Vec::with_capacity(4),
                 t: Transmit { len: 0, payload_len: 0, pad: 0 },
