@@ -495,13 +495,12 @@ fn transmit_loop(s: &Shared) {
     }
 }
 
-/// Most FPDUs in one `writev`, and about the most bytes: small messages go
-/// out many per system call, MPA's largest FPDUs 16 at a time. 256 KiB a
-/// call moved 64 KiB and 1 MiB WRITEs 20-40 % slower; 24 or 32 FPDUs (a 1 MiB
-/// WRITE's 17 in one call) no faster than 16 (`docs/performance.md`,
-/// thirteenth session).
+/// Most FPDUs in one `writev`: small messages go out many per system call,
+/// MPA's largest 16 at a time (about 1 MiB; ULPDUs never exceed
+/// `mpa::MAX_ULPDU`, so no byte limit is needed). A 256 KiB limit moved 64 KiB
+/// and 1 MiB WRITEs 20-40 % slower; 24 or 32 FPDUs (a 1 MiB WRITE's 17 in one
+/// call) were no faster than 16 (`docs/performance.md`, thirteenth session).
 const TX_BATCH: usize = 16;
-const TX_BATCH_BYTES: usize = 1 << 20;
 
 /// An FPDU being framed: its headers (and inline payload), region pieces,
 /// and pad and CRC.
@@ -560,14 +559,12 @@ fn send_all(s: &Shared, batch: &mut [TxFpdu]) -> io::Result<()> {
         {
             let mrs = s.mrs.read().expect("MR table lock");
             let mut qp = s.engine.lock().expect("QP lock");
-            let mut bytes = 0;
-            while n < batch.len() && bytes < TX_BATCH_BYTES {
+            while n < batch.len() {
                 let f = &mut batch[n];
                 let Some(t) = qp.poll_transmit(&mrs, &mut f.buf, &mut f.pieces) else {
                     break;
                 };
                 f.t = t;
-                bytes += t.ulpdu_len;
                 n += 1;
             }
         }
