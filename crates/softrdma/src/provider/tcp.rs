@@ -85,7 +85,8 @@ struct Shared {
     app_slept: AtomicU64,
     /// The receive thread is standing by (its wakers' cue).
     standing_by: AtomicBool,
-    /// The transmit thread is sending (busy-poll mode: pollers give it the CPU).
+    /// The transmit thread is writing a large batch (busy-poll mode: pollers
+    /// give it the CPU; see [`LARGE_WRITE`]).
     transmitting: AtomicBool,
     /// FPDUs application threads' polls received.
     polled_fpdus: AtomicU64,
@@ -479,7 +480,6 @@ fn transmit_loop(s: &Shared) {
             let _ = send_all(s, &mut batch);
             return;
         }
-        s.transmitting.store(true, Ordering::Relaxed);
         let sent = send_all(s, &mut batch);
         s.transmitting.store(false, Ordering::Relaxed);
         drop(batch);
@@ -494,6 +494,14 @@ fn transmit_loop(s: &Shared) {
         }
     }
 }
+
+/// From a `writev` of at least this many bytes until the transmit thread
+/// runs out of work, busy-poll pollers give it the CPU (a 1 MiB write takes
+/// a few hundred µs; spinning beside it makes three busy threads on two
+/// CPUs). A batch of small FPDUs takes a few µs, and yielding for those cost
+/// the 8-byte WRITE rate six sevenths (`docs/performance.md`, fourteenth
+/// session).
+const LARGE_WRITE: usize = 256 << 10;
 
 /// Most FPDUs in one `writev`: small messages go out many per system call,
 /// MPA's largest 16 at a time (about 1 MiB; ULPDUs never exceed
@@ -577,13 +585,18 @@ fn send_all(s: &Shared, batch: &mut [TxFpdu]) -> io::Result<()> {
         }
         {
             let mut iov: smallvec::SmallVec<[IoSlice<'_>; 64]> = smallvec::SmallVec::new();
+            let mut bytes = 0;
             for f in &batch[..n] {
+                bytes += f.t.header_len + f.t.payload_len;
                 iov.push(IoSlice::new(&f.buf[..f.t.header_len]));
                 for p in f.pieces.iter().take(MAX_PIECES) {
                     // SAFETY: as in `seal`: the kernel copies them in this call.
                     iov.push(IoSlice::new(unsafe { p.bytes() }));
                 }
                 iov.push(IoSlice::new(&f.trailer[..f.trailer_len()]));
+            }
+            if bytes >= LARGE_WRITE && !s.transmitting.load(Ordering::Relaxed) {
+                s.transmitting.store(true, Ordering::Relaxed);
             }
             if let Err(e) = write_all_vectored(&s.stream, &mut iov) {
                 s.engine.lock().expect("QP lock").transmit_failed();
