@@ -520,6 +520,23 @@ def report(samples, rounds, failures):
             tcp = f"{tcp_now / tcp_then:.2f}" if tcp_now else ""
             lines.append(f"| fi_write {KIB[size]} (GB/s) | {ours:.3g} | {fab} | {r:.2f} "
                          f"({'within' if 0.7 <= r <= 1.3 else 'OUTSIDE'} ±30 %) | {tcp} |")
+    # Busy polling spends a CPU to go faster: a figure it makes far slower
+    # is a fault (the iWARP 8-byte rate fell to an eighth of blocking's in
+    # one session's runs, unnoticed).
+    slow = []
+    for blocking, busy in (("softrdma RoCEv2", "softrdma RoCEv2 busy-poll"),
+                           ("softrdma iWARP", "softrdma iWARP busy-poll")):
+        for row in ROWS:
+            if "GB/s" not in unit(row) and "rate" not in row:
+                continue
+            a, b = med.get((blocking, row)), med.get((busy, row))
+            if a and b and b < 0.5 * a:
+                slow.append(f"| {busy} | {row}{unit(row)} | {b:.3g} | {a:.3g} | {b / a:.2f} |")
+    lines += ["", "Busy-poll figures under half their blocking counterparts: "
+              + (f"{len(slow)} (a fault to look into)." if slow else "none."), ""]
+    if slow:
+        lines += ["| stack | figure | busy-poll | blocking | ratio |", "|---|---|---|---|---|"]
+        lines += slow
     if failures:
         lines += ["", "Failed measurements (left out of the medians):", ""]
         lines += [f"- {f}" for f in failures]
