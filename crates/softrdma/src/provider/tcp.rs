@@ -57,9 +57,10 @@ struct Shared {
     send_cq: Arc<CqInner>,
     recv_cq: Arc<CqInner>,
     events: Arc<EventQueue>,
-    /// The FPDU buffers of whichever thread sends: the transmit thread, or
-    /// a poster sending its lone small work request itself.
-    tx: Mutex<Vec<TxFpdu>>,
+    /// Whichever thread sends holds this: the transmit thread, a poster
+    /// sending its lone small work request itself, or a receiving thread
+    /// answering a lone small READ.
+    tx: Mutex<Tx>,
     /// When a send last finished (ns from `epoch`): a post that comes soon
     /// after one leaves batching to the transmit thread.
     last_sent: AtomicU64,
@@ -90,6 +91,9 @@ struct Shared {
     transmitting: AtomicBool,
     /// FPDUs application threads' polls received.
     polled_fpdus: AtomicU64,
+    /// Bytes a receiving thread's answer left to the transmit thread (the
+    /// socket did not take them at once).
+    deferred_bytes: AtomicU64,
     /// The largest FPDU a poll receives: at most a quarter of the socket's
     /// receive buffer, which then always holds it whole, and at most
     /// [`POLL_FPDU_MAX`] (larger ones are the receive thread's).
@@ -231,7 +235,10 @@ impl TcpQp {
             send_cq,
             recv_cq,
             events,
-            tx: Mutex::new((0..TX_BATCH).map(|_| TxFpdu::new()).collect()),
+            tx: Mutex::new(Tx {
+                batch: (0..TX_BATCH).map(|_| TxFpdu::new()).collect(),
+                leftover: Vec::new(),
+            }),
             last_sent: AtomicU64::new(0),
             epoch: Instant::now(),
             tx_wake: Condvar::new(),
@@ -247,6 +254,7 @@ impl TcpQp {
             standing_by: AtomicBool::new(false),
             transmitting: AtomicBool::new(false),
             polled_fpdus: AtomicU64::new(0),
+            deferred_bytes: AtomicU64::new(0),
             poll_fpdu_max,
         });
         // Busy-poll mode: the pollers of the device's CQs work for it.
@@ -286,9 +294,9 @@ impl TcpQp {
             let now = s.epoch.elapsed().as_nanos() as u64;
             now.saturating_sub(s.last_sent.load(Ordering::Relaxed)) > STREAM_GAP.as_nanos() as u64
         };
-        if lone && let Ok(mut batch) = self.shared.tx.try_lock() {
-            let sent = send_all(&self.shared, &mut batch);
-            drop(batch);
+        if lone && let Ok(mut tx) = self.shared.tx.try_lock() {
+            let sent = send_all(&self.shared, &mut tx, true);
+            drop(tx);
             if sent.is_err() {
                 self.shared.lost();
             }
@@ -307,6 +315,13 @@ impl TcpQp {
     #[cfg(test)]
     pub fn polled_fpdus(&self) -> u64 {
         self.shared.polled_fpdus.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of READ responses that a receiving thread could not write at
+    /// once and left to the transmit thread.
+    #[cfg(test)]
+    pub fn deferred_bytes(&self) -> u64 {
+        self.shared.deferred_bytes.load(Ordering::Relaxed)
     }
 
     /// Runs `f` on the engine (state, stats, the Terminates).
@@ -348,6 +363,26 @@ const TX_NAME: &str = "softrdma-iwarp-tx";
 /// The largest work request a poster sends on its own thread: a small one
 /// fits the socket's buffer, so the `writev` does not wait.
 const POSTER_SENDS_UP_TO: usize = 16 << 10;
+
+/// After receiving: a lone small READ response goes out on this thread, as
+/// a poster's lone small send does, without waiting on the socket (a READ
+/// request's round trip paid the transmit thread's wake-up); anything else
+/// is the transmit thread's.
+fn answer_or_kick(s: &Shared, lone_response: bool) {
+    if lone_response
+        && s.now().saturating_sub(s.last_sent.load(Ordering::Relaxed))
+            > STREAM_GAP.as_nanos() as u64
+        && let Ok(mut tx) = s.tx.try_lock()
+    {
+        let sent = send_all(s, &mut tx, false);
+        drop(tx);
+        if sent.is_err() {
+            s.lost();
+        }
+        return;
+    }
+    s.kick();
+}
 
 /// Posts closer than this to the last send are a stream (their sends are
 /// batched by the transmit thread); a ping-pong's come a round trip apart.
@@ -474,15 +509,15 @@ fn transmit_loop(s: &Shared) {
             }
             *p = false;
         }
-        let mut batch = s.tx.lock().expect("tx buffers lock");
+        let mut tx = s.tx.lock().expect("tx buffers lock");
         if s.closed.load(Ordering::Acquire) {
             // Send a queued Terminate before leaving, if the socket still takes it.
-            let _ = send_all(s, &mut batch);
+            let _ = send_all(s, &mut tx, true);
             return;
         }
-        let sent = send_all(s, &mut batch);
+        let sent = send_all(s, &mut tx, true);
         s.transmitting.store(false, Ordering::Relaxed);
-        drop(batch);
+        drop(tx);
         if sent.is_err() {
             s.lost();
             return;
@@ -509,6 +544,15 @@ const LARGE_WRITE: usize = 256 << 10;
 /// and 1 MiB WRITEs 20-40 % slower; 24 or 32 FPDUs (a 1 MiB WRITE's 17 in one
 /// call) were no faster than 16 (`docs/performance.md`, thirteenth session).
 const TX_BATCH: usize = 16;
+
+/// The sending side's buffers.
+#[derive(Debug)]
+struct Tx {
+    batch: Vec<TxFpdu>,
+    /// Bytes of FPDUs a send that could not wait left unwritten (the
+    /// engine counts them sent): the next sender writes them first.
+    leftover: Vec<u8>,
+}
 
 /// An FPDU being framed: its headers (and inline payload), region pieces,
 /// and pad and CRC.
@@ -561,7 +605,23 @@ impl TxFpdu {
 /// Sends every FPDU the engine has, a batch per `writev`. The engine
 /// completes a SEND or WRITE only once told its bytes are in the socket: the
 /// application may reuse a buffer as soon as it sees its completion.
-fn send_all(s: &Shared, batch: &mut [TxFpdu]) -> io::Result<()> {
+/// Sends what the engine has, `TX_BATCH` FPDUs per `writev`. `wait`: false
+/// for a receiving thread, which must not block on a full socket (both ends
+/// would stop reading): what the socket does not take at once is copied to
+/// `leftover` for the transmit thread, which is woken.
+fn send_all(s: &Shared, tx: &mut Tx, wait: bool) -> io::Result<()> {
+    if !tx.leftover.is_empty() {
+        if !wait {
+            s.kick();
+            return Ok(());
+        }
+        if let Err(e) = (&s.stream).write_all(&tx.leftover) {
+            s.engine.lock().expect("QP lock").transmit_failed();
+            return Err(e);
+        }
+        tx.leftover.clear();
+    }
+    let batch = &mut tx.batch;
     loop {
         let mut n = 0;
         {
@@ -598,7 +658,15 @@ fn send_all(s: &Shared, batch: &mut [TxFpdu]) -> io::Result<()> {
             if bytes >= LARGE_WRITE && !s.transmitting.load(Ordering::Relaxed) {
                 s.transmitting.store(true, Ordering::Relaxed);
             }
-            if let Err(e) = write_all_vectored(&s.stream, &mut iov) {
+            let written = if wait {
+                write_all_vectored(&s.stream, &mut iov)
+            } else {
+                let kept = write_or_keep(&s.stream, &mut iov, &mut tx.leftover);
+                s.deferred_bytes
+                    .fetch_add(tx.leftover.len() as u64, Ordering::Relaxed);
+                kept
+            };
+            if let Err(e) = written {
                 s.engine.lock().expect("QP lock").transmit_failed();
                 return Err(e);
             }
@@ -610,7 +678,41 @@ fn send_all(s: &Shared, batch: &mut [TxFpdu]) -> io::Result<()> {
         s.drain();
         s.last_sent
             .store(s.epoch.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        if !wait {
+            // One batch: more is the transmit thread's.
+            if !tx.leftover.is_empty() || s.engine.lock().expect("QP lock").wants_transmit() {
+                s.kick();
+            }
+            return Ok(());
+        }
     }
+}
+
+/// Writes what the socket takes without waiting; copies the rest to `keep`.
+fn write_or_keep(
+    stream: &TcpStream,
+    iov: &mut [IoSlice<'_>],
+    keep: &mut Vec<u8>,
+) -> io::Result<()> {
+    let written = loop {
+        match rustix::net::sendmsg(
+            stream,
+            iov,
+            &mut rustix::net::SendAncillaryBuffer::default(),
+            rustix::net::SendFlags::DONTWAIT | rustix::net::SendFlags::NOSIGNAL,
+        ) {
+            Ok(n) => break n,
+            Err(rustix::io::Errno::AGAIN) => break 0,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    };
+    let mut iov = &mut iov[..];
+    IoSlice::advance_slices(&mut iov, written);
+    for piece in iov.iter() {
+        keep.extend_from_slice(piece);
+    }
+    Ok(())
 }
 
 fn write_all_vectored(mut stream: &TcpStream, mut iov: &mut [IoSlice<'_>]) -> io::Result<()> {
@@ -958,15 +1060,18 @@ fn receive_one(
     } else {
         true
     };
-    let wants = {
+    let (wants, lone_response) = {
         let mrs = s.mrs.read().expect("MR table lock");
         let mut qp = s.engine.lock().expect("QP lock");
         qp.segment_done(control, crc_ok, &mrs);
-        qp.wants_transmit()
+        (
+            qp.wants_transmit(),
+            qp.lone_response_within(POSTER_SENDS_UP_TO),
+        )
     };
     s.drain();
     if wants {
-        s.kick();
+        answer_or_kick(s, lone_response);
     }
     if !crc_ok {
         return Err(io::Error::new(io::ErrorKind::InvalidData, "MPA CRC error"));

@@ -533,6 +533,21 @@ impl IwarpQp {
             && self.sq_ready()
     }
 
+    /// Whether all there is to send is the answer to one READ with at most
+    /// `max_bytes` left (no work request ready): what a receiving thread can
+    /// send at once instead of waking a sender.
+    pub fn lone_response_within(&self, max_bytes: usize) -> bool {
+        self.state == State::Rts
+            && self.rtr_to_send.is_none()
+            && self.rtr_awaited.is_none()
+            && self.irq.len() == 1
+            && !self.sq_ready()
+            && self
+                .irq
+                .front()
+                .is_some_and(|r| r.src.as_ref().map_or(0, Segment::len) - r.sent <= max_bytes)
+    }
+
     /// Whether the QP has something to send.
     pub fn wants_transmit(&self) -> bool {
         match self.state {

@@ -746,3 +746,54 @@ fn a_lone_small_send_is_the_posters_to_send() {
     assert!(!p.s[0].qp.lone_send_within(4096));
     assert!(p.s[0].qp.lone_send_within(10_000));
 }
+
+#[test]
+fn a_lone_small_read_is_a_lone_response_and_anything_more_is_not() {
+    let read = |id, len| {
+        SendWr::new(
+            id,
+            SendOp::Read {
+                remote_addr: IOVA[1],
+                rkey: RKEY[1],
+            },
+            vec![sge(0, 0, len)],
+        )
+    };
+    let cfg = IwarpConfig {
+        ord: 2,
+        ird: 2,
+        ..IwarpConfig::default()
+    };
+    let mut p = Pair::with(cfg, Access::ALL, true);
+    assert!(!p.s[1].qp.lone_response_within(4096), "nothing to answer");
+    // One READ of 4 KiB: the answer is lone and small.
+    p.post(0, read(1, 4096));
+    p.transmit(0);
+    p.receive(0);
+    assert!(p.s[1].qp.lone_response_within(4096));
+    assert!(!p.s[1].qp.lone_response_within(4095), "larger than allowed");
+    // A second READ waiting behind it: no longer lone.
+    p.post(0, read(2, 16));
+    p.transmit(0);
+    p.receive(0);
+    assert!(!p.s[1].qp.lone_response_within(1 << 20));
+    p.run();
+    assert!(!p.s[1].qp.lone_response_within(1 << 20), "all answered");
+    // A READ to answer with a SEND of the responder's own ready: not lone.
+    p.recv(0, 7, vec![sge(0, 0, 64)]);
+    p.post(1, SendWr::new(3, SendOp::Send, vec![sge(1, 0, 8)]));
+    p.post(0, read(4, 8));
+    p.transmit(0);
+    p.receive(0);
+    assert!(p.s[1].qp.wants_transmit());
+    assert!(!p.s[1].qp.lone_response_within(1 << 20));
+    p.run();
+    assert_eq!(
+        p.statuses(0, CqKind::Send),
+        [
+            (1, WcStatus::Success),
+            (2, WcStatus::Success),
+            (4, WcStatus::Success)
+        ]
+    );
+}

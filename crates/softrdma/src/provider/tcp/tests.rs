@@ -520,3 +520,110 @@ fn busy_polling_threads_receive_and_large_or_cut_fpdus_still_arrive() {
         assert_eq!((r.wr_id, r.status), (78, WcStatus::Success));
     }
 }
+
+/// Forwards `from` to `to` while `paused` is false; leaves the bytes in the
+/// socket while it is true.
+fn relay(mut from: TcpStream, mut to: TcpStream, paused: Arc<AtomicBool>) {
+    let mut buf = [0u8; 4096];
+    loop {
+        while paused.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let n = match from.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        if to.write_all(&buf[..n]).is_err() {
+            return;
+        }
+    }
+    let _ = to.shutdown(Shutdown::Write);
+}
+
+#[test]
+fn a_read_answered_into_a_full_socket_leaves_the_receiving_thread_free() {
+    // A (client) -> relay -> B (server). B answers A's READs on its
+    // receiving thread; with the relay paused toward A, B's socket fills.
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let server_at = l.local_addr().unwrap();
+    let relay_l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let relay_at = relay_l.local_addr().unwrap();
+    let to_a_paused = Arc::new(AtomicBool::new(false));
+    {
+        let paused = to_a_paused.clone();
+        std::thread::spawn(move || {
+            let (c, _) = relay_l.accept().unwrap();
+            let s = TcpStream::connect(server_at).unwrap();
+            // Little room on the way back, so that B's socket fills.
+            socket2::SockRef::from(&s)
+                .set_recv_buffer_size(4096)
+                .unwrap();
+            let (c2, s2) = (c.try_clone().unwrap(), s.try_clone().unwrap());
+            std::thread::spawn(move || relay(c, s, Arc::new(AtomicBool::new(false))));
+            relay(s2, c2, paused);
+        });
+    }
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let out = cm_mpa::accept(&mut s, &MpaConfig::default(), |_| Decision::Accept).unwrap();
+        socket2::SockRef::from(&s)
+            .set_send_buffer_size(4096)
+            .unwrap();
+        (s, out)
+    });
+    let mut c = TcpStream::connect(relay_at).unwrap();
+    let co = cm_mpa::connect(&mut c, &MpaConfig::default()).unwrap();
+    let (s, so) = server.join().unwrap();
+    let (a, b) = (end_with(0, c, co.crc, None), end_with(1, s, so.crc, None));
+
+    const LEN: usize = 16 << 10;
+    const READS: usize = 4; // the ORD: more would hold the SEND back in A's queue
+    for k in 0..READS {
+        b.mem.write(k * LEN, &pattern(LEN, k as u8));
+    }
+    b.qp.post_recv(RecvWr::new(9, [sge(&b, 1 << 20, 64)]))
+        .unwrap();
+    to_a_paused.store(true, Ordering::Relaxed);
+    // One READ at a time reaches B (each the only one it holds), and each
+    // answer goes into a socket the relay no longer empties.
+    for k in 0..READS {
+        a.qp.post_send(SendWr::new(
+            k as u64,
+            SendOp::Read {
+                remote_addr: b.iova + (k * LEN) as u64,
+                rkey: b.rkey,
+            },
+            [sge(&a, (2 << 20) + (k * LEN) as u64, LEN as u32)],
+        ))
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // B still receives: a SEND from A completes while its answers wait.
+    a.qp.post_send(SendWr::new(99, SendOp::Send, [sge(&a, 0, 64)]))
+        .unwrap();
+    let wc = one(&b.rcq);
+    assert_eq!((wc.wr_id, wc.status), (9, WcStatus::Success));
+    assert!(
+        b.qp.deferred_bytes() > 0,
+        "no answer met a full socket: the test did not test"
+    );
+    assert!(
+        a.scq.poll_one().unwrap().is_none(),
+        "a READ completed through a paused relay"
+    );
+    to_a_paused.store(false, Ordering::Relaxed);
+    let mut done: Vec<u64> = (0..=READS)
+        .map(|_| one(&a.scq))
+        .map(|wc| {
+            assert_eq!(wc.status, WcStatus::Success);
+            wc.wr_id
+        })
+        .collect();
+    done.sort_unstable();
+    assert_eq!(done, (0..READS as u64).chain([99]).collect::<Vec<_>>());
+    for k in 0..READS {
+        let mut got = vec![0u8; LEN];
+        a.mem.read((2 << 20) + k * LEN, &mut got);
+        assert!(got == pattern(LEN, k as u8), "READ {k} arrived wrong");
+    }
+}
