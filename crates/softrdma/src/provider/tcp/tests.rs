@@ -295,9 +295,18 @@ fn dribble(mut from: TcpStream, mut to: TcpStream) {
 }
 
 #[test]
-fn fpdus_cut_anywhere_by_the_stream_are_placed_whole() {
-    for crc in [false, true] {
-        let (a, b) = connected(crc, true);
+fn fpdus_cut_anywhere_or_read_many_at_once_are_placed_whole() {
+    // Busy-poll mode reads up to AHEAD bytes ahead, small FPDUs whole.
+    for (crc, dribbled, busy) in [
+        (false, true, false),
+        (true, true, false),
+        (false, false, false),
+        (true, false, false),
+        (true, false, true),
+        (false, true, true),
+    ] {
+        let busy = busy.then(|| Arc::new(AtomicBool::new(true)));
+        let (a, b) = connected_with(crc, dribbled, busy);
         let data = pattern(100_000, 5);
         a.mem.write(0, &data);
         // Small SENDs (untagged) and WRITEs (tagged) in turn, then a large
@@ -309,6 +318,9 @@ fn fpdus_cut_anywhere_by_the_stream_are_placed_whole() {
             ))
             .unwrap();
         }
+        // Not dribbled, the small FPDUs go out in one `writev` (their sender
+        // held meanwhile), and a read takes several of them whole.
+        let hold = (!dribbled).then(|| a.qp.shared.tx.lock().unwrap());
         let mut id = 0;
         for k in 0..20u32 {
             id += 1;
@@ -344,6 +356,7 @@ fn fpdus_cut_anywhere_by_the_stream_are_placed_whole() {
             id += 1;
             a.qp.post_send(SendWr::new(id, op, vec![wr])).unwrap();
         }
+        drop(hold);
         for k in 1..=id {
             let wc = one(&a.scq);
             assert_eq!((wc.wr_id, wc.status), (k, WcStatus::Success), "crc {crc}");
