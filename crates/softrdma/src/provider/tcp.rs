@@ -516,7 +516,6 @@ fn transmit_loop(s: &Shared) {
             return;
         }
         let sent = send_all(s, &mut tx, true);
-        s.transmitting.store(false, Ordering::Relaxed);
         drop(tx);
         if sent.is_err() {
             s.lost();
@@ -603,12 +602,12 @@ impl TxFpdu {
 }
 
 /// Sends every FPDU the engine has, a batch per `writev`. The engine
-/// completes a SEND or WRITE only once told its bytes are in the socket: the
-/// application may reuse a buffer as soon as it sees its completion.
-/// Sends what the engine has, `TX_BATCH` FPDUs per `writev`. `wait`: false
-/// for a receiving thread, which must not block on a full socket (both ends
-/// would stop reading): what the socket does not take at once is copied to
-/// `leftover` for the transmit thread, which is woken.
+/// completes a SEND or WRITE only once told its bytes are in the socket (or
+/// copied to `leftover`): the application may reuse a buffer as soon as it
+/// sees its completion. `wait`: false for a receiving thread, which must not
+/// block on a full socket (both ends would stop reading); it sends one batch,
+/// copies what the socket does not take at once to `leftover`, and wakes the
+/// transmit thread for that and anything more.
 fn send_all(s: &Shared, tx: &mut Tx, wait: bool) -> io::Result<()> {
     if !tx.leftover.is_empty() {
         if !wait {
@@ -622,6 +621,7 @@ fn send_all(s: &Shared, tx: &mut Tx, wait: bool) -> io::Result<()> {
         tx.leftover.clear();
     }
     let batch = &mut tx.batch;
+    let mut large = LargeWrite(&s.transmitting, false);
     loop {
         let mut n = 0;
         {
@@ -655,8 +655,9 @@ fn send_all(s: &Shared, tx: &mut Tx, wait: bool) -> io::Result<()> {
                 }
                 iov.push(IoSlice::new(&f.trailer[..f.trailer_len()]));
             }
-            if bytes >= LARGE_WRITE && !s.transmitting.load(Ordering::Relaxed) {
+            if bytes >= LARGE_WRITE && !large.1 {
                 s.transmitting.store(true, Ordering::Relaxed);
+                large.1 = true;
             }
             let written = if wait {
                 write_all_vectored(&s.stream, &mut iov)
@@ -684,6 +685,18 @@ fn send_all(s: &Shared, tx: &mut Tx, wait: bool) -> io::Result<()> {
                 s.kick();
             }
             return Ok(());
+        }
+    }
+}
+
+/// Clears `transmitting` when the send that set it (the `bool`) ends, by
+/// whichever thread it ran on.
+struct LargeWrite<'a>(&'a AtomicBool, bool);
+
+impl Drop for LargeWrite<'_> {
+    fn drop(&mut self) {
+        if self.1 {
+            self.0.store(false, Ordering::Relaxed);
         }
     }
 }
@@ -946,11 +959,11 @@ impl Lookahead {
         Ok(())
     }
 
-    /// How far a read may go beyond what it needs: [`AHEAD`] in busy-poll
-    /// mode; otherwise [`LOOKAHEAD`], no payload. A blocking receive thread
-    /// that took many small FPDUs a read emptied the socket and slept
-    /// between them, and every send then paid its wake-up (the 8-byte
-    /// WRITE rate 12 % lower; one FPDU a read keeps it awake).
+    /// How far a read may go: [`AHEAD`] in busy-poll mode; otherwise
+    /// [`LOOKAHEAD`], a tagged FPDU's header (one FPDU a read). A blocking
+    /// receive thread that took many small FPDUs a read emptied the socket
+    /// and slept between them, and every send then paid its wake-up (the
+    /// 8-byte WRITE rate 12 % lower; one FPDU a read keeps it awake).
     fn room(&self, busy_poll: &AtomicBool) -> usize {
         if busy_poll.load(Ordering::Relaxed) {
             AHEAD
