@@ -67,7 +67,7 @@ struct Shared {
     epoch: Instant,
     /// The transmit thread's wake-up.
     tx_wake: Condvar,
-    tx_pending: Mutex<bool>,
+    tx_pending: Mutex<TxPending>,
     closed: AtomicBool,
     /// The receive side, held by whichever thread reads the stream.
     rx: Mutex<RxState>,
@@ -242,7 +242,7 @@ impl TcpQp {
             last_sent: AtomicU64::new(0),
             epoch: Instant::now(),
             tx_wake: Condvar::new(),
-            tx_pending: Mutex::new(false),
+            tx_pending: Mutex::new(TxPending::default()),
             closed: AtomicBool::new(false),
             rx: Mutex::new(RxState::default()),
             app_polled: AtomicU64::new(0),
@@ -390,8 +390,15 @@ const STREAM_GAP: Duration = Duration::from_micros(5);
 
 impl Shared {
     fn kick(&self) {
-        *self.tx_pending.lock().expect("tx lock") = true;
-        self.tx_wake.notify_one();
+        let mut p = self.tx_pending.lock().expect("tx lock");
+        p.work = true;
+        // A notify is a futex call even with nobody waiting: one per post
+        // in a stream of small WRITEs, while the thread was awake anyway.
+        let asleep = p.asleep;
+        drop(p);
+        if asleep {
+            self.tx_wake.notify_one();
+        }
     }
 
     /// Asks the threads to end (the transmit thread sends what is queued first).
@@ -504,10 +511,12 @@ fn transmit_loop(s: &Shared) {
     loop {
         {
             let mut p = s.tx_pending.lock().expect("tx lock");
-            while !*p && !s.closed.load(Ordering::Acquire) {
+            while !p.work && !s.closed.load(Ordering::Acquire) {
+                p.asleep = true;
                 p = s.tx_wake.wait(p).expect("tx lock");
+                p.asleep = false;
             }
-            *p = false;
+            p.work = false;
         }
         let mut tx = s.tx.lock().expect("tx buffers lock");
         if s.closed.load(Ordering::Acquire) {
@@ -543,6 +552,13 @@ const LARGE_WRITE: usize = 256 << 10;
 /// and 1 MiB WRITEs 20-40 % slower; 24 or 32 FPDUs (a 1 MiB WRITE's 17 in one
 /// call) were no faster than 16 (`docs/performance.md`, thirteenth session).
 const TX_BATCH: usize = 16;
+
+/// The transmit thread's cue: work for it, and whether it sleeps.
+#[derive(Debug, Default)]
+struct TxPending {
+    work: bool,
+    asleep: bool,
+}
 
 /// The sending side's buffers.
 #[derive(Debug)]
