@@ -86,8 +86,8 @@ struct Shared {
     app_slept: AtomicU64,
     /// The receive thread is standing by (its wakers' cue).
     standing_by: AtomicBool,
-    /// The transmit thread is writing a large batch (busy-poll mode: pollers
-    /// give it the CPU; see [`LARGE_WRITE`]).
+    /// A send is writing a large batch (busy-poll mode: pollers give it the
+    /// CPU; see [`LARGE_WRITE`]).
     transmitting: AtomicBool,
     /// FPDUs application threads' polls received.
     polled_fpdus: AtomicU64,
@@ -289,20 +289,9 @@ impl TcpQp {
             qp.post_send(wr)?;
             qp.lone_send_within(POSTER_SENDS_UP_TO)
         };
-        let lone = lone && {
-            let s = &self.shared;
-            let now = s.epoch.elapsed().as_nanos() as u64;
-            now.saturating_sub(s.last_sent.load(Ordering::Relaxed)) > STREAM_GAP.as_nanos() as u64
-        };
-        if lone && let Ok(mut tx) = self.shared.tx.try_lock() {
-            let sent = send_all(&self.shared, &mut tx, true);
-            drop(tx);
-            if sent.is_err() {
-                self.shared.lost();
-            }
-            return Ok(());
+        if !(lone && self.shared.send_here(true)) {
+            self.shared.kick();
         }
-        self.shared.kick();
         Ok(())
     }
 
@@ -369,19 +358,9 @@ const POSTER_SENDS_UP_TO: usize = 16 << 10;
 /// request's round trip paid the transmit thread's wake-up); anything else
 /// is the transmit thread's.
 fn answer_or_kick(s: &Shared, lone_response: bool) {
-    if lone_response
-        && s.now().saturating_sub(s.last_sent.load(Ordering::Relaxed))
-            > STREAM_GAP.as_nanos() as u64
-        && let Ok(mut tx) = s.tx.try_lock()
-    {
-        let sent = send_all(s, &mut tx, false);
-        drop(tx);
-        if sent.is_err() {
-            s.lost();
-        }
-        return;
+    if !(lone_response && s.send_here(false)) {
+        s.kick();
     }
-    s.kick();
 }
 
 /// Posts closer than this to the last send are a stream (their sends are
@@ -389,6 +368,28 @@ fn answer_or_kick(s: &Shared, lone_response: bool) {
 const STREAM_GAP: Duration = Duration::from_micros(5);
 
 impl Shared {
+    /// Sends on the calling thread (see [`send_all`] for `wait`), unless a
+    /// send finished within [`STREAM_GAP`] (a stream, the transmit thread's
+    /// to batch) or another thread is sending. Returns whether it sent.
+    fn send_here(&self, wait: bool) -> bool {
+        if self
+            .now()
+            .saturating_sub(self.last_sent.load(Ordering::Relaxed))
+            <= STREAM_GAP.as_nanos() as u64
+        {
+            return false;
+        }
+        let Ok(mut tx) = self.tx.try_lock() else {
+            return false;
+        };
+        let sent = send_all(self, &mut tx, wait);
+        drop(tx);
+        if sent.is_err() {
+            self.lost();
+        }
+        true
+    }
+
     fn kick(&self) {
         let mut p = self.tx_pending.lock().expect("tx lock");
         p.work = true;
@@ -679,8 +680,10 @@ fn send_all(s: &Shared, tx: &mut Tx, wait: bool) -> io::Result<()> {
                 write_all_vectored(&s.stream, &mut iov)
             } else {
                 let kept = write_or_keep(&s.stream, &mut iov, &mut tx.leftover);
-                s.deferred_bytes
-                    .fetch_add(tx.leftover.len() as u64, Ordering::Relaxed);
+                if !tx.leftover.is_empty() {
+                    s.deferred_bytes
+                        .fetch_add(tx.leftover.len() as u64, Ordering::Relaxed);
+                }
                 kept
             };
             if let Err(e) = written {

@@ -191,6 +191,13 @@ struct InRead {
     sent: usize,
 }
 
+impl InRead {
+    /// Bytes still to answer.
+    fn left(&self) -> usize {
+        self.src.as_ref().map_or(0, Segment::len) - self.sent
+    }
+}
+
 /// A receive WQE.
 #[derive(Debug)]
 struct RqEntry {
@@ -542,10 +549,7 @@ impl IwarpQp {
             && self.rtr_awaited.is_none()
             && self.irq.len() == 1
             && !self.sq_ready()
-            && self
-                .irq
-                .front()
-                .is_some_and(|r| r.src.as_ref().map_or(0, Segment::len) - r.sent <= max_bytes)
+            && self.irq.front().is_some_and(|r| r.left() <= max_bytes)
     }
 
     /// Whether the QP has something to send.
@@ -693,9 +697,8 @@ impl IwarpQp {
     ) -> Option<Transmit> {
         let room = self.cfg.max_ulpdu - ddp::TAGGED_HEADER_LEN;
         let r = self.irq.front_mut()?;
-        let len = r.src.as_ref().map_or(0, Segment::len);
-        let n = (len - r.sent).min(room);
-        let last = r.sent + n == len;
+        let n = r.left().min(room);
+        let last = n == r.left();
         let to = r.sink_to.wrapping_add(r.sent as u64);
         if let Some(src) = &r.src
             && n > 0
