@@ -86,33 +86,64 @@ fn end_with(i: u32, stream: TcpStream, crc: bool, busy: Option<Arc<AtomicBool>>)
 
 /// Two ends connected through MPA on loopback.
 fn pair(crc: bool) -> (End, End) {
-    connected(crc, false)
+    connected_with(crc, Link::Direct, None)
 }
 
-/// Two ends connected through MPA, the bytes each way going through
-/// [`dribble`] if `dribbled`.
-fn connected(crc: bool, dribbled: bool) -> (End, End) {
-    connected_with(crc, dribbled, None)
+/// How the bytes go between the two ends.
+enum Link {
+    Direct,
+    /// Through [`forward`] both ways, a few bytes per write.
+    Dribbled,
+    /// Through [`forward`] both ways; toward the client only while the flag
+    /// is clear. The server's sending buffer and the relay's receiving one
+    /// are small, so that the server's sends soon meet a full socket.
+    Pausable(Arc<AtomicBool>),
 }
 
-fn connected_with(crc: bool, dribbled: bool, busy: Option<Arc<AtomicBool>>) -> (End, End) {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let mut at = l.local_addr().unwrap();
-    if dribbled {
-        let relay = TcpListener::bind("127.0.0.1:0").unwrap();
-        let server_at = at;
-        at = relay.local_addr().unwrap();
-        std::thread::spawn(move || {
-            let (c, _) = relay.accept().unwrap();
-            let s = TcpStream::connect(server_at).unwrap();
-            let (c2, s2) = (c.try_clone().unwrap(), s.try_clone().unwrap());
-            std::thread::spawn(move || dribble(c, s));
-            dribble(s2, c2);
-        });
+impl Link {
+    fn dribbled(yes: bool) -> Link {
+        if yes { Link::Dribbled } else { Link::Direct }
     }
+}
+
+/// Two ends (client, server) connected through MPA over `link`; with
+/// `busy`, of devices in busy-poll mode.
+fn connected_with(crc: bool, link: Link, busy: Option<Arc<AtomicBool>>) -> (End, End) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let server_at = l.local_addr().unwrap();
+    let small_buffers = matches!(link, Link::Pausable(_));
+    let at = match link {
+        Link::Direct => server_at,
+        Link::Dribbled | Link::Pausable(_) => {
+            let relay = TcpListener::bind("127.0.0.1:0").unwrap();
+            let relay_at = relay.local_addr().unwrap();
+            let (dribbled, paused) = match link {
+                Link::Pausable(p) => (false, p),
+                _ => (true, Arc::default()),
+            };
+            std::thread::spawn(move || {
+                let (c, _) = relay.accept().unwrap();
+                let s = TcpStream::connect(server_at).unwrap();
+                if small_buffers {
+                    socket2::SockRef::from(&s)
+                        .set_recv_buffer_size(4096)
+                        .unwrap();
+                }
+                let (c2, s2) = (c.try_clone().unwrap(), s.try_clone().unwrap());
+                std::thread::spawn(move || forward(c, s, dribbled, Arc::default()));
+                forward(s2, c2, dribbled, paused);
+            });
+            relay_at
+        }
+    };
     let server = std::thread::spawn(move || {
         let (mut s, _) = l.accept().unwrap();
         let out = cm_mpa::accept(&mut s, &MpaConfig::default(), |_| Decision::Accept).unwrap();
+        if small_buffers {
+            socket2::SockRef::from(&s)
+                .set_send_buffer_size(4096)
+                .unwrap();
+        }
         (s, out)
     });
     let mut c = TcpStream::connect(at).unwrap();
@@ -269,14 +300,18 @@ fn inline_and_many_piece_writes_fill_batches_and_arrive_whole() {
     }
 }
 
-/// Copies `from` to `to` a few bytes per write (1 to 13, then again), so
-/// that the receiver's reads end anywhere: inside a header, a payload, a
-/// trailer or the bytes read ahead of the next FPDU.
-fn dribble(mut from: TcpStream, mut to: TcpStream) {
+/// Copies `from` to `to` until either closes; `dribbled`: a few bytes per
+/// write (1 to 13, then again), so that the receiver's reads end anywhere:
+/// inside a header, a payload, a trailer or the bytes read ahead of the next
+/// FPDU. While `paused` is set it leaves the bytes in `from`.
+fn forward(mut from: TcpStream, mut to: TcpStream, dribbled: bool, paused: Arc<AtomicBool>) {
     let _ = to.set_nodelay(true);
     let mut buf = [0u8; 4096];
     let mut k = 0usize;
     loop {
+        while paused.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
         let n = match from.read(&mut buf) {
             Ok(0) | Err(_) => break,
             Ok(n) => n,
@@ -284,7 +319,11 @@ fn dribble(mut from: TcpStream, mut to: TcpStream) {
         let mut at = 0;
         while at < n {
             k += 1;
-            let m = (k % 13 + 1).min(n - at);
+            let m = if dribbled {
+                (k % 13 + 1).min(n - at)
+            } else {
+                n - at
+            };
             if to.write_all(&buf[at..at + m]).is_err() {
                 return;
             }
@@ -306,7 +345,7 @@ fn fpdus_cut_anywhere_or_read_many_at_once_are_placed_whole() {
         (false, true, true),
     ] {
         let busy = busy.then(|| Arc::new(AtomicBool::new(true)));
-        let (a, b) = connected_with(crc, dribbled, busy);
+        let (a, b) = connected_with(crc, Link::dribbled(dribbled), busy);
         let data = pattern(100_000, 5);
         a.mem.write(0, &data);
         // Small SENDs (untagged) and WRITEs (tagged) in turn, then a large
@@ -476,7 +515,7 @@ fn spin(cq: &Cq) -> WorkCompletion {
 fn busy_polling_threads_receive_and_large_or_cut_fpdus_still_arrive() {
     for dribbled in [false, true] {
         let busy = Arc::new(AtomicBool::new(true));
-        let (a, b) = connected_with(true, dribbled, Some(busy));
+        let (a, b) = connected_with(true, Link::dribbled(dribbled), Some(busy));
         // A ping-pong of SENDs, each side spinning on its CQs: after the
         // first, the polls receive (the receive threads stand by).
         let rounds = 40;
@@ -534,60 +573,12 @@ fn busy_polling_threads_receive_and_large_or_cut_fpdus_still_arrive() {
     }
 }
 
-/// Forwards `from` to `to` while `paused` is false; leaves the bytes in the
-/// socket while it is true.
-fn relay(mut from: TcpStream, mut to: TcpStream, paused: Arc<AtomicBool>) {
-    let mut buf = [0u8; 4096];
-    loop {
-        while paused.load(Ordering::Relaxed) {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        let n = match from.read(&mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => n,
-        };
-        if to.write_all(&buf[..n]).is_err() {
-            return;
-        }
-    }
-    let _ = to.shutdown(Shutdown::Write);
-}
-
 #[test]
 fn a_read_answered_into_a_full_socket_leaves_the_receiving_thread_free() {
     // A (client) -> relay -> B (server). B answers A's READs on its
     // receiving thread; with the relay paused toward A, B's socket fills.
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let server_at = l.local_addr().unwrap();
-    let relay_l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let relay_at = relay_l.local_addr().unwrap();
     let to_a_paused = Arc::new(AtomicBool::new(false));
-    {
-        let paused = to_a_paused.clone();
-        std::thread::spawn(move || {
-            let (c, _) = relay_l.accept().unwrap();
-            let s = TcpStream::connect(server_at).unwrap();
-            // Little room on the way back, so that B's socket fills.
-            socket2::SockRef::from(&s)
-                .set_recv_buffer_size(4096)
-                .unwrap();
-            let (c2, s2) = (c.try_clone().unwrap(), s.try_clone().unwrap());
-            std::thread::spawn(move || relay(c, s, Arc::new(AtomicBool::new(false))));
-            relay(s2, c2, paused);
-        });
-    }
-    let server = std::thread::spawn(move || {
-        let (mut s, _) = l.accept().unwrap();
-        let out = cm_mpa::accept(&mut s, &MpaConfig::default(), |_| Decision::Accept).unwrap();
-        socket2::SockRef::from(&s)
-            .set_send_buffer_size(4096)
-            .unwrap();
-        (s, out)
-    });
-    let mut c = TcpStream::connect(relay_at).unwrap();
-    let co = cm_mpa::connect(&mut c, &MpaConfig::default()).unwrap();
-    let (s, so) = server.join().unwrap();
-    let (a, b) = (end_with(0, c, co.crc, None), end_with(1, s, so.crc, None));
+    let (a, b) = connected_with(false, Link::Pausable(to_a_paused.clone()), None);
 
     const LEN: usize = 16 << 10;
     const READS: usize = 4; // the ORD: more would hold the SEND back in A's queue
