@@ -689,19 +689,32 @@ def isolate():
     sys.exit(subprocess.run(["unshare", "--net", sys.executable, *sys.argv], env=env).returncode)
 
 
+def regex(text):
+    """An argument that must be a regular expression."""
+    try:
+        re.compile(text)
+    except re.error as e:
+        raise argparse.ArgumentTypeError(f"not a regular expression: {e}")
+    return text
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--only", help="measure the stacks/labels matching this regular expression")
+    ap.add_argument("--only", type=regex,
+                    help="measure the stacks/labels matching this regular expression")
     ap.add_argument("--write-docs", action="store_true",
                     help="write docs/compare.md and docs/compare.svg")
     a = ap.parse_args()
     if a.rounds < 1:
         sys.exit("--rounds: at least 1")
+    todo = plan(a.only)
+    if not todo:
+        sys.exit(f"--only {a.only!r}: matches no measurement (they are named \"STACK LABEL\", "
+                 "e.g. \"softrdma RoCEv2 busy-poll WRITE 65536\", \"libfabric tcp rate\")")
     if os.environ.get("SOFTRDMA_BENCH_NETNS") != "1":
         install()
     isolate()
-    todo = plan(a.only)
     # samples[(stack, row)][round] = value
     samples, failures = {}, []
     for r in range(a.rounds):
