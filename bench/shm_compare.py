@@ -125,6 +125,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
+    if a.rounds < 1:
+        sys.exit("--rounds: at least 1")
     if not shutil.which("ucx_perftest"):
         if os.geteuid() != 0:
             sys.exit("ucx_perftest is missing: apt-get install ucx-utils (as root)")
