@@ -130,6 +130,18 @@ pub enum MpaError {
     /// CRC was required here and the peer declined it.
     #[error("CRC32c is required here and the peer's Reply declines it")]
     CrcDeclined,
+    /// No MPA frame from the peer in time: it took the TCP connection but
+    /// never answered on it.
+    #[error(
+        "no MPA {awaited} from the peer within {} s: it accepted the TCP connection but never answered",
+        .waited.as_secs_f64()
+    )]
+    Silent {
+        /// The frame waited for: "Request" or "Reply".
+        awaited: &'static str,
+        /// How long.
+        waited: Duration,
+    },
     /// The TCP connection failed or closed.
     #[error("MPA exchange: {0}")]
     Io(#[from] io::Error),
@@ -165,9 +177,25 @@ pub enum Decision {
     Reject(Vec<u8>),
 }
 
-fn read_frame(stream: &mut TcpStream, want: Kind) -> Result<(StartFrameRepr, Vec<u8>), MpaError> {
+/// Reads the peer's start frame, which must be a `want`; the stream's read
+/// timeout (`waited`) bounds each read.
+fn read_frame(
+    stream: &mut TcpStream,
+    want: Kind,
+    waited: Duration,
+) -> Result<(StartFrameRepr, Vec<u8>), MpaError> {
+    let silent = |e: io::Error| match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => MpaError::Silent {
+            awaited: match want {
+                Kind::Request => "Request",
+                Kind::Reply => "Reply",
+            },
+            waited,
+        },
+        _ => MpaError::Io(e),
+    };
     let mut head = [0u8; START_FRAME_HEADER_LEN];
-    stream.read_exact(&mut head)?;
+    stream.read_exact(&mut head).map_err(silent)?;
     let len = u16::from_be_bytes([head[18], head[19]]) as usize;
     if len > MAX_PRIVATE_DATA {
         return Err(MpaError::Protocol(format!(
@@ -176,7 +204,9 @@ fn read_frame(stream: &mut TcpStream, want: Kind) -> Result<(StartFrameRepr, Vec
     }
     let mut frame = head.to_vec();
     frame.resize(START_FRAME_HEADER_LEN + len, 0);
-    stream.read_exact(&mut frame[START_FRAME_HEADER_LEN..])?;
+    stream
+        .read_exact(&mut frame[START_FRAME_HEADER_LEN..])
+        .map_err(silent)?;
     let view =
         StartFrame::new_checked(&frame[..]).map_err(|e| MpaError::Protocol(e.to_string()))?;
     let repr = StartFrameRepr::parse(&view).map_err(|e| MpaError::Protocol(e.to_string()))?;
@@ -240,7 +270,7 @@ pub fn connect(stream: &mut TcpStream, cfg: &MpaConfig) -> Result<MpaOutcome, Mp
         ulp_private_data_len: cfg.private_data.len(),
     };
     stream.write_all(&frame_bytes(&request, &cfg.private_data))?;
-    let (reply, pd) = read_frame(stream, Kind::Reply)?;
+    let (reply, pd) = read_frame(stream, Kind::Reply, cfg.timeout)?;
     if reply.reject {
         return Err(MpaError::Rejected { private_data: pd });
     }
@@ -299,7 +329,7 @@ pub fn accept(
     stream.set_read_timeout(Some(cfg.timeout))?;
     // A frame that is not an MPA Request (bad key, revision 3) gets no Reply,
     // as from siw: the caller drops the connection.
-    let (req, pd) = read_frame(stream, Kind::Request)?;
+    let (req, pd) = read_frame(stream, Kind::Request, cfg.timeout)?;
     let revision = req.revision.min(cfg.revision);
     let reject = |stream: &mut TcpStream, why: &[u8]| -> io::Result<()> {
         let reply = StartFrameRepr {
@@ -649,9 +679,14 @@ mod tests {
             timeout: Duration::from_millis(100),
             ..MpaConfig::default()
         };
-        assert!(matches!(
-            connect(&mut c, &cfg).unwrap_err(),
-            MpaError::Io(_)
-        ));
+        let e = connect(&mut c, &cfg).unwrap_err();
+        assert!(
+            matches!(e, MpaError::Silent { awaited: "Reply", waited } if waited == cfg.timeout),
+            "{e:?}"
+        );
+        assert_eq!(
+            e.to_string(),
+            "no MPA Reply from the peer within 0.1 s: it accepted the TCP connection but never answered"
+        );
     }
 }
