@@ -680,6 +680,17 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
         } else {
             0
         });
+        if peer_ip.is_some() {
+            // perftest's server opens its data listener only after the
+            // handshake, and siw (Linux 6.1) strands a connection whose TCP
+            // handshake completes between that listener's listen() and its
+            // LISTENING state: it is never accepted and the MPA Request is
+            // never read (`siw_accept_newconn`). What the interop suite saw
+            // once, "no MPA Reply within 10 s", fits it. A first attempt
+            // made right after the handshake is the one that can land there:
+            // give the listener a retry interval to come up.
+            std::thread::sleep(DATA_CONNECT_RETRY);
+        }
         for qp in &qps {
             match (peer_ip, &listener) {
                 (Some(ip), _) => connect_data_qp(qp, SocketAddrV4::new(ip, a.port), &mpa)?,
@@ -999,9 +1010,13 @@ fn mpa_config(reads: u16) -> MpaConfig {
     }
 }
 
+/// How long a refused data-QP connection waits before its next attempt
+/// (perftest's client: 100 ms).
+const DATA_CONNECT_RETRY: Duration = Duration::from_millis(100);
+
 /// Connects a data QP; perftest's server listens again for these only
-/// after a handshake, so a refused connection is retried (10 times, 100 ms
-/// apart, as perftest's client does).
+/// after a handshake, so a refused connection is retried (10 times,
+/// [`DATA_CONNECT_RETRY`] apart, as perftest's client does).
 fn connect_data_qp(qp: &Qp, to: SocketAddrV4, mpa: &MpaConfig) -> Result<(), String> {
     let mut tries = 0;
     loop {
@@ -1011,7 +1026,7 @@ fn connect_data_qp(qp: &Qp, to: SocketAddrV4, mpa: &MpaConfig) -> Result<(), Str
                 if source.kind() == std::io::ErrorKind::ConnectionRefused && tries < 9 =>
             {
                 tries += 1;
-                std::thread::sleep(Duration::from_millis(100));
+                std::thread::sleep(DATA_CONNECT_RETRY);
             }
             Err(e) => return Err(format!("rdma_cm connection to {to}: {e}")),
         }
