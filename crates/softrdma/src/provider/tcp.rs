@@ -696,8 +696,7 @@ fn send_all(s: &Shared, tx: &mut Tx, wait: bool) -> io::Result<()> {
         }
         s.engine.lock().expect("QP lock").transmitted();
         s.drain();
-        s.last_sent
-            .store(s.epoch.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        s.last_sent.store(s.now(), Ordering::Relaxed);
         if !wait {
             // One batch: more is the transmit thread's.
             if !tx.leftover.is_empty() || s.engine.lock().expect("QP lock").wants_transmit() {
@@ -998,6 +997,14 @@ impl Lookahead {
         self.at += k;
         k
     }
+
+    /// As [`Lookahead::take`], into the start of a region piece.
+    fn take_into(&mut self, piece: &Segment) -> usize {
+        let k = (self.len - self.at).min(piece.len());
+        piece.write(0, &self.buf[self.at..self.at + k]);
+        self.at += k;
+        k
+    }
 }
 
 /// Reads an FPDU's payload straight into `pieces` (or into `control`, which
@@ -1017,9 +1024,7 @@ fn read_rest(
     let want = placed + control.len() + trailer.len();
     let mut done = 0;
     for p in pieces {
-        let k = (ahead.len - ahead.at).min(p.len());
-        p.write(0, &ahead.buf[ahead.at..ahead.at + k]);
-        ahead.at += k;
+        let k = ahead.take_into(p);
         done += k;
         if k < p.len() {
             break;
