@@ -526,6 +526,45 @@ fn perf_runs_every_test_between_two_processes_with_verified_payload() {
     }
 }
 
+/// The values of a "#, usec" list: "N, time" lines after each header.
+fn listed_times(out: &str) -> Vec<Vec<f64>> {
+    let mut lists: Vec<Vec<f64>> = Vec::new();
+    for line in out.lines() {
+        if line == "#, usec" {
+            lists.push(Vec::new());
+        } else if let (Some(list), Some((n, t))) = (lists.last_mut(), line.split_once(", ")) {
+            assert_eq!(n.parse::<usize>().unwrap(), list.len() + 1, "{line}");
+            list.push(t.parse().unwrap());
+        }
+    }
+    lists
+}
+
+#[test]
+fn perf_lists_every_iteration_with_u_and_h() {
+    let args = ["write-lat", "-n", "40", "-U", "-H"];
+    let (s, c) = tool_pair(&["perf"], &args, &args, "127.0.1.61", "127.0.1.62", "19360");
+    assert_both_succeeded("write-lat -U -H", &s, &c);
+    let lists = listed_times(&stdout(&c));
+    // The times between 40 posts: in order (-U), then sorted (-H).
+    assert_eq!(lists.len(), 2, "{}", stdout(&c));
+    let (unsorted, sorted) = (&lists[0], &lists[1]);
+    assert_eq!(unsorted.len(), 39);
+    let mut want = unsorted.clone();
+    want.sort_by(f64::total_cmp);
+    assert_eq!(sorted, &want);
+    // The summary's t_min is the sorted list's first.
+    let rows = perf_rows(&c);
+    assert_eq!(rows.len(), 1);
+    assert!(
+        (rows[0][2] - sorted[0]).abs() < 0.006,
+        "{} {}",
+        rows[0][2],
+        sorted[0]
+    );
+    assert!(listed_times(&stdout(&s)).len() == 2);
+}
+
 #[test]
 fn perf_over_iwarp_with_rdma_cm_between_two_processes() {
     // -R: a control connection for the exchange, then the data QPs, all
@@ -644,6 +683,8 @@ fn perf_refuses_bad_flags_as_perftest_does() {
             vec!["perf", "write-bw", "-R", "--pcap", "/tmp/x.pcap"],
             "not -R",
         ),
+        (vec!["perf", "write-bw", "-H"], "bandwidth tests have none"),
+        (vec!["perf", "write-lat", "-U", "-D", "2"], "not a duration"),
     ] {
         let o = Command::new(bin).args(&args).output().unwrap();
         assert_eq!(o.status.code(), Some(1), "{args:?}");

@@ -175,6 +175,14 @@ pub struct PerfArgs {
     /// sent and resent, timeouts, NAKs, the send window) to stderr.
     #[arg(long)]
     pub stats: bool,
+    /// Latency tests: print every iteration's time, sorted, before the
+    /// summary (perftest's "#, usec" list).
+    #[arg(short = 'H', long = "report-histogram")]
+    pub histogram: bool,
+    /// Latency tests: print every iteration's time in the order measured,
+    /// before the summary (and before -H's sorted list).
+    #[arg(short = 'U', long = "report-unsorted")]
+    pub unsorted: bool,
 }
 
 /// `--provider`.
@@ -228,6 +236,8 @@ struct Config {
     shm: bool,
     /// RoCEv2 busy-poll mode.
     busy_poll: bool,
+    /// -U and -H: the iterations' times listed.
+    list: Listing,
 }
 
 fn config(a: &PerfArgs) -> Result<Config, String> {
@@ -322,6 +332,14 @@ fn config(a: &PerfArgs) -> Result<Config, String> {
     if a.duration.is_some() && a.all {
         return Err("Duration mode currently doesn't support running on all sizes.".into());
     }
+    if (a.histogram || a.unsorted) && !t.is_lat() {
+        return Err(
+            " -H and -U list a latency test's iterations: bandwidth tests have none".into(),
+        );
+    }
+    if (a.histogram || a.unsorted) && a.duration.is_some() {
+        return Err(" -H and -U need a number of iterations (-n), not a duration (-D)".into());
+    }
     let iters = a
         .iters
         .unwrap_or(if t == Test::WriteBw { 5000 } else { 1000 });
@@ -396,6 +414,10 @@ fn config(a: &PerfArgs) -> Result<Config, String> {
         cm: rdma_cm,
         shm,
         busy_poll: a.busy_poll,
+        list: Listing {
+            unsorted: a.unsorted,
+            sorted: a.histogram,
+        },
     })
 }
 
@@ -958,7 +980,7 @@ fn traffic(s: &Setup, mut oob: Oob, my0: Key) -> Result<(), String> {
             for &size in &cfg.sizes {
                 let clock = Window::new(cfg);
                 let posted = lat_one_sided(s, size, clock)?;
-                print_lat(size, cfg.iters, &posted, false, clock)?;
+                print_lat(size, cfg.iters, &posted, false, clock, cfg.list)?;
             }
             println!("{RESULT_LINE}");
             if cfg.verify && verb == Verb::Read {
@@ -971,7 +993,7 @@ fn traffic(s: &Setup, mut oob: Oob, my0: Key) -> Result<(), String> {
             for &size in &cfg.sizes {
                 let clock = Window::new(cfg);
                 let posted = write_lat(s, size, clock)?;
-                print_lat(size, cfg.iters, &posted, true, clock)?;
+                print_lat(size, cfg.iters, &posted, true, clock, cfg.list)?;
             }
             println!("{RESULT_LINE}");
             // write_lat ends without a closing exchange: stay up until the
@@ -987,7 +1009,7 @@ fn traffic(s: &Setup, mut oob: Oob, my0: Key) -> Result<(), String> {
                 oob.key(&my0)?;
                 let clock = Window::new(cfg);
                 let posted = send_lat(s, size, clock)?;
-                print_lat(size, cfg.iters, &posted, true, clock)?;
+                print_lat(size, cfg.iters, &posted, true, clock, cfg.list)?;
             }
             println!("{RESULT_LINE}");
             if cfg.verify {
@@ -1179,6 +1201,7 @@ fn print_lat(
     posted: &[Instant],
     halve: bool,
     clock: Option<Window>,
+    list: Listing,
 ) -> Result<(), String> {
     if let Some(c) = clock {
         // perftest's duration report: the mean over the sampled iterations.
@@ -1193,8 +1216,11 @@ fn print_lat(
         );
         return Ok(());
     }
-    let stats =
-        lat_stats(post_deltas(posted, halve)).ok_or("too few iterations for latency figures")?;
+    let deltas = post_deltas(posted, halve);
+    for line in list_deltas(&deltas, list) {
+        println!("{line}");
+    }
+    let stats = lat_stats(deltas).ok_or("too few iterations for latency figures")?;
     println!("{}", lat_row(size, iters, &stats));
     Ok(())
 }

@@ -101,6 +101,63 @@ pub fn lat_row(size: u64, iters: u64, s: &LatStats) -> String {
     )
 }
 
+/// Which lists of iteration times a latency test prints (perftest's -U, -H).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Listing {
+    pub unsorted: bool,
+    pub sorted: bool,
+}
+
+/// perftest's lists: "#, usec", then "N, time" per iteration, in the order
+/// measured (-U), then sorted (-H).
+pub fn list_deltas(deltas: &[f64], list: Listing) -> Vec<String> {
+    let lines = |d: &[f64]| {
+        std::iter::once("#, usec".to_string())
+            .chain(
+                d.iter()
+                    .enumerate()
+                    .map(|(i, x)| format!("{}, {}", i + 1, c_g(*x))),
+            )
+            .collect::<Vec<_>>()
+    };
+    let mut out = Vec::new();
+    if list.unsorted {
+        out.extend(lines(deltas));
+    }
+    if list.sorted {
+        let mut sorted = deltas.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        out.extend(lines(&sorted));
+    }
+    out
+}
+
+/// C's `%g`: six significant digits, trailing zeros dropped, an exponent
+/// when the rounded value's is below -4 or above 5 (C's rule: the
+/// exponent is the one `%.5e` prints).
+pub fn c_g(x: f64) -> String {
+    if x == 0.0 || !x.is_finite() {
+        return format!("{x}");
+    }
+    let trim = |t: &str| -> String {
+        if t.contains('.') {
+            t.trim_end_matches('0').trim_end_matches('.').to_string()
+        } else {
+            t.to_string()
+        }
+    };
+    let e_form = format!("{x:.5e}");
+    let (mantissa, exp) = e_form.split_once('e').unwrap_or((&e_form, "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    if (-4..6).contains(&exp) {
+        let decimals = (5 - exp) as usize;
+        trim(&format!("{x:.decimals$}"))
+    } else {
+        let sign = if exp < 0 { '-' } else { '+' };
+        format!("{}e{sign}{:02}", trim(mantissa), exp.abs())
+    }
+}
+
 /// The one-way (or whole, for READ and atomics) times between posts, in µs.
 pub fn post_deltas(posted: &[quanta::Instant], halve: bool) -> Vec<f64> {
     posted
@@ -115,6 +172,53 @@ pub fn post_deltas(posted: &[quanta::Instant], halve: bool) -> Vec<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn c_g_is_printfs_g() {
+        // Values checked against C's printf("%g").
+        for (x, want) in [
+            (5.41, "5.41"),
+            (4.4300001, "4.43"),
+            (12.345678, "12.3457"),
+            (0.0625, "0.0625"),
+            (1234567.0, "1.23457e+06"),
+            (0.00001234, "1.234e-05"),
+            (100.0, "100"),
+            (9.9999996, "10"),
+            (0.0, "0"),
+            (999999.5, "1e+06"),
+            (0.00009999996, "0.0001"),
+            (123456.7, "123457"),
+            (1.0000005, "1"),
+            (99.99995, "99.9999"),
+        ] {
+            assert_eq!(c_g(x), want, "{x}");
+        }
+    }
+
+    #[test]
+    fn lists_are_perftests() {
+        let d = [3.0, 1.5, 2.25];
+        assert!(list_deltas(&d, Listing::default()).is_empty());
+        let unsorted = Listing {
+            unsorted: true,
+            sorted: false,
+        };
+        assert_eq!(
+            list_deltas(&d, unsorted),
+            ["#, usec", "1, 3", "2, 1.5", "3, 2.25"]
+        );
+        let both = Listing {
+            unsorted: true,
+            sorted: true,
+        };
+        assert_eq!(
+            list_deltas(&d, both),
+            [
+                "#, usec", "1, 3", "2, 1.5", "3, 2.25", "#, usec", "1, 1.5", "2, 2.25", "3, 3"
+            ]
+        );
+    }
 
     #[test]
     fn c_alt_hex_is_cs() {
