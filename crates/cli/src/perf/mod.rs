@@ -1217,8 +1217,15 @@ fn print_lat(
         return Ok(());
     }
     let deltas = post_deltas(posted, halve);
-    for line in list_deltas(&deltas, list) {
-        println!("{line}");
+    let lines = list_deltas(&deltas, list);
+    if !lines.is_empty() {
+        use std::io::Write as _;
+        // One lock and one buffer for what can be millions of lines.
+        let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+        for line in lines {
+            writeln!(out, "{line}").map_err(|e| e.to_string())?;
+        }
+        out.flush().map_err(|e| e.to_string())?;
     }
     let stats = lat_stats(deltas).ok_or("too few iterations for latency figures")?;
     println!("{}", lat_row(size, iters, &stats));
