@@ -562,7 +562,7 @@ fn perf_lists_every_iteration_with_u_and_h() {
         rows[0][2],
         sorted[0]
     );
-    assert!(listed_times(&stdout(&s)).len() == 2);
+    assert_eq!(listed_times(&stdout(&s)).len(), 2, "the server lists too");
 }
 
 #[test]

@@ -1217,15 +1217,13 @@ fn print_lat(
         return Ok(());
     }
     let deltas = post_deltas(posted, halve);
-    let lines = list_deltas(&deltas, list);
-    if !lines.is_empty() {
+    if list != Listing::default() {
         use std::io::Write as _;
         // One lock and one buffer for what can be millions of lines.
         let mut out = std::io::BufWriter::new(std::io::stdout().lock());
-        for line in lines {
-            writeln!(out, "{line}").map_err(|e| e.to_string())?;
-        }
-        out.flush().map_err(|e| e.to_string())?;
+        write_lists(&mut out, &deltas, list)
+            .and_then(|()| out.flush())
+            .map_err(|e| format!("writing the iterations' times: {e}"))?;
     }
     let stats = lat_stats(deltas).ok_or("too few iterations for latency figures")?;
     println!("{}", lat_row(size, iters, &stats));

@@ -110,26 +110,27 @@ pub struct Listing {
 
 /// perftest's lists: "#, usec", then "N, time" per iteration, in the order
 /// measured (-U), then sorted (-H).
-pub fn list_deltas(deltas: &[f64], list: Listing) -> Vec<String> {
-    let lines = |d: &[f64]| {
-        std::iter::once("#, usec".to_string())
-            .chain(
-                d.iter()
-                    .enumerate()
-                    .map(|(i, x)| format!("{}, {}", i + 1, c_g(*x))),
-            )
-            .collect::<Vec<_>>()
+pub fn write_lists(
+    out: &mut impl std::io::Write,
+    deltas: &[f64],
+    list: Listing,
+) -> std::io::Result<()> {
+    let mut write = |d: &[f64]| -> std::io::Result<()> {
+        writeln!(out, "#, usec")?;
+        for (i, x) in d.iter().enumerate() {
+            writeln!(out, "{}, {}", i + 1, c_g(*x))?;
+        }
+        Ok(())
     };
-    let mut out = Vec::new();
     if list.unsorted {
-        out.extend(lines(deltas));
+        write(deltas)?;
     }
     if list.sorted {
         let mut sorted = deltas.to_vec();
         sorted.sort_by(f64::total_cmp);
-        out.extend(lines(&sorted));
+        write(&sorted)?;
     }
-    out
+    Ok(())
 }
 
 /// C's `%g`: six significant digits, trailing zeros dropped, an exponent
@@ -199,24 +200,24 @@ mod tests {
     #[test]
     fn lists_are_perftests() {
         let d = [3.0, 1.5, 2.25];
-        assert!(list_deltas(&d, Listing::default()).is_empty());
+        let lines = |list| {
+            let mut out = Vec::new();
+            write_lists(&mut out, &d, list).unwrap();
+            String::from_utf8(out).unwrap()
+        };
+        assert_eq!(lines(Listing::default()), "");
         let unsorted = Listing {
             unsorted: true,
             sorted: false,
         };
-        assert_eq!(
-            list_deltas(&d, unsorted),
-            ["#, usec", "1, 3", "2, 1.5", "3, 2.25"]
-        );
+        assert_eq!(lines(unsorted), "#, usec\n1, 3\n2, 1.5\n3, 2.25\n");
         let both = Listing {
             unsorted: true,
             sorted: true,
         };
         assert_eq!(
-            list_deltas(&d, both),
-            [
-                "#, usec", "1, 3", "2, 1.5", "3, 2.25", "#, usec", "1, 1.5", "2, 2.25", "3, 3"
-            ]
+            lines(both),
+            "#, usec\n1, 3\n2, 1.5\n3, 2.25\n#, usec\n1, 1.5\n2, 2.25\n3, 3\n"
         );
     }
 
