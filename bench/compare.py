@@ -548,7 +548,10 @@ def report(samples, rounds, failures):
               "Each ratio is the median (min–max) of one ratio per round, between figures "
               "its group measured back to back (every other round in reverse order); the "
               "ceiling's likewise.", "",
-              "| target | ratio in this run | ceiling | wanted | |", "|---|---|---|---|---|"]
+              "The rounds column counts the rounds whose own ratio meets the target, "
+              "softrdma's and then the ceiling's: how reliably this machine reaches it.", "",
+              "| target | ratio in this run | ceiling | wanted | rounds that meet it | |",
+              "|---|---|---|---|---|---|"]
 
     def meets(r, op, want):
         return r <= want if op == "<=" else r >= want
@@ -558,15 +561,22 @@ def report(samples, rounds, failures):
             return f"{rs[0]:.2f}"
         return f"{statistics.median(rs):.2f} ({min(rs):.2f}–{max(rs):.2f})"
 
+    def rounds_cell(rs, op, want):
+        return f"{sum(meets(r, op, want) for r in rs)} of {len(rs)}"
+
     for what, ratios, ceil, op, want in targets(samples):
         cell = ratio_cell(ceil) if ceil else ""
         if not ratios:
-            lines.append(f"| {what} | not measured | {cell} | {op} {want} | |")
+            lines.append(f"| {what} | not measured | {cell} | {op} {want} | | |")
             continue
         verdict = "met" if meets(statistics.median(ratios), op, want) else "MISSED"
         if verdict == "MISSED" and ceil and not meets(statistics.median(ceil), op, want):
             verdict = "MISSED; the ceiling misses it too"
-        lines.append(f"| {what} | {ratio_cell(ratios)} | {cell} | {op} {want} | {verdict} |")
+        counts = rounds_cell(ratios, op, want)
+        if ceil:
+            counts += f"; ceiling {rounds_cell(ceil, op, want)}"
+        lines.append(f"| {what} | {ratio_cell(ratios)} | {cell} | {op} {want} | {counts} "
+                     f"| {verdict} |")
     # The libfabric program against fabtests' recorded figures (within
     # ±30 %); how fast TCP ran today against that day is shown beside.
     lines += ["", "| libfabric check | this run | fabtests 2026-11-29 | ratio | "
