@@ -195,7 +195,7 @@ pub fn run(ip: &str, busy_poll: bool) -> ExitCode {
         eprintln!("softrdma demo: cannot connect the queue pairs: {e}");
         return ExitCode::FAILURE;
     }
-    println!(
+    outln!(
         "RC over RoCEv2: {} QP {:#08x} <-> {} QP {:#08x}, path MTU {}",
         a.info.addr,
         a.info.qpn,
@@ -203,9 +203,12 @@ pub fn run(ip: &str, busy_poll: bool) -> ExitCode {
         b.info.qpn,
         a.info.mtu.min(b.info.mtu).bytes()
     );
-    println!(
+    outln!(
         "{:<22} {:>9}  {:<9} {:>11}",
-        "operation", "bytes", "verified", "time"
+        "operation",
+        "bytes",
+        "verified",
+        "time"
     );
     let ops = [
         "SEND",
@@ -230,20 +233,20 @@ pub fn run(ip: &str, busy_poll: bool) -> ExitCode {
             let r = run_op(&a, &b, op, size, seed);
             let us = t0.elapsed().as_secs_f64() * 1e6;
             match r {
-                Ok(()) => println!("{op:<22} {size:>9}  {:<9} {us:>8.0} us", "yes"),
+                Ok(()) => outln!("{op:<22} {size:>9}  {:<9} {us:>8.0} us", "yes"),
                 Err(e) => {
                     failed += 1;
-                    println!("{op:<22} {size:>9}  {:<9} {us:>8.0} us  {e}", "NO");
+                    outln!("{op:<22} {size:>9}  {:<9} {us:>8.0} us  {e}", "NO");
                 }
             }
         }
     }
     let total = 5 * SIZES.len() + 2;
     if failed == 0 {
-        println!("all {total} operations verified");
+        outln!("all {total} operations verified");
         ExitCode::SUCCESS
     } else {
-        println!("{failed} of {total} operations FAILED");
+        outln!("{failed} of {total} operations FAILED");
         ExitCode::FAILURE
     }
 }

@@ -121,13 +121,25 @@ pub fn list() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    println!(
+    outln!(
         "{:<16} {:<4} {:<5} {:<39} {:<15} {:<4} {:<8} NDEV",
-        "DEV", "PORT", "INDEX", "GID", "IPv4", "VER", "MTU"
+        "DEV",
+        "PORT",
+        "INDEX",
+        "GID",
+        "IPv4",
+        "VER",
+        "MTU"
     );
-    println!(
+    outln!(
         "{:<16} {:<4} {:<5} {:<39} {:<15} {:<4} {:<8} ----",
-        "---", "----", "-----", "---", "------------", "---", "---"
+        "---",
+        "----",
+        "-----",
+        "---",
+        "------------",
+        "---",
+        "---"
     );
     for d in &all {
         let mtu = d.link_mtu.map_or("-".to_string(), |m| m.to_string());
@@ -140,7 +152,7 @@ pub fn list() -> ExitCode {
             } else {
                 String::new()
             };
-            println!(
+            outln!(
                 "{:<16} {:<4} {:<5} {:<39} {:<15} {:<4} {:<8} {}",
                 d.name,
                 1,

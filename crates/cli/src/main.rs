@@ -5,6 +5,29 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+/// `println!` for output that may go to a pipe which closes early (`softrdma
+/// perf ... | head`): a closed pipe ends the tool quietly, as SIGPIPE ends
+/// the C tools, instead of a panic. (SIGPIPE itself stays ignored: the
+/// providers' sockets must report a vanished peer as an error.)
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = writeln!(std::io::stdout(), $($arg)*) {
+            $crate::output_failed(e);
+        }
+    }};
+}
+
+/// Ends the tool after a failed write to stdout: quietly (status 0) when the
+/// reader has gone, with a message otherwise.
+fn output_failed(e: std::io::Error) -> ! {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        std::process::exit(0);
+    }
+    eprintln!("softrdma: writing the output: {e}");
+    std::process::exit(1)
+}
+
 mod decode;
 mod demo;
 mod device;

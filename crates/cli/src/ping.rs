@@ -128,9 +128,11 @@ impl Dest {
         } else {
             "remote address:"
         };
-        println!(
+        outln!(
             "  {head} LID {:#06x}, QPN {:#08x}, PSN {:#08x}{sep} GID {gid}",
-            self.lid, self.qpn, self.psn
+            self.lid,
+            self.qpn,
+            self.psn
         );
     }
 }
@@ -386,11 +388,11 @@ fn run_inner(a: &PingArgs) -> Result<(), String> {
     }
     let secs = start.elapsed().as_secs_f64();
     let bytes = size as u64 * a.iters * 2;
-    println!(
+    outln!(
         "{bytes} bytes in {secs:.2} seconds = {:.2} Mbit/sec",
         bytes as f64 * 8.0 / secs / 1e6
     );
-    println!(
+    outln!(
         "{} iters in {secs:.2} seconds = {:.2} usec/iter",
         a.iters,
         secs * 1e6 / a.iters as f64
@@ -399,7 +401,7 @@ fn run_inner(a: &PingArgs) -> Result<(), String> {
         let data = mr.read_vec(0, buf_len).map_err(|e| e.to_string())?;
         for (page, p) in (0..size).step_by(4096).enumerate() {
             if data[base + p] != 0 {
-                println!("invalid data in page {page}");
+                outln!("invalid data in page {page}");
             }
         }
     }

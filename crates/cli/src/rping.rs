@@ -276,7 +276,7 @@ fn serve(a: &RpingArgs, s: &Side) -> Result<(), String> {
                 .map_err(|e| e.to_string())?;
         let text_len = data.iter().position(|&b| b == 0).unwrap_or(data.len());
         if a.verbose {
-            println!(
+            outln!(
                 "server ping data: {}",
                 String::from_utf8_lossy(&data[..text_len])
             );
@@ -335,9 +335,10 @@ fn report_terminates(s: &Side) {
 /// FPDUs are only for peers that take them: siw's stay within a segment.
 fn debug_fpdus(a: &RpingArgs, s: &Side) {
     if let (true, Some(st)) = (a.debug, s.qp.iwarp_stats()) {
-        println!(
+        outln!(
             "FPDUs sent: {}, largest ULPDU: {} bytes",
-            st.fpdus.fpdus_sent, st.fpdus.largest_ulpdu_sent
+            st.fpdus.fpdus_sent,
+            st.fpdus.largest_ulpdu_sent
         );
     }
 }
@@ -387,7 +388,7 @@ fn client(a: &RpingArgs) -> Result<(), String> {
         }
         if a.verbose {
             let n = echoed.iter().position(|&b| b == 0).unwrap_or(echoed.len());
-            println!("ping data: {}", String::from_utf8_lossy(&echoed[..n]));
+            outln!("ping data: {}", String::from_utf8_lossy(&echoed[..n]));
         }
         ping += 1;
     }

@@ -49,6 +49,23 @@ fn flip_first(bytes: &mut [u8], pattern: &[u8]) {
 }
 
 #[test]
+fn a_reader_that_has_gone_ends_the_output_quietly() {
+    // stdout is a pipe whose reading end is already closed: every write
+    // fails with EPIPE, as behind `| head` once head has exited.
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    // `devices` prints its table line by line (it panicked here before).
+    let o = Command::new(env!("CARGO_BIN_EXE_softrdma"))
+        .arg("devices")
+        .stdout(writer)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
 fn every_shared_capture_decodes_cleanly_but_the_inverted_icrc() {
     let mut names: Vec<String> = std::fs::read_dir(data(""))
         .unwrap()

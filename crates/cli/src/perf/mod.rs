@@ -580,7 +580,7 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
             }
             None => {
                 let l = Listener::bind(&ctx, a.port).map_err(|e| e.to_string())?;
-                println!("{WAITING}");
+                outln!("{WAITING}");
                 l.accept(&control.qp, &mpa_config(0), |_| Decision::Accept)
                     .map_err(|e| format!("rdma_cm connection: {e}"))?;
                 listener = Some(l);
@@ -595,7 +595,7 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
                 let at = a.bind.map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), IpAddr::V4);
                 let l = TcpListener::bind((at, a.port))
                     .map_err(|e| format!("couldn't listen on port {}: {e}", a.port))?;
-                println!("{WAITING}");
+                outln!("{WAITING}");
                 l.accept().map_err(|e| format!("accept: {e}"))?.0
             }
         };
@@ -605,7 +605,7 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
     let mtu = enum_mtu(mtu_enum);
     let (cycle, cache_line) = (cycle as usize, cache_line as usize);
     if cfg.ud && cfg.sizes.iter().any(|&z| z > mtu.bytes() as u64) {
-        println!(
+        outln!(
             " Max msg size in UD is MTU {}\n Changing to this MTU",
             mtu.bytes()
         );
@@ -868,7 +868,7 @@ fn traffic(s: &Setup, mut oob: Oob, my0: Key) -> Result<(), String> {
     let verb = cfg.test.verb();
     match (cfg.test, cfg.client) {
         (Test::WriteBw | Test::ReadBw | Test::AtomicBw | Test::SendBw, client) if cfg.duplex => {
-            println!("{RESULT_LINE}\n{}", bw_header(cfg.gbits));
+            outln!("{RESULT_LINE}\n{}", bw_header(cfg.gbits));
             for &size in &cfg.sizes {
                 if verb == Verb::Send {
                     post_recvs(s, size, cfg.rx_depth as u64)?;
@@ -908,7 +908,7 @@ fn traffic(s: &Setup, mut oob: Oob, my0: Key) -> Result<(), String> {
                     cfg.gbits,
                 );
             }
-            println!("{RESULT_LINE}");
+            outln!("{RESULT_LINE}");
             if cfg.verify {
                 match verb {
                     Verb::Read => check_read(s)?,
@@ -918,13 +918,13 @@ fn traffic(s: &Setup, mut oob: Oob, my0: Key) -> Result<(), String> {
             oob.close(&my0)
         }
         (Test::WriteBw | Test::ReadBw | Test::AtomicBw, true) => {
-            println!("{RESULT_LINE}\n{}", bw_header(cfg.gbits));
+            outln!("{RESULT_LINE}\n{}", bw_header(cfg.gbits));
             let mut last = Report::default();
             for &size in &cfg.sizes {
                 last = bw_client(s, size)?;
                 print_bw(&last, cfg.gbits);
             }
-            println!("{RESULT_LINE}");
+            outln!("{RESULT_LINE}");
             if cfg.verify && verb == Verb::Read {
                 check_read(s)?;
             }
@@ -933,13 +933,13 @@ fn traffic(s: &Setup, mut oob: Oob, my0: Key) -> Result<(), String> {
             oob.close(&my0)
         }
         (Test::WriteBw | Test::ReadBw | Test::AtomicBw, false) => {
-            println!("{RESULT_LINE}\n{}", bw_header(cfg.gbits));
+            outln!("{RESULT_LINE}\n{}", bw_header(cfg.gbits));
             // The end barrier: the client comes when it is done.
             oob.key(&my0)?;
             let theirs = oob.report(&Report::default())?;
             print_bw(&theirs, cfg.gbits);
             oob.close(&my0)?;
-            println!("{RESULT_LINE}");
+            outln!("{RESULT_LINE}");
             // A READ's data is checked where it lands: at the client.
             if cfg.verify && verb != Verb::Read {
                 check_target(s, verb)?;
@@ -947,7 +947,7 @@ fn traffic(s: &Setup, mut oob: Oob, my0: Key) -> Result<(), String> {
             Ok(())
         }
         (Test::SendBw, client) => {
-            println!("{RESULT_LINE}\n{}", bw_header(cfg.gbits));
+            outln!("{RESULT_LINE}\n{}", bw_header(cfg.gbits));
             for &size in &cfg.sizes {
                 if !client {
                     post_recvs(s, size, cfg.rx_depth as u64)?;
@@ -963,7 +963,7 @@ fn traffic(s: &Setup, mut oob: Oob, my0: Key) -> Result<(), String> {
                     oob.key(&my0)?;
                 }
             }
-            println!("{RESULT_LINE}");
+            outln!("{RESULT_LINE}");
             if cfg.verify && !client {
                 check_target(s, verb)?;
             }
@@ -972,37 +972,37 @@ fn traffic(s: &Setup, mut oob: Oob, my0: Key) -> Result<(), String> {
         (Test::ReadLat | Test::AtomicLat, false) => {
             // The server only serves: its closing handshake waits for the client.
             oob.close(&my0)?;
-            println!("{RESULT_LINE}");
+            outln!("{RESULT_LINE}");
             Ok(())
         }
         (Test::ReadLat | Test::AtomicLat, true) => {
-            println!("{RESULT_LINE}\n{}", lat_header(cfg));
+            outln!("{RESULT_LINE}\n{}", lat_header(cfg));
             for &size in &cfg.sizes {
                 let clock = Window::new(cfg);
                 let posted = lat_one_sided(s, size, clock)?;
                 print_lat(size, cfg.iters, &posted, false, clock, cfg.list)?;
             }
-            println!("{RESULT_LINE}");
+            outln!("{RESULT_LINE}");
             if cfg.verify && verb == Verb::Read {
                 check_lat(s, s.local(0), 0)?;
             }
             oob.close(&my0)
         }
         (Test::WriteLat, _) => {
-            println!("{RESULT_LINE}\n{}", lat_header(cfg));
+            outln!("{RESULT_LINE}\n{}", lat_header(cfg));
             for &size in &cfg.sizes {
                 let clock = Window::new(cfg);
                 let posted = write_lat(s, size, clock)?;
                 print_lat(size, cfg.iters, &posted, true, clock, cfg.list)?;
             }
-            println!("{RESULT_LINE}");
+            outln!("{RESULT_LINE}");
             // write_lat ends without a closing exchange: stay up until the
             // peer leaves, to acknowledge its last WRITE.
             oob.linger(Duration::from_secs(10));
             Ok(())
         }
         (Test::SendLat, _) => {
-            println!("{RESULT_LINE}\n{}", lat_header(cfg));
+            outln!("{RESULT_LINE}\n{}", lat_header(cfg));
             for &size in &cfg.sizes {
                 let posts = (cfg.rx_depth as u64).min(cfg.iters);
                 post_recvs_at(s, size, posts, true)?;
@@ -1011,7 +1011,7 @@ fn traffic(s: &Setup, mut oob: Oob, my0: Key) -> Result<(), String> {
                 let posted = send_lat(s, size, clock)?;
                 print_lat(size, cfg.iters, &posted, true, clock, cfg.list)?;
             }
-            println!("{RESULT_LINE}");
+            outln!("{RESULT_LINE}");
             if cfg.verify {
                 check_lat(s, s.target(0), if cfg.ud { GRH } else { 0 })?;
             }
@@ -1115,10 +1115,10 @@ fn print_header(cfg: &Config, a: &PerfArgs, dev: &str, mtu: Mtu) {
         (false, true) => "Bidirectional BW",
         (false, false) => "BW",
     };
-    println!("{RESULT_LINE}");
-    println!("                    {name} {atomic}{kind} Test");
-    println!(" Dual-port       : OFF\t\tDevice         : {dev}");
-    println!(
+    outln!("{RESULT_LINE}");
+    outln!("                    {name} {atomic}{kind} Test");
+    outln!(" Dual-port       : OFF\t\tDevice         : {dev}");
+    outln!(
         " Number of qps   : {}\t\tTransport type : {}",
         cfg.qps,
         match (cfg.cm, cfg.shm) {
@@ -1127,37 +1127,37 @@ fn print_header(cfg: &Config, a: &PerfArgs, dev: &str, mtu: Mtu) {
             _ => "IB",
         }
     );
-    println!(
+    outln!(
         " Connection type : {}\t\tUsing SRQ      : OFF",
         if cfg.ud { "UD" } else { "RC" }
     );
-    println!(" PCIe relax order: OFF");
-    println!(" ibv_wr* API     : OFF");
+    outln!(" PCIe relax order: OFF");
+    outln!(" ibv_wr* API     : OFF");
     if cfg.client || cfg.duplex {
-        println!(" TX depth        : {}", cfg.tx_depth);
+        outln!(" TX depth        : {}", cfg.tx_depth);
     }
     if verb == Verb::Send && (!cfg.client || cfg.duplex) {
-        println!(" RX depth        : {}", cfg.rx_depth);
+        outln!(" RX depth        : {}", cfg.rx_depth);
     }
     if !cfg.test.is_lat() {
-        println!(" CQ Moderation   : {}", cfg.cq_mod);
+        outln!(" CQ Moderation   : {}", cfg.cq_mod);
     }
-    println!(" Mtu             : {}[B]", mtu.bytes());
-    println!(" Link type       : Ethernet");
-    println!(" GID index       : {}", a.gid);
+    outln!(" Mtu             : {}[B]", mtu.bytes());
+    outln!(" Link type       : Ethernet");
+    outln!(" GID index       : {}", a.gid);
     if matches!(verb, Verb::Read | Verb::Atomic) {
-        println!(" Outstand reads  : {}", cfg.out_reads);
+        outln!(" Outstand reads  : {}", cfg.out_reads);
     } else {
-        println!(" Max inline data : {}[B]", cfg.inline);
+        outln!(" Max inline data : {}[B]", cfg.inline);
     }
     if cfg.cm {
-        println!(" rdma_cm QPs\t : ON");
-        println!(" Data ex. method : rdma_cm");
+        outln!(" rdma_cm QPs\t : ON");
+        outln!(" Data ex. method : rdma_cm");
     } else {
-        println!(" rdma_cm QPs\t : OFF");
-        println!(" Data ex. method : Ethernet");
+        outln!(" rdma_cm QPs\t : OFF");
+        outln!(" Data ex. method : Ethernet");
     }
-    println!("{RESULT_LINE}");
+    outln!("{RESULT_LINE}");
 }
 
 fn print_addr(side: &str, k: &Key, verb: Verb) {
@@ -1177,11 +1177,11 @@ fn print_addr(side: &str, k: &Key, verb: Verb) {
             c_alt_hex(k.vaddr, 16)
         ));
     }
-    println!("{line}\n{}", gid_line(&k.gid));
+    outln!("{line}\n{}", gid_line(&k.gid));
 }
 
 fn print_bw(r: &Report, gbits: bool) {
-    println!(
+    outln!(
         "{}",
         bw_row(r.size, r.iters, r.bw_peak, r.bw_avg, r.msg_rate, gbits)
     );
@@ -1210,7 +1210,7 @@ fn print_lat(
             return Err("no iteration in the sampled part of the duration".into());
         }
         let avg = c.secs() * 1e6 / count as f64 / if halve { 2.0 } else { 1.0 };
-        println!(
+        outln!(
             "{}",
             lat_duration_row(size, count, avg, count as f64 / c.secs())
         );
@@ -1221,12 +1221,12 @@ fn print_lat(
         use std::io::Write as _;
         // One lock and one buffer for what can be millions of lines.
         let mut out = std::io::BufWriter::new(std::io::stdout().lock());
-        write_lists(&mut out, &deltas, list)
-            .and_then(|()| out.flush())
-            .map_err(|e| format!("writing the iterations' times: {e}"))?;
+        if let Err(e) = write_lists(&mut out, &deltas, list).and_then(|()| out.flush()) {
+            crate::output_failed(e);
+        }
     }
     let stats = lat_stats(deltas).ok_or("too few iterations for latency figures")?;
-    println!("{}", lat_row(size, iters, &stats));
+    outln!("{}", lat_row(size, iters, &stats));
     Ok(())
 }
 
@@ -1863,7 +1863,7 @@ fn check_target(s: &Setup, verb: Verb) -> Result<(), String> {
             }
         }
     }
-    println!(" Payload check (--verify): OK");
+    outln!(" Payload check (--verify): OK");
     Ok(())
 }
 
@@ -1880,7 +1880,7 @@ fn check_lat(s: &Setup, at: usize, skip: usize) -> Result<(), String> {
             pattern(j)
         ));
     }
-    println!(" Payload check (--verify): OK");
+    outln!(" Payload check (--verify): OK");
     Ok(())
 }
 
@@ -1902,7 +1902,7 @@ fn check_read(s: &Setup) -> Result<(), String> {
             }
         }
     }
-    println!(" Payload check (--verify): OK");
+    outln!(" Payload check (--verify): OK");
     Ok(())
 }
 
