@@ -178,12 +178,9 @@ pub enum Decision {
 }
 
 /// Reads the peer's start frame, which must be a `want`; the stream's read
-/// timeout (`waited`) bounds each read.
-fn read_frame(
-    stream: &mut TcpStream,
-    want: Kind,
-    waited: Duration,
-) -> Result<(StartFrameRepr, Vec<u8>), MpaError> {
+/// timeout bounds each read.
+fn read_frame(stream: &mut TcpStream, want: Kind) -> Result<(StartFrameRepr, Vec<u8>), MpaError> {
+    let waited = stream.read_timeout()?.unwrap_or_default();
     let silent = |e: io::Error| match e.kind() {
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => MpaError::Silent {
             awaited: match want {
@@ -270,7 +267,7 @@ pub fn connect(stream: &mut TcpStream, cfg: &MpaConfig) -> Result<MpaOutcome, Mp
         ulp_private_data_len: cfg.private_data.len(),
     };
     stream.write_all(&frame_bytes(&request, &cfg.private_data))?;
-    let (reply, pd) = read_frame(stream, Kind::Reply, cfg.timeout)?;
+    let (reply, pd) = read_frame(stream, Kind::Reply)?;
     if reply.reject {
         return Err(MpaError::Rejected { private_data: pd });
     }
@@ -329,7 +326,7 @@ pub fn accept(
     stream.set_read_timeout(Some(cfg.timeout))?;
     // A frame that is not an MPA Request (bad key, revision 3) gets no Reply,
     // as from siw: the caller drops the connection.
-    let (req, pd) = read_frame(stream, Kind::Request, cfg.timeout)?;
+    let (req, pd) = read_frame(stream, Kind::Request)?;
     let revision = req.revision.min(cfg.revision);
     let reject = |stream: &mut TcpStream, why: &[u8]| -> io::Result<()> {
         let reply = StartFrameRepr {

@@ -990,20 +990,25 @@ impl Lookahead {
         }
     }
 
+    /// The next at most `max` bytes read ahead, counted as taken.
+    fn next(&mut self, max: usize) -> &[u8] {
+        let k = (self.len - self.at).min(max);
+        self.at += k;
+        &self.buf[self.at - k..self.at]
+    }
+
     /// Copies what is read ahead into `out`, at most all of it; returns how much.
     fn take(&mut self, out: &mut [u8]) -> usize {
-        let k = (self.len - self.at).min(out.len());
-        out[..k].copy_from_slice(&self.buf[self.at..self.at + k]);
-        self.at += k;
-        k
+        let bytes = self.next(out.len());
+        out[..bytes.len()].copy_from_slice(bytes);
+        bytes.len()
     }
 
     /// As [`Lookahead::take`], into the start of a region piece.
     fn take_into(&mut self, piece: &Segment) -> usize {
-        let k = (self.len - self.at).min(piece.len());
-        piece.write(0, &self.buf[self.at..self.at + k]);
-        self.at += k;
-        k
+        let bytes = self.next(piece.len());
+        piece.write(0, bytes);
+        bytes.len()
     }
 }
 
