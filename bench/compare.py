@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """softrdma next to its peers on this machine: one run, one table, one chart.
 
-    sudo bench/compare.py [--rounds N] [--only REGEX] [--write-docs]
+    sudo bench/compare.py [--rounds N] [--only REGEX] [--write-docs] [--samples FILE]
 
 Installs the peers it needs (apt: iperf3, sockperf, ucx-utils, libfabric-dev,
 gcc), builds softrdma (release) and bench/fi_rma.c (libfabric tcp RMA, the
@@ -731,6 +731,9 @@ def main():
                     help="measure the stacks/labels matching this regular expression")
     ap.add_argument("--write-docs", action="store_true",
                     help="write docs/compare.md and docs/compare.svg")
+    ap.add_argument("--samples", type=Path, metavar="FILE",
+                    help="also write every round's figures to FILE (JSON), for a closer look "
+                         "than medians give")
     a = ap.parse_args()
     if a.rounds < 1:
         sys.exit("--rounds: at least 1")
@@ -757,6 +760,11 @@ def main():
                     log(f"FAILED {stack} {label}: {e}")
     text, med = report(samples, a.rounds, failures)
     print(text)
+    if a.samples:
+        rows = [{"stack": st, "figure": row, "rounds": {str(r + 1): v for r, v in vals.items()}}
+                for (st, row), vals in samples.items()]
+        a.samples.write_text(json.dumps(rows, indent=1) + "\n")
+        log(f"wrote {a.samples}")
     if a.write_docs:
         (REPO / "docs/compare.md").write_text(text)
         (REPO / "docs/compare.svg").write_text(svg(med))
