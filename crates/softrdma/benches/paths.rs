@@ -291,6 +291,8 @@ fn rc_requester_write(b: Bencher, len: u32) {
             let mut last = 0;
             while let Some(t) = p.qp[0].poll_transmit(now, &p.mrs[0], &mut buf, &mut pieces) {
                 last = u32::from_be_bytes([0, buf[9], buf[10], buf[11]]);
+                // Each packet of a WRITE without an immediate is a WRITE
+                // ONLY, a message of its own to the responder.
                 msn = (msn + 1) & 0x00ff_ffff;
                 black_box((t, &pieces));
             }
