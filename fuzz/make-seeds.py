@@ -70,6 +70,9 @@ def main():
             put("mpa_start_frame", data[:20 + pd])
             pos = 20 + pd
             n = 0
+            # iwarp_qp: the stream's segments as the provider hands them over
+            # (flags: CRC held, send after each, patch toward the region).
+            segments = b""
             while pos + 2 <= len(data) and n < 8:
                 ulen = struct.unpack(">H", data[pos:pos + 2])[0]
                 total = 2 + ulen + (-(2 + ulen)) % 4 + 4
@@ -78,8 +81,16 @@ def main():
                 put("mpa_unmark", b"\x00\x00" + fpdu[:256])
                 put("ddp", fpdu[2:2 + ulen][:64])
                 put("rdmap_message", fpdu[2:2 + ulen][:128])
+                ulpdu = fpdu[2:2 + ulen]
+                if ulpdu:
+                    hlen = 14 if ulpdu[0] & 0x80 else 18
+                    payload = ulpdu[hlen:][:512]
+                    segments += bytes([0x07]) + struct.pack("<H", len(payload))
+                    segments += ulpdu[:hlen] + payload
                 pos += total
                 n += 1
+            if segments:
+                put("iwarp_qp", bytes([0xfe]) + segments)
     # Terminates in both layouts (siw's invalid-QN one, and the RFC's).
     put("rdmap_terminate", bytes([0x21, 0x01, 0x03, 0x00, 0x00, 0x10]) + bytes([0x41, 0x43] + [0] * 16))
     put("rdmap_terminate", bytes([0x12, 0x01, 0xc0, 0x00, 0x00, 0x10]) + bytes([0xc1, 0x40] + [0] * 12))
