@@ -58,6 +58,8 @@ def main():
                 put("mad", ib[20:64])
                 put("icrc", bytes([len(ip)]) + ip + l4[:8] + ib[:80])
                 put("rc_responder", bytes([0x3e]) + struct.pack("<H", len(ib)) + ib)
+                if ib[0] >> 5 == 3:  # UD
+                    put("ud_qp", bytes([0x4e]) + struct.pack("<H", len(ib)) + ib)
             elif proto == 6:
                 doff = (l4[12] >> 4) * 4
                 key = (ip[12:16], l4[0:2], ip[16:20], l4[2:4])
