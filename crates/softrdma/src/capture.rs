@@ -79,7 +79,61 @@ enum FramesInner<'a> {
         blocks: PcapNGSlice<'a>,
         // (link type, timestamp units per second, offset) per interface
         interfaces: Vec<(i32, u64, i64)>,
+        /// What ends the well-framed blocks `blocks` holds, if not the file's end.
+        stop: Option<NgStop>,
     },
+}
+
+/// Why the blocks of a pcapng file stop before its end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NgStop {
+    /// The last block runs past the end of the file.
+    Truncated,
+    /// The block at this byte declares a length no block can have.
+    BadLength { at: usize, len: u32 },
+    /// The section header at this byte has no byte-order magic.
+    BadByteOrder { at: usize },
+}
+
+const NG_SECTION_HEADER: u32 = 0x0a0d_0d0a;
+
+/// How many leading bytes of a pcapng file are whole blocks of sane lengths,
+/// and what stops them. pcap-parser 0.17 takes a block's length less 12
+/// unchecked (a panic with overflow checks, a wrapped length without), so it
+/// is given only blocks that passed this.
+fn ng_framing(file: &[u8]) -> (usize, Option<NgStop>) {
+    let u32_at = |at: usize, big: bool| {
+        let b = [file[at], file[at + 1], file[at + 2], file[at + 3]];
+        if big {
+            u32::from_be_bytes(b)
+        } else {
+            u32::from_le_bytes(b)
+        }
+    };
+    let (mut at, mut big) = (0, false);
+    while at < file.len() {
+        let left = file.len() - at;
+        if left < 12 {
+            return (at, Some(NgStop::Truncated));
+        }
+        if u32_at(at, false) == NG_SECTION_HEADER {
+            // The section's byte order, from its header's magic.
+            big = match u32_at(at + 8, false) {
+                0x1a2b_3c4d => false,
+                0x4d3c_2b1a => true,
+                _ => return (at, Some(NgStop::BadByteOrder { at })),
+            };
+        }
+        let len = u32_at(at + 4, big);
+        if len < 12 || !len.is_multiple_of(4) {
+            return (at, Some(NgStop::BadLength { at, len }));
+        }
+        if len as usize > left {
+            return (at, Some(NgStop::Truncated));
+        }
+        at += len as usize;
+    }
+    (at, None)
 }
 
 impl fmt::Debug for FramesInner<'_> {
@@ -99,14 +153,23 @@ pub fn frames(file: &[u8]) -> Result<Frames<'_>, CaptureError> {
         return Err(CaptureError::TooShort(file.len()));
     }
     let magic = u32::from_le_bytes([file[0], file[1], file[2], file[3]]);
-    let inner = if magic == 0x0a0d_0d0a {
-        let blocks = PcapNGSlice::from_slice(file).map_err(|e| CaptureError::Malformed {
-            frame: 1,
-            reason: format!("bad pcapng section header: {e:?}"),
-        })?;
+    let inner = if magic == NG_SECTION_HEADER {
+        let (whole, stop) = ng_framing(file);
+        if whole == 0 {
+            return Err(match stop {
+                Some(NgStop::Truncated) | None => CaptureError::TooShort(file.len()),
+                Some(s) => ng_malformed(1, s),
+            });
+        }
+        let blocks =
+            PcapNGSlice::from_slice(&file[..whole]).map_err(|e| CaptureError::Malformed {
+                frame: 1,
+                reason: format!("bad pcapng section header: {e:?}"),
+            })?;
         FramesInner::Ng {
             blocks,
             interfaces: Vec::new(),
+            stop,
         }
     } else {
         let (rest, h) = parse_pcap_header(file).map_err(|e| match e {
@@ -187,8 +250,20 @@ impl<'a> Frames<'a> {
                     })),
                 }
             }
-            FramesInner::Ng { blocks, interfaces } => loop {
-                let block = match blocks.next()? {
+            FramesInner::Ng {
+                blocks,
+                interfaces,
+                stop,
+            } => loop {
+                let Some(next) = blocks.next() else {
+                    return stop.take().map(|s| {
+                        Err(match s {
+                            NgStop::Truncated => CaptureError::Truncated { frame: number },
+                            s => ng_malformed(number, s),
+                        })
+                    });
+                };
+                let block = match next {
                     Ok(b) => b,
                     Err(nom::Err::Incomplete(_))
                     | Err(nom::Err::Error(PcapError::Incomplete(_)))
@@ -253,6 +328,21 @@ impl<'a> Frames<'a> {
             },
         }
     }
+}
+
+fn ng_malformed(frame: u64, stop: NgStop) -> CaptureError {
+    let reason = match stop {
+        NgStop::BadLength { at, len } => {
+            format!(
+                "the pcapng block at byte {at} declares {len} bytes (at least 12, a multiple of 4)"
+            )
+        }
+        NgStop::BadByteOrder { at } => {
+            format!("the pcapng section header at byte {at} has no byte-order magic")
+        }
+        NgStop::Truncated => "the file ends inside a pcapng block".to_string(),
+    };
+    CaptureError::Malformed { frame, reason }
 }
 
 /// The two ends of a packet or stream.
@@ -935,5 +1025,134 @@ impl Decoder {
             }
         }
         stream.buf.drain(..consumed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PCAP: &[u8] = include_bytes!(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/data/rxe_rc_pingpong.pcap"
+    ));
+
+    /// A pcapng block: type, length, body padded to 4 bytes, length again.
+    fn block(out: &mut Vec<u8>, big: bool, kind: u32, body: &[u8]) {
+        let u32b = |v: u32| {
+            if big {
+                v.to_be_bytes()
+            } else {
+                v.to_le_bytes()
+            }
+        };
+        let padded = body.len().next_multiple_of(4);
+        let len = 12 + padded as u32;
+        out.extend_from_slice(&u32b(kind));
+        out.extend_from_slice(&u32b(len));
+        out.extend_from_slice(body);
+        out.resize(out.len() + padded - body.len(), 0);
+        out.extend_from_slice(&u32b(len));
+    }
+
+    /// The legacy capture's frames as pcapng (section header, one Ethernet
+    /// interface in microseconds, an enhanced packet block per frame).
+    fn as_pcapng(big: bool) -> Vec<u8> {
+        let u16b = |v: u16| {
+            if big {
+                v.to_be_bytes()
+            } else {
+                v.to_le_bytes()
+            }
+        };
+        let u32b = |v: u32| {
+            if big {
+                v.to_be_bytes()
+            } else {
+                v.to_le_bytes()
+            }
+        };
+        let mut out = Vec::new();
+        let mut shb = u32b(0x1a2b_3c4d).to_vec();
+        shb.extend_from_slice(&u16b(1));
+        shb.extend_from_slice(&u16b(0));
+        shb.extend_from_slice(&[0xff; 8]);
+        block(&mut out, big, NG_SECTION_HEADER, &shb);
+        let mut idb = u16b(1).to_vec();
+        idb.extend_from_slice(&u16b(0));
+        idb.extend_from_slice(&u32b(65535));
+        block(&mut out, big, 1, &idb);
+        for f in frames(PCAP).unwrap() {
+            let f = f.unwrap();
+            let us = (f.time * 1e6).round() as u64;
+            let mut epb = u32b(0).to_vec();
+            epb.extend_from_slice(&u32b((us >> 32) as u32));
+            epb.extend_from_slice(&u32b(us as u32));
+            epb.extend_from_slice(&u32b(f.data.len() as u32));
+            epb.extend_from_slice(&u32b(f.original_len));
+            epb.extend_from_slice(f.data);
+            block(&mut out, big, 6, &epb);
+        }
+        out
+    }
+
+    #[test]
+    fn pcapng_in_either_byte_order_gives_the_pcap_frames() {
+        let want: Vec<_> = frames(PCAP).unwrap().map(|f| f.unwrap()).collect();
+        assert!(want.len() > 2);
+        for big in [false, true] {
+            let ng = as_pcapng(big);
+            let got: Vec<_> = frames(&ng).unwrap().map(|f| f.unwrap()).collect();
+            assert_eq!(got.len(), want.len(), "big endian: {big}");
+            for (g, w) in got.iter().zip(&want) {
+                assert_eq!(
+                    (g.number, g.data, g.linktype),
+                    (w.number, w.data, w.linktype)
+                );
+                assert!((g.time - w.time).abs() < 1e-6);
+            }
+        }
+    }
+
+    #[test]
+    fn a_pcapng_block_cut_short_is_a_truncated_frame_after_the_whole_ones() {
+        let ng = as_pcapng(false);
+        let n = frames(PCAP).unwrap().count() as u64;
+        let got: Vec<_> = frames(&ng[..ng.len() - 10]).unwrap().collect();
+        assert_eq!(got.len() as u64, n);
+        assert!(got[..got.len() - 1].iter().all(|f| f.is_ok()));
+        assert_eq!(
+            got.last().unwrap().as_ref().unwrap_err(),
+            &CaptureError::Truncated { frame: n }
+        );
+    }
+
+    #[test]
+    fn a_pcapng_block_shorter_than_its_frame_is_malformed_not_a_panic() {
+        // Found by the capture fuzzer: pcap-parser subtracted 12 from the
+        // second block's length of 6 (a panic with overflow checks on).
+        let crash = [
+            0x0a, 0x0d, 0x0d, 0x0a, 0, 0, 0, 0x1c, 0x1a, 0x2b, 0x3c, 0x4d, 0xa1, 0xb2, 0x39, 0x4d,
+            0xd4, 0xc3, 0xb2, 0x02, 0, 0, 0x54, 0, 0, 0, 0, 0, 0x80, 0, 0, 1, 0, 0, 0, 6, 0, 0, 0,
+            0,
+        ];
+        let got: Vec<_> = frames(&crash).unwrap().collect();
+        assert_eq!(got.len(), 1);
+        let Err(CaptureError::Malformed { frame: 1, reason }) = &got[0] else {
+            panic!("{got:?}");
+        };
+        assert!(reason.contains("at byte 28 declares 6 bytes"), "{reason}");
+        // The same length in the first block.
+        let mut first = crash[..12].to_vec();
+        first[7] = 6;
+        assert!(matches!(
+            frames(&first).unwrap_err(),
+            CaptureError::Malformed { frame: 1, .. }
+        ));
+        // A section header with no byte-order magic.
+        let mut ng = as_pcapng(false);
+        ng[8..12].copy_from_slice(&[1, 2, 3, 4]);
+        let e = frames(&ng).unwrap_err().to_string();
+        assert!(e.contains("no byte-order magic"), "{e}");
     }
 }
