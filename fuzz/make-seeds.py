@@ -28,6 +28,24 @@ def put(target, data):
         f.write(data)
 
 
+def pcapng(path, big):
+    """The capture's first frames as pcapng: section header, one Ethernet
+    interface, an enhanced packet block per frame."""
+    e = ">" if big else "<"
+
+    def block(kind, body):
+        body += bytes(-len(body) % 4)
+        n = 12 + len(body)
+        return struct.pack(e + "II", kind, n) + body + struct.pack(e + "I", n)
+    out = block(0x0A0D0D0A, struct.pack(e + "IHHq", 0x1A2B3C4D, 1, 0, -1))
+    out += block(1, struct.pack(e + "HHI", 1, 0, 65535))
+    for k, fr in enumerate(frames(path)):
+        if k == 6:
+            break
+        out += block(6, struct.pack(e + "IIIII", 0, 0, k, len(fr), len(fr)) + fr)
+    return out
+
+
 def main():
     for name in sorted(os.listdir(DATA)):
         if not name.endswith(".pcap"):
@@ -37,6 +55,8 @@ def main():
             whole = f.read()
         if len(whole) < 40000:
             put("capture", whole)
+        for big in (False, True):
+            put("capture", pcapng(path, big))
         streams = {}
         for fr in frames(path):
             etype = struct.unpack(">H", fr[12:14])[0]
@@ -93,6 +113,16 @@ def main():
                 n += 1
             if segments:
                 put("iwarp_qp", bytes([0xfe]) + segments)
+    # rc_responder: a WRITE ONLY, a READ request and a FETCH_ADD at the
+    # region's key (control byte 0x01: key and address patched, no access
+    # granted), which the QP must refuse without touching memory.
+    bth = lambda op: bytes([op, 0, 0xff, 0xff, 0, 0, 0, 0x11, 0x80, 0, 0, 0])
+    write = bth(0x0a) + struct.pack(">QII", 20480, 0x200, 16) + b"\xaa" * 16 + bytes(4)
+    read = bth(0x0c) + struct.pack(">QII", 20480, 0x200, 64) + bytes(4)
+    fadd = bth(0x14) + struct.pack(">QIQQ", 20480, 0x200, 1, 0) + bytes(4)
+    for ctl in (0x01, 0x0f):
+        put("rc_responder", bytes([ctl]) + b"".join(struct.pack("<H", len(p)) + p
+                                                     for p in (write, read, fadd)))
     # Terminates in both layouts (siw's invalid-QN one, and the RFC's).
     put("rdmap_terminate", bytes([0x21, 0x01, 0x03, 0x00, 0x00, 0x10]) + bytes([0x41, 0x43] + [0] * 16))
     put("rdmap_terminate", bytes([0x12, 0x01, 0xc0, 0x00, 0x00, 0x10]) + bytes([0xc1, 0x40] + [0] * 12))

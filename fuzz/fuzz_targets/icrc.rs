@@ -21,7 +21,10 @@ fuzz_target!(|data: &[u8]| {
             let real = u16::from_be_bytes([ip[4], ip[5]]);
             let mut blind = ip.to_vec();
             blind[4] = !blind[4];
-            assert_eq!(icrc::solve_ipv4_identification(&blind, udp, &copy), Ok(Some(real)));
+            assert_eq!(
+                icrc::solve_ipv4_identification(&blind, udp, &copy),
+                Ok(Some(real))
+            );
         }
     }
 });

@@ -1,10 +1,13 @@
 //! An RC QP in RTS fed hostile packets (and a few work requests of its own, so
 //! that hostile ACKs and responses meet outstanding requests): it must never
-//! panic, touch memory outside its region, or stop answering to its doors.
+//! panic, touch memory outside its region or where it grants no access, or
+//! stop answering to its doors.
 //!
 //! Input: a control byte, then packets, each a 2-byte little-endian length
 //! and that many bytes; the BTH's destination QP is patched to this QP's and
-//! its PSN folded near the expected one so that the deep paths are reached.
+//! its PSN folded near the expected one so that the deep paths are reached
+//! (and, by the control byte's low bit, a RETH's or AtomicETH's key and
+//! address toward the region).
 #![no_main]
 use std::sync::Arc;
 
@@ -21,7 +24,7 @@ fuzz_target!(|data: &[u8]| {
     };
     let mem = Arc::new(RegionMemory::zeroed(65536).unwrap());
     let mut mrs = MrTable::new();
-    mrs.insert(Region::new(1, (0x100, 0x200), mem, 0, 65536, IOVA, Access::ALL).unwrap());
+    mrs.insert(Region::new(1, (0x100, 0x200), mem.clone(), 0, 65536, IOVA, Access::ALL).unwrap());
     let mut qp = RcQp::new(0x11, 1, QpCaps::default());
     let access = Access::from_bits(u32::from(ctl) & 0xe);
     qp.modify(&QpAttr {
@@ -54,11 +57,14 @@ fuzz_target!(|data: &[u8]| {
     })
     .unwrap();
     if ctl & 0x10 != 0 {
-        let _ = qp.post_recv(RecvWr::new(1, [Sge {
+        let _ = qp.post_recv(RecvWr::new(
+            1,
+            [Sge {
                 addr: IOVA,
                 len: 3000,
                 lkey: 0x100,
-            }]));
+            }],
+        ));
     }
     if ctl & 0x20 != 0 {
         let sge = |len| {
@@ -120,6 +126,14 @@ fuzz_target!(|data: &[u8]| {
             p[9] = 0;
             p[10] = 0;
         }
+        // WRITE FIRST and ONLY, READ requests and atomics: by the control
+        // byte, the key made the region's and the address folded near it.
+        if ctl & 1 != 0 && p.len() >= 24 && matches!(p[0], 0x06 | 0x0a | 0x0b | 0x0c | 0x13 | 0x14)
+        {
+            let va = u64::from_be_bytes(p[12..20].try_into().unwrap());
+            p[12..20].copy_from_slice(&(IOVA + va % 70_000).to_be_bytes());
+            p[20..24].copy_from_slice(&0x200u32.to_be_bytes());
+        }
         now = Time(now.0 + 1000);
         qp.handle_packet(now, &p, &mrs);
         drain(&mut qp, now, &mrs);
@@ -128,5 +142,16 @@ fuzz_target!(|data: &[u8]| {
             qp.handle_timeout(now);
             drain(&mut qp, now, &mrs);
         }
+    }
+    // Without remote write or atomic access on the QP, only its receive
+    // buffer and its READ's and atomic's sinks may change.
+    if !access.contains(Access::REMOTE_WRITE) && !access.contains(Access::REMOTE_ATOMIC) {
+        let mut all = vec![0u8; 65536];
+        mem.read(0, &mut all);
+        let mut outside = all[3000..8192].iter().chain(&all[8192 + 5000..]);
+        assert!(
+            outside.all(|&b| b == 0),
+            "a hostile packet wrote where the QP gives no access"
+        );
     }
 });

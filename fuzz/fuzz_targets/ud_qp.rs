@@ -73,7 +73,10 @@ fuzz_target!(|data: &[u8]| {
         ));
     }
     if ctl & 8 != 0 {
-        for (k, op) in [SendOp::Send, SendOp::SendWithImm(7)].into_iter().enumerate() {
+        for (k, op) in [SendOp::Send, SendOp::SendWithImm(7)]
+            .into_iter()
+            .enumerate()
+        {
             let _ = qp.post_send(SendWr {
                 wr_id: 2,
                 op,
@@ -127,5 +130,8 @@ fuzz_target!(|data: &[u8]| {
     }
     let mut after = vec![0u8; REGION - recv_end.min(REGION)];
     mem.read(recv_end.min(REGION), &mut after);
-    assert!(after.iter().all(|&b| b == 0), "bytes written past the receive buffers");
+    assert!(
+        after.iter().all(|&b| b == 0),
+        "bytes written past the receive buffers"
+    );
 });
