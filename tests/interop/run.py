@@ -553,6 +553,9 @@ def bad_rkey_problems(rc, tout, host, tool_is_server):
     return problems
 
 
+RPING_TEARDOWN_RACE = "rdma_get_cm_event: Bad file descriptor"
+
+
 def run_rping(guest, case, port, tool_is_server, job):
     """rping's roles: -s -a OWN_ADDR on the server, -c -a SERVER on the client."""
     bin_ = str(REPO / "target/release/softrdma")
@@ -579,6 +582,14 @@ def run_rping(guest, case, port, tool_is_server, job):
         if problems:
             return "; ".join(problems) + f"\n--- rping:\n{tout}\n--- softrdma:\n{host.stdout}{host.stderr}"
         return None
+    if rc == 255 and RPING_TEARDOWN_RACE in tout:
+        # rping before rdma-core 61 can fail a clean run on its way out: its
+        # CM event thread reads the event channel the main thread is
+        # destroying, and exits -1 on the EBADF (rdma-core f3ae6534a, "rping:
+        # terminate CM event thread before exiting"). The pings' checks
+        # below still decide the case.
+        log(f"{case.name}: rping's exit status 255 is its teardown race (EBADF), not a failure")
+        rc = 0
     if rc != 0:
         problems.append(f"rping exit status {rc}")
     if host.returncode != 0:
