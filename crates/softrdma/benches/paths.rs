@@ -228,6 +228,23 @@ fn carry(
     }
 }
 
+/// A WRITE of `len` bytes from the start of engine 0's region to the start
+/// of engine 1's.
+fn engine_write(len: u32) -> SendWr {
+    SendWr::new(
+        1,
+        SendOp::Write {
+            remote_addr: ENGINE_IOVA,
+            rkey: 0x201,
+        },
+        [Sge {
+            addr: ENGINE_IOVA,
+            len,
+            lkey: 0x100,
+        }],
+    )
+}
+
 /// The RC engine's per-message work: the requester cuts a posted WRITE into
 /// packets, the responder places them and queues an ACK, the requester takes
 /// the ACK and completes the WR (datagram assembly included, no ICRC, no
@@ -239,20 +256,7 @@ fn rc_engine_write_and_ack(b: Bencher, len: u32) {
     let (mut pieces, mut dgram) = (Vec::new(), Vec::with_capacity(8192));
     b.counter(divan::counter::BytesCount::new(len))
         .bench_local(|| {
-            p.qp[0]
-                .post_send(SendWr::new(
-                    1,
-                    SendOp::Write {
-                        remote_addr: ENGINE_IOVA,
-                        rkey: 0x201,
-                    },
-                    [Sge {
-                        addr: ENGINE_IOVA,
-                        len,
-                        lkey: 0x100,
-                    }],
-                ))
-                .unwrap();
+            p.qp[0].post_send(engine_write(len)).unwrap();
             carry(&mut p, 0, &mut buf, &mut pieces, &mut dgram);
             carry(&mut p, 1, &mut buf, &mut pieces, &mut dgram);
             let done = p.qp[0].poll_completion().expect("the WRITE completed");
@@ -274,20 +278,7 @@ fn rc_requester_write(b: Bencher, len: u32) {
     let now = Time(1_000_000);
     b.counter(divan::counter::BytesCount::new(len))
         .bench_local(|| {
-            p.qp[0]
-                .post_send(SendWr::new(
-                    1,
-                    SendOp::Write {
-                        remote_addr: ENGINE_IOVA,
-                        rkey: 0x201,
-                    },
-                    [Sge {
-                        addr: ENGINE_IOVA,
-                        len,
-                        lkey: 0x100,
-                    }],
-                ))
-                .unwrap();
+            p.qp[0].post_send(engine_write(len)).unwrap();
             let mut last = 0;
             while let Some(t) = p.qp[0].poll_transmit(now, &p.mrs[0], &mut buf, &mut pieces) {
                 last = u32::from_be_bytes([0, buf[9], buf[10], buf[11]]);
