@@ -158,7 +158,7 @@ pub fn frames(file: &[u8]) -> Result<Frames<'_>, CaptureError> {
         if whole == 0 {
             return Err(match stop {
                 Some(NgStop::Truncated) | None => CaptureError::TooShort(file.len()),
-                Some(s) => ng_malformed(1, s),
+                Some(s) => s.into_error(1),
             });
         }
         let blocks =
@@ -256,12 +256,7 @@ impl<'a> Frames<'a> {
                 stop,
             } => loop {
                 let Some(next) = blocks.next() else {
-                    return stop.take().map(|s| {
-                        Err(match s {
-                            NgStop::Truncated => CaptureError::Truncated { frame: number },
-                            s => ng_malformed(number, s),
-                        })
-                    });
+                    return stop.take().map(|s| Err(s.into_error(number)));
                 };
                 let block = match next {
                     Ok(b) => b,
@@ -330,19 +325,20 @@ impl<'a> Frames<'a> {
     }
 }
 
-fn ng_malformed(frame: u64, stop: NgStop) -> CaptureError {
-    let reason = match stop {
-        NgStop::BadLength { at, len } => {
-            format!(
+impl NgStop {
+    /// The error for frame `frame`, the first the stop keeps from being read.
+    fn into_error(self, frame: u64) -> CaptureError {
+        let reason = match self {
+            NgStop::Truncated => return CaptureError::Truncated { frame },
+            NgStop::BadLength { at, len } => format!(
                 "the pcapng block at byte {at} declares {len} bytes (at least 12, a multiple of 4)"
-            )
-        }
-        NgStop::BadByteOrder { at } => {
-            format!("the pcapng section header at byte {at} has no byte-order magic")
-        }
-        NgStop::Truncated => "the file ends inside a pcapng block".to_string(),
-    };
-    CaptureError::Malformed { frame, reason }
+            ),
+            NgStop::BadByteOrder { at } => {
+                format!("the pcapng section header at byte {at} has no byte-order magic")
+            }
+        };
+        CaptureError::Malformed { frame, reason }
+    }
 }
 
 /// The two ends of a packet or stream.
