@@ -1082,6 +1082,10 @@ fn read_rest(
     Ok(())
 }
 
+/// Payloads up to this long are read into a buffer and then placed by the
+/// region's copy (see [`receive_one`]).
+const SMALL_PAYLOAD: usize = 64;
+
 /// A busy-poll flag that is off: reads that need not spin for their bytes.
 static NO_SPIN: AtomicBool = AtomicBool::new(false);
 
@@ -1131,7 +1135,23 @@ fn receive_one(
     control.clear();
     match placement {
         Placement::Data => {
-            read_rest(stream, busy, pieces, &mut [], trailer, ahead)?;
+            let placed: usize = pieces.iter().map(Segment::len).sum();
+            if placed <= SMALL_PAYLOAD {
+                // Through a buffer, then into place by the region's own copy,
+                // which stores each aligned 8-byte word once (as a NIC's DMA
+                // does: a word the application takes with an atomic is not
+                // undone by a second store); the kernel's copy into the region
+                // promises no such thing.
+                let mut buffer = [0u8; SMALL_PAYLOAD];
+                read_rest(stream, busy, &[], &mut buffer[..placed], trailer, ahead)?;
+                let mut at = 0;
+                for p in pieces.iter() {
+                    p.write(0, &buffer[at..at + p.len()]);
+                    at += p.len();
+                }
+            } else {
+                read_rest(stream, busy, pieces, &mut [], trailer, ahead)?;
+            }
             if s.crc {
                 for p in pieces.iter() {
                     // SAFETY: read right after placing, not kept; a concurrent

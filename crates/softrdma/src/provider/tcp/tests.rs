@@ -419,6 +419,28 @@ fn fpdus_cut_anywhere_or_read_many_at_once_are_placed_whole() {
         assert_eq!(got, data, "large WRITE, crc {crc}");
         a.mem.read(500_000, &mut got);
         assert_eq!(got, data, "READ, crc {crc}");
+        // A small SEND across two receive pieces (it goes through a buffer).
+        b.qp.post_recv(RecvWr::new(
+            99,
+            [sge(&b, 3_500_000, 5), sge(&b, 3_500_100, 60)],
+        ))
+        .unwrap();
+        a.qp.post_send(SendWr::new(99, SendOp::Send, vec![sge(&a, 7, 30)]))
+            .unwrap();
+        assert_eq!(one(&a.scq).status, WcStatus::Success);
+        let wc = one(&b.rcq);
+        assert_eq!(
+            (wc.wr_id, wc.status, wc.byte_len),
+            (99, WcStatus::Success, 30)
+        );
+        let (mut head, mut rest) = ([0u8; 5], [0u8; 25]);
+        b.mem.read(3_500_000, &mut head);
+        b.mem.read(3_500_100, &mut rest);
+        assert_eq!(
+            (&head[..], &rest[..]),
+            (&data[7..12], &data[12..37]),
+            "crc {crc}"
+        );
     }
 }
 
