@@ -77,8 +77,9 @@ unsafe fn copy_apart(from: *const u8, to: *mut u8, len: usize) {
     unsafe { std::ptr::copy_nonoverlapping(from, to, len) }
 }
 
-/// Copies `len` bytes storing each byte of the destination once, in address
-/// order, and each 8-byte-aligned word of it in a single 8-byte store.
+/// Copies `len` bytes storing each 8-byte-aligned word that lies wholly in
+/// the destination in a single 8-byte store, and no other store over it
+/// (the partial words at either end go by memcpy).
 ///
 /// glibc's memcpy stores overlapping pieces: an 8-byte copy is two 8-byte
 /// stores to the same word. A peer's atomic that lands between the two is
@@ -89,27 +90,24 @@ unsafe fn copy_apart(from: *const u8, to: *mut u8, len: usize) {
 /// # Safety
 /// As [`copy_apart`].
 unsafe fn copy_words(from: *const u8, to: *mut u8, len: usize) {
-    let lead = (to as usize).wrapping_neg() & 7;
-    let mut i = 0;
-    while i < len && i < lead {
-        // SAFETY: i < len, inside both ranges.
-        unsafe { to.add(i).write(from.add(i).read()) };
-        i += 1;
-    }
-    while i + 8 <= len {
-        // SAFETY: i + 8 <= len, inside both ranges; `to + i` is 8-byte
-        // aligned (past the lead), as `AtomicU64::from_ptr` needs, and a
-        // store through it is one 8-byte store.
-        unsafe {
+    let lead = ((to as usize).wrapping_neg() & 7).min(len);
+    // SAFETY: every range below is inside `0..len`, so inside both ranges
+    // (the caller's contract); the words' destinations, past the lead, are
+    // 8-byte aligned, as `AtomicU64::from_ptr` needs, and a store through it
+    // is one 8-byte store. The lead and the tail are parts of words only.
+    unsafe {
+        if lead > 0 {
+            std::ptr::copy_nonoverlapping(from, to, lead);
+        }
+        let mut i = lead;
+        while i + 8 <= len {
             let word = from.add(i).cast::<u64>().read_unaligned();
             AtomicU64::from_ptr(to.add(i).cast::<u64>()).store(word, Ordering::Relaxed);
+            i += 8;
         }
-        i += 8;
-    }
-    while i < len {
-        // SAFETY: i < len, inside both ranges.
-        unsafe { to.add(i).write(from.add(i).read()) };
-        i += 1;
+        if i < len {
+            std::ptr::copy_nonoverlapping(from.add(i), to.add(i), len - i);
+        }
     }
 }
 
