@@ -485,8 +485,8 @@ mod tests {
         // Rounds of: one thread releases word 0 with an 8-byte write of 0
         // while the other takes it with a compare-and-swap (0 to 1); once the
         // release is done, the word must still hold the take. With glibc's
-        // memcpy (two stores of the word) this test lost 1 to 10 takes in
-        // each of six runs (debug build); in `tests/shm_processes.rs` one lost
+        // memcpy (two stores of the word) this test lost 1 to 21 takes in
+        // each of ten runs (debug build); in `tests/shm_processes.rs` one lost
         // take let two processes hold a lock. Up to 3 million rounds or two
         // seconds.
         let m = Arc::new(RegionMemory::zeroed(64).unwrap());
@@ -497,11 +497,11 @@ mod tests {
         // Spins, yielding once in a long while (on a busy machine the other
         // thread may need this CPU; more often, and takes seldom land on a
         // release).
-        let wait = |ready: &dyn Fn() -> bool, yield_every: u32| {
+        let wait = |ready: &dyn Fn() -> bool| {
             let mut spins = 0u32;
             while !ready() {
                 spins += 1;
-                if spins.is_multiple_of(yield_every) {
+                if spins.is_multiple_of(1 << 14) {
                     std::thread::yield_now();
                 } else {
                     std::hint::spin_loop();
@@ -539,8 +539,8 @@ mod tests {
                 break;
             }
             next.store(round, Ordering::Release);
-            wait(&|| m.compare_swap(0, 0, 1) == 0, 1 << 14);
-            wait(&|| released.load(Ordering::Acquire) == round, 1 << 14);
+            wait(&|| m.compare_swap(0, 0, 1) == 0);
+            wait(&|| released.load(Ordering::Acquire) == round);
             if m.load(0) != 1 {
                 lost += 1;
                 m.store(0, 1);
