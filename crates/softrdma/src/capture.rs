@@ -1033,41 +1033,39 @@ mod tests {
         "/../../tests/data/rxe_rc_pingpong.pcap"
     ));
 
+    /// `v` in the section's byte order.
+    fn u32b(big: bool, v: u32) -> [u8; 4] {
+        if big {
+            v.to_be_bytes()
+        } else {
+            v.to_le_bytes()
+        }
+    }
+
+    fn u16b(big: bool, v: u16) -> [u8; 2] {
+        if big {
+            v.to_be_bytes()
+        } else {
+            v.to_le_bytes()
+        }
+    }
+
     /// A pcapng block: type, length, body padded to 4 bytes, length again.
     fn block(out: &mut Vec<u8>, big: bool, kind: u32, body: &[u8]) {
-        let u32b = |v: u32| {
-            if big {
-                v.to_be_bytes()
-            } else {
-                v.to_le_bytes()
-            }
-        };
         let padded = body.len().next_multiple_of(4);
         let len = 12 + padded as u32;
-        out.extend_from_slice(&u32b(kind));
-        out.extend_from_slice(&u32b(len));
+        out.extend_from_slice(&u32b(big, kind));
+        out.extend_from_slice(&u32b(big, len));
         out.extend_from_slice(body);
         out.resize(out.len() + padded - body.len(), 0);
-        out.extend_from_slice(&u32b(len));
+        out.extend_from_slice(&u32b(big, len));
     }
 
     /// The legacy capture's frames as pcapng (section header, one Ethernet
     /// interface in microseconds, an enhanced packet block per frame).
     fn as_pcapng(big: bool) -> Vec<u8> {
-        let u16b = |v: u16| {
-            if big {
-                v.to_be_bytes()
-            } else {
-                v.to_le_bytes()
-            }
-        };
-        let u32b = |v: u32| {
-            if big {
-                v.to_be_bytes()
-            } else {
-                v.to_le_bytes()
-            }
-        };
+        let u16b = |v: u16| u16b(big, v);
+        let u32b = |v: u32| u32b(big, v);
         let mut out = Vec::new();
         let mut shb = u32b(0x1a2b_3c4d).to_vec();
         shb.extend_from_slice(&u16b(1));

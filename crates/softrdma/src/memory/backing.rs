@@ -21,7 +21,7 @@ const PAGE: usize = 4096;
 const BULK_COPY_MIN: usize = 4096;
 
 /// Copies of at most this many bytes store word by word (see [`copy_words`]).
-const WORD_COPY_MAX: usize = 64;
+pub(crate) const WORD_COPY_MAX: usize = 64;
 
 /// Copies `len` bytes between ranges that do not overlap.
 ///
@@ -480,6 +480,21 @@ mod tests {
         }
     }
 
+    /// Spins until `ready`, yielding once in a long while (on a busy machine
+    /// the other thread may need this CPU; more often, and takes seldom land
+    /// on a release).
+    fn spin_until(ready: impl Fn() -> bool) {
+        let mut spins = 0u32;
+        while !ready() {
+            spins += 1;
+            if spins.is_multiple_of(1 << 14) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
     #[test]
     fn an_eight_byte_write_is_one_store() {
         // Rounds of: one thread releases word 0 with an 8-byte write of 0
@@ -494,38 +509,19 @@ mod tests {
         let next = Arc::new(AtomicU64::new(1));
         let stop = Instant::now() + Duration::from_secs(2);
         let rounds = 3_000_000u64;
-        // Spins, yielding once in a long while (on a busy machine the other
-        // thread may need this CPU; more often, and takes seldom land on a
-        // release).
-        let wait = |ready: &dyn Fn() -> bool| {
-            let mut spins = 0u32;
-            while !ready() {
-                spins += 1;
-                if spins.is_multiple_of(1 << 14) {
-                    std::thread::yield_now();
-                } else {
-                    std::hint::spin_loop();
-                }
-            }
-        };
         m.store(0, 1);
         let releaser = {
             let (m, released, next) = (m.clone(), released.clone(), next.clone());
             std::thread::spawn(move || {
                 for round in 1..=rounds {
-                    let mut spins = 0u32;
-                    loop {
-                        match next.load(Ordering::Acquire) {
-                            0 => return,
-                            n if n == round => break,
-                            _ => {}
-                        }
-                        spins += 1;
-                        if spins.is_multiple_of(1 << 14) {
-                            std::thread::yield_now();
-                        } else {
-                            std::hint::spin_loop();
-                        }
+                    // 0: the taker stopped (it changes `next` only then, or
+                    // once this round's release is done).
+                    spin_until(|| {
+                        let n = next.load(Ordering::Acquire);
+                        n == 0 || n == round
+                    });
+                    if next.load(Ordering::Acquire) == 0 {
+                        return;
                     }
                     // Its length unknown to the compiler, as a WR's is.
                     m.write(0, std::hint::black_box(&[0u8; 8][..]));
@@ -539,8 +535,8 @@ mod tests {
                 break;
             }
             next.store(round, Ordering::Release);
-            wait(&|| m.compare_swap(0, 0, 1) == 0);
-            wait(&|| released.load(Ordering::Acquire) == round);
+            spin_until(|| m.compare_swap(0, 0, 1) == 0);
+            spin_until(|| released.load(Ordering::Acquire) == round);
             if m.load(0) != 1 {
                 lost += 1;
                 m.store(0, 1);

@@ -16,6 +16,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
+pub(crate) use backing::WORD_COPY_MAX;
 pub use backing::{RegionMemory, copy_bytes};
 
 /// Access rights of a memory region (values as libibverbs' `IBV_ACCESS_*`).

@@ -1083,8 +1083,8 @@ fn read_rest(
 }
 
 /// Payloads up to this long are read into a buffer and then placed by the
-/// region's copy (see [`receive_one`]).
-const SMALL_PAYLOAD: usize = 64;
+/// region's copy (see [`receive_one`]): the copies that store whole words once.
+const SMALL_PAYLOAD: usize = crate::memory::WORD_COPY_MAX;
 
 /// A busy-poll flag that is off: reads that need not spin for their bytes.
 static NO_SPIN: AtomicBool = AtomicBool::new(false);
