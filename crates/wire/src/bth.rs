@@ -212,20 +212,21 @@ impl Repr {
 
     /// Writes the header; reserved bits become zero.
     pub fn emit<T: AsRef<[u8]> + AsMut<[u8]>>(&self, h: &mut Header<T>) {
-        h.set_opcode(self.opcode);
-        h.buffer.as_mut()[field::FLAGS] = 0;
-        h.set_solicited(self.solicited);
-        h.set_mig_req(self.mig_req);
-        h.set_pad_count(self.pad_count);
-        h.set_transport_version(TRANSPORT_VERSION);
-        h.set_pkey(self.pkey);
-        h.buffer.as_mut()[field::FECN_BECN] = 0;
-        h.set_fecn(self.fecn);
-        h.set_becn(self.becn);
-        h.set_dest_qp(self.dest_qp);
-        h.buffer.as_mut()[field::ACK_REQ] = 0;
-        h.set_ack_req(self.ack_req);
-        h.set_psn(self.psn);
+        // Three big-endian words, not a setter per field: every packet sent
+        // passes here.
+        let flags = u32::from(self.solicited) << 7
+            | u32::from(self.mig_req) << 6
+            | u32::from(self.pad_count & 0x3) << 4
+            | u32::from(TRANSPORT_VERSION);
+        let words = [
+            u32::from(self.opcode.0) << 24 | flags << 16 | u32::from(self.pkey),
+            u32::from(self.fecn) << 31 | u32::from(self.becn) << 30 | (self.dest_qp & 0xff_ffff),
+            u32::from(self.ack_req) << 31 | self.psn.value(),
+        ];
+        let b = &mut h.buffer.as_mut()[..HEADER_LEN];
+        for (to, w) in b.chunks_exact_mut(4).zip(words) {
+            to.copy_from_slice(&w.to_be_bytes());
+        }
     }
 }
 

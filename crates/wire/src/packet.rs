@@ -267,14 +267,18 @@ impl Repr {
             (Headers::ATOMIC_ACK_ETH, self.atomic_ack.is_some()),
             (Headers::IMM_DT, self.immediate.is_some()),
             (Headers::IETH, self.invalidate_rkey.is_some()),
-        ];
-        for (h, is) in present {
-            if info.headers.contains(h) != is {
-                return Err(Error::InvalidField {
-                    field: "extension headers that do not match the opcode",
-                    value: u64::from(self.bth.opcode.0),
-                });
-            }
+        ]
+        .into_iter()
+        .fold(
+            Headers::NONE,
+            |set, (h, is)| if is { set.with(h) } else { set },
+        );
+        // A CNP's reserved bytes are not a field of the Repr.
+        if present != info.headers.without(Headers::CNP_RESERVED) {
+            return Err(Error::InvalidField {
+                field: "extension headers that do not match the opcode",
+                value: u64::from(self.bth.opcode.0),
+            });
         }
         if !info.has_payload && self.payload_len != 0 {
             return Err(Error::InvalidField {

@@ -355,11 +355,12 @@ pub fn read_vectored_from_fd<R: Borrow<Region>>(
 }
 
 /// Keys are random 32-bit numbers: a multiplicative hash spreads them
-/// (SipHash, the default, costs more than the rest of a lookup).
-type KeyHash = std::hash::BuildHasherDefault<KeyHasher>;
+/// (SipHash, the default, costs more than the rest of a lookup). Also for
+/// the providers' tables of QPs by number, looked up per packet.
+pub(crate) type KeyHash = std::hash::BuildHasherDefault<KeyHasher>;
 
 #[derive(Debug, Default)]
-struct KeyHasher(u64);
+pub(crate) struct KeyHasher(u64);
 
 impl std::hash::Hasher for KeyHasher {
     fn finish(&self) -> u64 {

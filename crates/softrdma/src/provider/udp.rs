@@ -35,7 +35,7 @@ use crate::engine::rc::MAX_HEADER_LEN;
 use crate::engine::srq::Srq;
 use crate::engine::ud::RecvMeta;
 use crate::engine::{AhId, CqKind, MAX_INLINE_DATA, QpEngine, Time, Transmit};
-use crate::memory::{MrTable, Segment};
+use crate::memory::{KeyHash, MrTable, Segment};
 use crate::verbs::cq::CqInner;
 use crate::verbs::events::{AsyncEvent, EventQueue};
 
@@ -140,7 +140,7 @@ pub struct DeviceStats {
 #[derive(Debug)]
 pub(crate) struct Shared {
     pub mrs: Arc<RwLock<MrTable>>,
-    pub qps: RwLock<HashMap<u32, Arc<QpSlot>>>,
+    pub qps: RwLock<HashMap<u32, Arc<QpSlot>, KeyHash>>,
     /// Address handles: where UD sends go.
     pub ahs: RwLock<HashMap<u32, SocketAddrV4>>,
     /// Asynchronous events.
@@ -247,6 +247,8 @@ struct TxSlot {
     buf: Vec<u8>,
     pieces: Vec<Segment>,
     t: Transmit,
+    /// The pad and the ICRC, written as the packet is framed.
+    trailer: [u8; 7],
     /// UD: the address handle; RC: the QP's peer.
     ah: Option<AhId>,
 }
@@ -513,6 +515,7 @@ thread_local! {
                 // A packet's payload from up to four SGEs, without growing.
                 pieces: Vec::with_capacity(4),
                 t: Transmit { len: 0, payload_len: 0, pad: 0 },
+                trailer: [0; 7],
                 ah: None,
             })
             .collect(),
@@ -584,7 +587,7 @@ impl UdpDevice {
             .collect::<io::Result<Vec<u16>>>()?;
         let shared = Arc::new(Shared {
             mrs: Arc::new(RwLock::new(MrTable::new())),
-            qps: RwLock::new(HashMap::new()),
+            qps: RwLock::new(HashMap::default()),
             ahs: RwLock::new(HashMap::new()),
             events: Arc::new(EventQueue::new()?),
             port_up: AtomicBool::new(true),
@@ -794,7 +797,7 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
                         continue;
                     };
                     let k = gso_run(shared.gso.load(Ordering::Relaxed), &tx[i..n]);
-                    send_packets(shared, d, &tx[i..i + k], slot.qpn);
+                    send_packets(shared, d, &mut tx[i..i + k], slot.qpn);
                     i += k;
                 }
                 // UD send completions wait for their datagrams to be in the
@@ -867,35 +870,35 @@ fn gso_run(gso: bool, tx: &[TxSlot]) -> usize {
     k
 }
 
-/// Frames `s` as the `ident`th datagram: headers, region pieces, pad and
-/// the ICRC (in `trailer`, which must outlive the send).
-fn frame<'a>(
-    flow: &Ipv4Flow,
-    s: &'a TxSlot,
-    ident: u16,
-    trailer: &'a mut [u8; 7],
-    iov: &mut smallvec::SmallVec<[IoSlice<'a>; GSO_MAX_IOV]>,
-) {
+/// Writes the pad and ICRC of `s`, sent as the `ident`th datagram, into its
+/// trailer.
+fn seal(flow: &Ipv4Flow, s: &mut TxSlot, ident: u16) {
     let t = s.t;
-    let head = &s.buf[..t.len];
     let mut crc = flow
-        .icrc(ident, udp_len(&t) as u16, head)
+        .icrc(ident, udp_len(&t) as u16, &s.buf[..t.len])
         .expect("headers from the engine start with a BTH");
-    iov.push(IoSlice::new(head));
+    for p in &s.pieces {
+        // SAFETY: the bytes are read once here, not kept; a concurrent remote
+        // write into them makes the ICRC unspecified, as DMA from a changing
+        // buffer would on a NIC.
+        crc.update(unsafe { p.bytes() });
+    }
+    let pad = usize::from(t.pad);
+    s.trailer[..pad].fill(0);
+    crc.update(&s.trailer[..pad]);
+    s.trailer[pad..pad + icrc::LEN].copy_from_slice(&crc.finish().to_le_bytes());
+}
+
+/// Appends the gather list of sealed `s`: headers, region pieces, trailer.
+fn gather<'a>(s: &'a TxSlot, iov: &mut smallvec::SmallVec<[IoSlice<'a>; GSO_MAX_IOV]>) {
+    iov.push(IoSlice::new(&s.buf[..s.t.len]));
     for p in &s.pieces {
         // SAFETY: the bytes go to the kernel in this send and are not kept; a
         // concurrent remote write into them makes what is sent unspecified,
         // as DMA from a changing buffer would on a NIC.
-        let bytes = unsafe { p.bytes() };
-        crc.update(bytes);
-        iov.push(IoSlice::new(bytes));
+        iov.push(IoSlice::new(unsafe { p.bytes() }));
     }
-    let pad = [0u8; 3];
-    crc.update(&pad[..usize::from(t.pad)]);
-    let tl = usize::from(t.pad) + icrc::LEN;
-    trailer[..usize::from(t.pad)].fill(0);
-    trailer[usize::from(t.pad)..tl].copy_from_slice(&crc.finish().to_le_bytes());
-    iov.push(IoSlice::new(&trailer[..tl]));
+    iov.push(IoSlice::new(&s.trailer[..usize::from(s.t.pad) + icrc::LEN]));
 }
 
 /// The flow of `ip` and these ports, from `cache` if it is the one there.
@@ -919,12 +922,9 @@ fn cached_flow(
 /// (UDP_SEGMENT), which the kernel cuts into datagrams numbered from IP ID
 /// 0 (each ICRC covers its ID). Zero copy here: headers, region memory and
 /// ICRCs go to the kernel as one gather list.
-fn send_packets(shared: &Shared, peer: SocketAddrV4, tx: &[TxSlot], qpn: u32) {
+fn send_packets(shared: &Shared, peer: SocketAddrV4, tx: &mut [TxSlot], qpn: u32) {
     // rxe's hash_32 of the QPN (WIRE-NOTES 1.1) picks the socket.
     let sock = (qpn.wrapping_mul(0x61C8_8647) >> 18) as usize % shared.sockets.len();
-    let mut trailers = [[0u8; 7]; GSO_MAX_SEGMENTS_BULK];
-    let mut iov = smallvec::SmallVec::<[IoSlice<'_>; GSO_MAX_IOV]>::new();
-    let mut bounds = [0usize; GSO_MAX_SEGMENTS_BULK + 1];
     let ip = Ipv4Pseudo {
         src: shared.local.ip().octets(),
         dst: peer.ip().octets(),
@@ -932,24 +932,32 @@ fn send_packets(shared: &Shared, peer: SocketAddrV4, tx: &[TxSlot], qpn: u32) {
         dont_fragment: true,
     };
     let flow = cached_flow(&SEND_FLOW, ip, shared.ports[sock], peer.port());
-    for (k, (s, trailer)) in tx.iter().zip(trailers.iter_mut()).enumerate() {
-        let ident = if tx.len() > 1 { k as u16 } else { 0 };
-        frame(&flow, s, ident, trailer, &mut iov);
-        bounds[k + 1] = iov.len();
+    let gso = tx.len() > 1;
+    for (k, s) in tx.iter_mut().enumerate() {
+        seal(&flow, s, if gso { k as u16 } else { 0 });
+    }
+    let sealed = &*tx;
+    let mut iov = smallvec::SmallVec::<[IoSlice<'_>; GSO_MAX_IOV]>::new();
+    for s in sealed {
+        gather(s, &mut iov);
     }
     if let Some(pcap) = &shared.pcap {
         let mut w = pcap.lock().expect("pcap lock");
-        for k in 0..tx.len() {
+        // Each packet's gather list: its headers, its pieces, its trailer.
+        let mut start = 0;
+        for (k, s) in sealed.iter().enumerate() {
+            let end = start + 2 + s.pieces.len();
             let m = PacketMeta {
                 src: SocketAddrV4::new(*shared.local.ip(), shared.ports[sock]),
                 dst: peer,
-                identification: if tx.len() > 1 { k as u16 } else { 0 },
+                identification: if gso { k as u16 } else { 0 },
                 ttl: 64,
                 tos: 0,
             };
             let parts: smallvec::SmallVec<[&[u8]; 8]> =
-                iov[bounds[k]..bounds[k + 1]].iter().map(|s| &**s).collect();
+                iov[start..end].iter().map(|s| &**s).collect();
             let _ = w.record(&m, &parts);
+            start = end;
         }
     }
     let to = [Some(SockaddrIn::from(peer))];
@@ -966,6 +974,7 @@ fn send_packets(shared: &Shared, peer: SocketAddrV4, tx: &[TxSlot], qpn: u32) {
             sendmmsg(fd, plain, &one, to, none, MsgFlags::empty()).map(drop)
         }
     });
+    drop(iov);
     match sent {
         Ok(_) => {
             shared
@@ -987,7 +996,7 @@ fn send_packets(shared: &Shared, peer: SocketAddrV4, tx: &[TxSlot], qpn: u32) {
         ) if tx.len() > 1 => {
             shared.gso.store(false, Ordering::Relaxed);
             for s in tx {
-                send_packets(shared, peer, std::slice::from_ref(s), qpn);
+                send_packets(shared, peer, std::slice::from_mut(s), qpn);
             }
         }
         Err(e) => {
@@ -1424,6 +1433,7 @@ mod tests {
                     payload_len,
                     pad: 0,
                 },
+                trailer: [0; 7],
                 ah: None,
             })
             .collect()
