@@ -423,6 +423,11 @@ def cases(mtu4200=False):
     perf("read-lat", 64, 100, ours_extra="--busy-poll")
     perf("send-bw", 512, 50, "-c UD -b")
     perf("send-lat", 256, 50, "-c UD")
+    # softrdma's inline sends (IBV_SEND_INLINE; perftest keeps inline off on
+    # rxe, a device it does not know).
+    perf("write-lat", 64, 100, ours_extra="-I 64")
+    perf("send-lat", 64, 100, ours_extra="-I 64")
+    perf("send-lat", 128, 50, "-c UD", ours_extra="-I 128")
     perf("write-lat", 64, 100)
     perf("write-lat", 3000, 20)
     perf("read-lat", 64, 100)

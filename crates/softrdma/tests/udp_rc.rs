@@ -515,3 +515,40 @@ fn write_ping_pong_posts_racing_the_ack_all_leave() {
     let _a = ta.join().unwrap();
     let _b = tb.join().unwrap();
 }
+
+#[test]
+fn inline_sends_and_writes_arrive_whole() {
+    let (a, b) = pair();
+    // Sizes around the pad (the payload ends on 4 bytes) and a word.
+    for (k, len) in [1usize, 3, 8, 13, 64, 200, 256].into_iter().enumerate() {
+        let data: Vec<u8> = (0..len).map(|i| (i * 13 + k) as u8).collect();
+        let k = k as u64;
+        b.qp.post_recv(RecvWr::new(100 + k, [b.mr.sge(4096, 4096)]))
+            .unwrap();
+        a.qp.post_send(SendWr::new(k, SendOp::Send, []).inline(&data))
+            .unwrap();
+        let wc = one(&b.cq);
+        assert_eq!(
+            (wc.wr_id, wc.status, wc.byte_len as usize),
+            (100 + k, WcStatus::Success, len)
+        );
+        assert_eq!(b.mr.read_vec(4096, len).unwrap(), data);
+        assert_eq!(one(&a.cq).status, WcStatus::Success, "SEND of {len}");
+        let at = 16_384 + 512 * k;
+        a.qp.post_send(
+            SendWr::new(
+                200 + k,
+                SendOp::Write {
+                    remote_addr: b.info.va + at,
+                    rkey: b.info.rkey,
+                },
+                [],
+            )
+            .inline(&data),
+        )
+        .unwrap();
+        assert_eq!(one(&a.cq).status, WcStatus::Success, "WRITE of {len}");
+        assert_eq!(b.mr.read_vec(at as usize, len).unwrap(), data);
+    }
+    assert_eq!(a.ctx.stats().bad_icrc + b.ctx.stats().bad_icrc, 0);
+}

@@ -241,3 +241,38 @@ fn a_foreign_ip_id_is_solved_from_the_icrc_and_the_grh_shows_ttl_and_tos() {
     }
     assert_eq!(ctx.stats().bad_icrc, 1);
 }
+
+#[test]
+fn inline_ud_sends_arrive_whole() {
+    let ctx = Device::udp("127.0.0.1:0".parse().unwrap()).open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let mr = pd.register(1 << 16, Access::LOCAL_WRITE).unwrap();
+    let scq = ctx.create_cq(64).unwrap();
+    let rcq = ctx.create_cq(64).unwrap();
+    let a = ud_qp2(&pd, &scq, &rcq, QKEY);
+    let b = ud_qp2(&pd, &scq, &rcq, QKEY);
+    let ah = pd
+        .create_ah(AhAttr {
+            addr: ctx.local_addr(),
+        })
+        .unwrap();
+    for (k, len) in [1usize, 3, 8, 13, 200].into_iter().enumerate() {
+        let data: Vec<u8> = (0..len).map(|i| (i * 7 + k) as u8).collect();
+        let k = k as u64;
+        b.post_recv(RecvWr::new(k, [mr.sge(0, 40 + 256)])).unwrap();
+        a.post_send(
+            SendWr::new(100 + k, SendOp::Send, [])
+                .inline(&data)
+                .to(ah.dest(b.qpn(), QKEY)),
+        )
+        .unwrap();
+        assert_eq!(scq.wait(T).unwrap().expect("sent").wr_id, 100 + k);
+        let wc = rcq.wait(T).unwrap().expect("an inline UD SEND arrives");
+        assert_eq!(
+            (wc.wr_id, wc.status, wc.byte_len as usize),
+            (k, WcStatus::Success, 40 + len)
+        );
+        assert_eq!(mr.read_vec(40, len).unwrap(), data);
+    }
+    assert_eq!(ctx.stats().bad_icrc, 0);
+}

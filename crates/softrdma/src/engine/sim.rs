@@ -192,6 +192,11 @@ impl Sim {
         let t = end
             .qp
             .poll_transmit(self.now, &end.mrs, &mut self.buf, &mut self.pieces)?;
+        assert_eq!(
+            self.pieces.iter().map(Segment::len).sum::<usize>(),
+            t.payload_len,
+            "a Transmit's payload_len counts the bytes in its pieces"
+        );
         let mut packet = Vec::with_capacity(t.len + t.payload_len + 8);
         packet.extend_from_slice(&self.buf[..t.len]);
         for s in &self.pieces {

@@ -359,7 +359,8 @@ impl UdQp {
         Some((
             Transmit {
                 len,
-                payload_len: w.len,
+                // Inline payload is in `buf`, counted in `len`.
+                payload_len: if w.wr.flags.inline { 0 } else { w.len },
                 pad: bth::pad_for(w.len),
             },
             dest.ah,

@@ -491,12 +491,15 @@ impl RcQp {
         let mut len = repr
             .emit_header(buf)
             .expect("the requester builds headers that match their opcodes");
+        // Payload bytes in `pieces` (inline payload is in `buf`, counted in `len`).
+        let mut in_pieces = 0;
         if let Some((off, plen, _)) = payload {
             if w.wr.flags.inline {
                 buf[len..len + plen].copy_from_slice(&w.wr.inline_data[off..off + plen]);
                 len += plen;
             } else {
                 push_pieces(&w.segs, off, plen, pieces);
+                in_pieces = plen;
             }
         }
         if self.req.high_psn.is_some_and(|h| psn.before(h)) {
@@ -516,7 +519,7 @@ impl RcQp {
         }
         Some(Transmit {
             len,
-            payload_len: payload.map_or(0, |p| p.1),
+            payload_len: in_pieces,
             pad: bth::pad_for(payload.map_or(0, |p| p.1)),
         })
     }
