@@ -552,3 +552,85 @@ fn inline_sends_and_writes_arrive_whole() {
     }
     assert_eq!(a.ctx.stats().bad_icrc + b.ctx.stats().bad_icrc, 0);
 }
+
+#[test]
+fn zero_length_immediates_and_scattered_buffers_over_sockets() {
+    // A path MTU of 1 KiB: the 2 999-byte messages below take three packets,
+    // whose edges fall inside the pieces.
+    let (a, b) = (end("127.0.0.1"), end("127.0.0.1"));
+    let (mut ai, mut bi) = (a.info, b.info);
+    ai.mtu = Mtu::Mtu1024;
+    bi.mtu = Mtu::Mtu1024;
+    cm::connect(&a.qp, &ai, &bi, &RcOptions::default()).unwrap();
+    cm::connect(&b.qp, &bi, &ai, &RcOptions::default()).unwrap();
+    let data: Vec<u8> = (0..3000u32).map(|i| (i * 11 + 5) as u8).collect();
+    a.mr.write(0, &data).unwrap();
+    // Zero-length SEND with immediate, zero-length WRITE.
+    b.qp.post_recv(RecvWr::new(1, [b.mr.sge(0, 16)])).unwrap();
+    a.qp.post_send(SendWr::new(2, SendOp::SendWithImm(0x1234_5678), []))
+        .unwrap();
+    let wc = one(&b.cq);
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.byte_len, wc.imm),
+        (1, WcStatus::Success, 0, Some(0x1234_5678))
+    );
+    assert_eq!(one(&a.cq).wr_id, 2);
+    a.qp.post_send(SendWr::new(
+        3,
+        SendOp::Write {
+            remote_addr: b.info.va,
+            rkey: b.info.rkey,
+        },
+        [],
+    ))
+    .unwrap();
+    assert_eq!(one(&a.cq).status, WcStatus::Success);
+    // A SEND gathered from three pieces of odd lengths into a receive of
+    // three pieces.
+    let (x, y) = (100_000usize, 200_000usize);
+    b.qp.post_recv(RecvWr::new(
+        4,
+        [
+            b.mr.sge(x, 999),
+            b.mr.sge(x + 5000, 1),
+            b.mr.sge(x + 9000, 2000),
+        ],
+    ))
+    .unwrap();
+    a.qp.post_send(SendWr::new(
+        5,
+        SendOp::Send,
+        [a.mr.sge(0, 1001), a.mr.sge(1001, 7), a.mr.sge(1008, 1991)],
+    ))
+    .unwrap();
+    let wc = one(&b.cq);
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.byte_len),
+        (4, WcStatus::Success, 2999)
+    );
+    let mut got = b.mr.read_vec(x, 999).unwrap();
+    got.extend(b.mr.read_vec(x + 5000, 1).unwrap());
+    got.extend(b.mr.read_vec(x + 9000, 1999).unwrap());
+    assert_eq!(got, data[..2999]);
+    assert_eq!(one(&a.cq).wr_id, 5);
+    // The same three pieces as one WRITE with immediate.
+    b.qp.post_recv(RecvWr::new(6, [])).unwrap();
+    a.qp.post_send(SendWr::new(
+        7,
+        SendOp::WriteWithImm {
+            remote_addr: b.info.va + y as u64,
+            rkey: b.info.rkey,
+            imm: 9,
+        },
+        [a.mr.sge(0, 1001), a.mr.sge(1001, 7), a.mr.sge(1008, 1991)],
+    ))
+    .unwrap();
+    let wc = one(&b.cq);
+    assert_eq!(
+        (wc.wr_id, wc.opcode, wc.imm, wc.byte_len),
+        (6, WcOpcode::RecvRdmaWithImm, Some(9), 2999)
+    );
+    assert_eq!(b.mr.read_vec(y, 2999).unwrap(), data[..2999]);
+    assert_eq!(one(&a.cq).wr_id, 7);
+    assert_eq!(a.ctx.stats().bad_icrc + b.ctx.stats().bad_icrc, 0);
+}
