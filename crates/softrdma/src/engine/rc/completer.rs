@@ -8,7 +8,7 @@ use softrdma_wire::packet::Packet;
 
 use super::RcQp;
 use crate::engine::scatter;
-use crate::engine::{CqKind, QpState, SendOp, Time, WcOpcode, WcStatus};
+use crate::engine::{CqKind, QpState, SendOp, Time, WcStatus};
 
 impl RcQp {
     /// The first PSN not yet acknowledged or answered (the next to assign when
@@ -352,7 +352,10 @@ impl RcQp {
             self.req.next = self.req.next.saturating_sub(1);
             if status != WcStatus::Success || w.wr.flags.signaled {
                 let mut wc = self.wc(w.wr.wr_id, status, w.wr.op.wc_opcode());
-                if status == WcStatus::Success && w.wr.op.wc_opcode() == WcOpcode::RdmaRead {
+                // Every success reports its length, as rxe does (and siw, and
+                // this crate's other transports): mlx5 reports it for READs
+                // and atomics only, which applications read it for.
+                if status == WcStatus::Success {
                     wc.byte_len = w.len as u32;
                 }
                 self.completions.push_back((CqKind::Send, wc));

@@ -1,0 +1,336 @@
+//! One matrix of operations over every provider: SEND, WRITE (each also
+//! inline and with immediate data where the transport has it), READ and the
+//! atomics, at sizes around packet, pad and word edges, gathered from and
+//! scattered into several pieces, checking the bytes that arrive, the bytes
+//! around them that must not change, and each completion's fields. What the
+//! per-provider tests check one provider at a time, asked of all alike.
+
+use softrdma::cm::{self, ConnInfo, RcOptions};
+use softrdma::verbs::*;
+
+mod common;
+use common::{End, one};
+
+const MR_LEN: usize = 1 << 20;
+const INLINE: u32 = 128;
+/// Where things go in each region: the sender's payload, the receiver's
+/// scattered receive, the WRITE and READ targets, the atomic word and the
+/// atomic result.
+const SRC: usize = 0;
+const RECV: usize = 200_000;
+const TARGET: usize = 400_000;
+const SINK: usize = 600_000;
+const WORD: usize = 800_000;
+const RESULT: usize = 800_064;
+const SIZES: [usize; 14] = [
+    0, 1, 3, 7, 8, 13, 64, 127, 128, 1000, 4095, 4097, 9000, 70_000,
+];
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Transport {
+    Roce,
+    Iwarp,
+    Shm,
+}
+
+fn caps() -> QpCaps {
+    QpCaps {
+        max_send_wr: 64,
+        max_recv_wr: 64,
+        max_send_sge: 4,
+        max_recv_sge: 4,
+        max_inline_data: INLINE,
+    }
+}
+
+fn end(dev: Device) -> End {
+    End::new(dev, MR_LEN, 256, caps())
+}
+
+/// RoCEv2 at a 1 KiB path MTU, so that the larger sizes take many packets.
+fn roce_pair(busy_poll: bool) -> (End, End) {
+    let a = end(Device::udp("127.0.0.1:0".parse().unwrap()));
+    let b = end(Device::udp("127.0.0.1:0".parse().unwrap()));
+    let mut ai = ConnInfo::local(&a.qp, Some(&a.mr)).unwrap();
+    let mut bi = ConnInfo::local(&b.qp, Some(&b.mr)).unwrap();
+    ai.mtu = Mtu::Mtu1024;
+    bi.mtu = Mtu::Mtu1024;
+    cm::connect(&a.qp, &ai, &bi, &RcOptions::default()).unwrap();
+    cm::connect(&b.qp, &bi, &ai, &RcOptions::default()).unwrap();
+    a.ctx.set_busy_poll(busy_poll);
+    b.ctx.set_busy_poll(busy_poll);
+    (a, b)
+}
+
+fn iwarp_pair() -> (End, End) {
+    use softrdma::cm::iwarp::{self, Listener};
+    use softrdma::cm::mpa::{Decision, MpaConfig};
+    let server = end(Device::iwarp([127, 0, 0, 2].into()));
+    let listener = Listener::bind(&server.ctx, 0).unwrap();
+    let at = listener.local_addr();
+    let t = std::thread::spawn(move || {
+        listener
+            .accept(&server.qp, &MpaConfig::default(), |_| Decision::Accept)
+            .unwrap();
+        server
+    });
+    let client = end(Device::iwarp([127, 0, 0, 1].into()));
+    iwarp::connect(&client.qp, at, &MpaConfig::default()).unwrap();
+    (client, t.join().unwrap())
+}
+
+fn shm_pair() -> (End, End) {
+    use softrdma::cm::shm::{self, Listener};
+    let name = format!("conformance-{}", std::process::id());
+    let server = end(Device::shm());
+    let listener = Listener::bind(&server.ctx, &name).unwrap();
+    let t = std::thread::spawn(move || {
+        listener.accept(&server.qp).unwrap();
+        server
+    });
+    let client = end(Device::shm());
+    shm::connect(&client.qp, &name).unwrap();
+    (client, t.join().unwrap())
+}
+
+fn pattern(len: usize, seed: usize) -> Vec<u8> {
+    (0..len).map(|i| (i * 31 + seed * 7 + 1) as u8).collect()
+}
+
+/// `len` bytes at `at` of `mr` as up to three SGEs of uneven lengths.
+fn pieces(mr: &Mr, at: usize, len: usize) -> Vec<Sge> {
+    if len < 3 {
+        return if len == 0 {
+            vec![]
+        } else {
+            vec![mr.sge(at, len as u32)]
+        };
+    }
+    let (x, y) = (len / 3 + 1, len / 5 + 1);
+    vec![
+        mr.sge(at, x as u32),
+        mr.sge(at + x, y as u32),
+        mr.sge(at + x + y, (len - x - y) as u32),
+    ]
+}
+
+/// The bytes of `mr` at `at`, `len` long, and 16 guard bytes either side
+/// that must still be `fill`.
+fn check_area(mr: &Mr, at: usize, want: &[u8], fill: u8, what: &str) {
+    let got = mr.read_vec(at - 16, want.len() + 32).unwrap();
+    assert_eq!(&got[16..16 + want.len()], want, "{what}: payload");
+    assert!(
+        got[..16]
+            .iter()
+            .chain(&got[16 + want.len()..])
+            .all(|&b| b == fill),
+        "{what}: bytes outside the target changed"
+    );
+}
+
+fn completion(cq: &Cq, what: &str) -> WorkCompletion {
+    let wc = one(cq);
+    assert_eq!(wc.status, WcStatus::Success, "{what}: {wc:?}");
+    wc
+}
+
+fn run_matrix(t: Transport, a: &End, b: &End) {
+    let (va, rkey) = (b.mr.addr(), b.mr.rkey());
+    let has_imm_and_atomics = t != Transport::Iwarp;
+    let mut id = 0u64;
+    for (k, &n) in SIZES.iter().enumerate() {
+        let data = pattern(n, k);
+        a.mr.write(SRC, &data).unwrap();
+        let inline = n <= INLINE as usize;
+        // SEND, gathered or inline, with and without immediate data, into
+        // a receive of two pieces (the first shorter than the message).
+        for (inl, imm) in [
+            (false, None),
+            (true, None),
+            (false, Some(0xc0de_0000 + k as u32)),
+        ] {
+            if (inl && !inline) || (imm.is_some() && !has_imm_and_atomics) {
+                continue;
+            }
+            let what = format!("{t:?} SEND {n} inline={inl} imm={imm:?}");
+            let fill = 0xa5;
+            b.mr.write(RECV - 16, &vec![fill; 2 * n + 64]).unwrap();
+            let first = n / 2;
+            id += 1;
+            b.qp.post_recv(RecvWr::new(
+                id,
+                [
+                    b.mr.sge(RECV, first as u32),
+                    b.mr.sge(RECV + first, (n - first + 16) as u32),
+                ],
+            ))
+            .unwrap();
+            let op = imm.map_or(SendOp::Send, SendOp::SendWithImm);
+            let wr = if inl {
+                SendWr::new(id + 1000, op, []).inline(&data)
+            } else {
+                SendWr::new(id + 1000, op, pieces(&a.mr, SRC, n))
+            };
+            a.qp.post_send(wr).unwrap();
+            let wc = completion(&b.rcq, &what);
+            assert_eq!(
+                (wc.wr_id, wc.opcode, wc.byte_len as usize, wc.imm),
+                (id, WcOpcode::Recv, n, imm),
+                "{what}"
+            );
+            let wc = completion(&a.scq, &what);
+            assert_eq!(
+                (wc.wr_id, wc.opcode, wc.byte_len as usize),
+                (id + 1000, WcOpcode::Send, n),
+                "{what}"
+            );
+            check_area(&b.mr, RECV, &data, fill, &what);
+        }
+        // WRITE, gathered or inline, and with immediate data.
+        for (inl, imm) in [
+            (false, None),
+            (true, None),
+            (false, Some(0xbeef_0000 + k as u32)),
+        ] {
+            if (inl && !inline) || (imm.is_some() && !has_imm_and_atomics) {
+                continue;
+            }
+            let what = format!("{t:?} WRITE {n} inline={inl} imm={imm:?}");
+            let fill = 0x5a;
+            b.mr.write(TARGET - 16, &vec![fill; n + 32]).unwrap();
+            id += 1;
+            let op = match imm {
+                Some(imm) => {
+                    b.qp.post_recv(RecvWr::new(id, [])).unwrap();
+                    SendOp::WriteWithImm {
+                        remote_addr: va + TARGET as u64,
+                        rkey,
+                        imm,
+                    }
+                }
+                None => SendOp::Write {
+                    remote_addr: va + TARGET as u64,
+                    rkey,
+                },
+            };
+            let wr = if inl {
+                SendWr::new(id + 1000, op, []).inline(&data)
+            } else {
+                SendWr::new(id + 1000, op, pieces(&a.mr, SRC, n))
+            };
+            a.qp.post_send(wr).unwrap();
+            let wc = completion(&a.scq, &what);
+            assert_eq!(
+                (wc.wr_id, wc.opcode, wc.byte_len as usize),
+                (id + 1000, WcOpcode::RdmaWrite, n),
+                "{what}"
+            );
+            // An iWARP WRITE completes once its bytes are in the socket (as
+            // siw's): a READ behind it answers only once it is placed.
+            a.qp.post_send(SendWr::new(
+                id + 5000,
+                SendOp::Read {
+                    remote_addr: va + TARGET as u64,
+                    rkey,
+                },
+                [a.mr.sge(RESULT + 16, 1)],
+            ))
+            .unwrap();
+            assert_eq!(completion(&a.scq, &what).wr_id, id + 5000, "{what}");
+            if let Some(imm) = imm {
+                let wc = completion(&b.rcq, &what);
+                assert_eq!(
+                    (wc.wr_id, wc.opcode, wc.byte_len as usize, wc.imm),
+                    (id, WcOpcode::RecvRdmaWithImm, n, Some(imm)),
+                    "{what}"
+                );
+            }
+            check_area(&b.mr, TARGET, &data, fill, &what);
+        }
+        // READ back into three pieces.
+        {
+            let what = format!("{t:?} READ {n}");
+            let fill = 0x3c;
+            let theirs = pattern(n, k + 100);
+            b.mr.write(TARGET, &theirs).unwrap();
+            a.mr.write(SINK - 16, &vec![fill; n + 32]).unwrap();
+            id += 1;
+            a.qp.post_send(SendWr::new(
+                id,
+                SendOp::Read {
+                    remote_addr: va + TARGET as u64,
+                    rkey,
+                },
+                pieces(&a.mr, SINK, n),
+            ))
+            .unwrap();
+            let wc = completion(&a.scq, &what);
+            assert_eq!(
+                (wc.wr_id, wc.opcode, wc.byte_len as usize),
+                (id, WcOpcode::RdmaRead, n),
+                "{what}"
+            );
+            check_area(&a.mr, SINK, &theirs, fill, &what);
+        }
+    }
+    if has_imm_and_atomics {
+        b.mr.write(WORD, &40u64.to_ne_bytes()).unwrap();
+        id += 1;
+        a.qp.post_send(SendWr::new(
+            id,
+            SendOp::FetchAdd {
+                remote_addr: va + WORD as u64,
+                rkey,
+                add: 2,
+            },
+            [a.mr.sge(RESULT, 8)],
+        ))
+        .unwrap();
+        let wc = completion(&a.scq, "FETCH_ADD");
+        assert_eq!((wc.opcode, wc.byte_len), (WcOpcode::FetchAdd, 8));
+        assert_eq!(a.mr.load_u64(RESULT).unwrap(), 40);
+        id += 1;
+        a.qp.post_send(SendWr::new(
+            id,
+            SendOp::CompareSwap {
+                remote_addr: va + WORD as u64,
+                rkey,
+                compare: 42,
+                swap: 7,
+            },
+            [a.mr.sge(RESULT + 8, 8)],
+        ))
+        .unwrap();
+        let wc = completion(&a.scq, "CMP_SWAP");
+        assert_eq!((wc.opcode, wc.byte_len), (WcOpcode::CompareSwap, 8));
+        assert_eq!(a.mr.load_u64(RESULT + 8).unwrap(), 42);
+        assert_eq!(b.mr.load_u64(WORD).unwrap(), 7);
+    }
+    assert_eq!(a.qp.state(), QpState::Rts);
+    assert_eq!(b.qp.state(), QpState::Rts);
+}
+
+#[test]
+fn every_operation_over_roce() {
+    let (a, b) = roce_pair(false);
+    run_matrix(Transport::Roce, &a, &b);
+    assert_eq!(a.ctx.stats().bad_icrc + b.ctx.stats().bad_icrc, 0);
+}
+
+#[test]
+fn every_operation_over_roce_busy_polling() {
+    let (a, b) = roce_pair(true);
+    run_matrix(Transport::Roce, &a, &b);
+}
+
+#[test]
+fn every_operation_over_iwarp() {
+    let (a, b) = iwarp_pair();
+    run_matrix(Transport::Iwarp, &a, &b);
+}
+
+#[test]
+fn every_operation_over_shared_memory() {
+    let (a, b) = shm_pair();
+    run_matrix(Transport::Shm, &a, &b);
+}
