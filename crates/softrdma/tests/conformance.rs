@@ -51,6 +51,11 @@ fn end(dev: Device) -> End {
 fn roce_pair(busy_poll: bool) -> (End, End) {
     let a = end(Device::udp("127.0.0.1:0".parse().unwrap()));
     let b = end(Device::udp("127.0.0.1:0".parse().unwrap()));
+    connect_roce(&a, &b, busy_poll);
+    (a, b)
+}
+
+fn connect_roce(a: &End, b: &End, busy_poll: bool) {
     let mut ai = ConnInfo::local(&a.qp, Some(&a.mr)).unwrap();
     let mut bi = ConnInfo::local(&b.qp, Some(&b.mr)).unwrap();
     ai.mtu = Mtu::Mtu1024;
@@ -59,7 +64,6 @@ fn roce_pair(busy_poll: bool) -> (End, End) {
     cm::connect(&b.qp, &bi, &ai, &RcOptions::default()).unwrap();
     a.ctx.set_busy_poll(busy_poll);
     b.ctx.set_busy_poll(busy_poll);
-    (a, b)
 }
 
 fn iwarp_pair() -> (End, End) {
@@ -321,6 +325,23 @@ fn every_operation_over_roce() {
 fn every_operation_over_roce_busy_polling() {
     let (a, b) = roce_pair(true);
     run_matrix(Transport::Roce, &a, &b);
+}
+
+#[test]
+fn every_operation_through_a_shared_port() {
+    use softrdma::provider::hostd::Hostd;
+    // The daemon owns 127.0.0.58:4791 and passes datagrams to the device
+    // sharing it; the peer owns 127.0.0.59:4791.
+    let mut daemon = Hostd::bind("127.0.0.58:4791".parse().unwrap()).unwrap();
+    let stopper = daemon.stopper();
+    let thread = std::thread::spawn(move || daemon.run().unwrap());
+    let a = end(Device::udp("127.0.0.58:4791".parse().unwrap()).shared_port(true));
+    let b = end(Device::udp("127.0.0.59:4791".parse().unwrap()));
+    connect_roce(&a, &b, false);
+    run_matrix(Transport::Roce, &a, &b);
+    drop((a, b));
+    stopper.stop();
+    thread.join().unwrap();
 }
 
 #[test]
