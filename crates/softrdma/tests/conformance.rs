@@ -355,3 +355,89 @@ fn every_operation_over_shared_memory() {
     let (a, b) = shm_pair();
     run_matrix(Transport::Shm, &a, &b);
 }
+
+/// A remote access with a bad key, or past the end of the region: the
+/// requester's completion says so, its QP goes to the error state and
+/// flushes what was posted behind it. Each case on a fresh pair.
+fn remote_access_errors(t: Transport, make: impl Fn() -> (End, End)) {
+    let cases: [(&str, bool, u64, u32); 4] = [
+        ("WRITE, bad rkey", true, 0, 1),
+        ("WRITE past the region", true, MR_LEN as u64 - 8, 0),
+        ("READ, bad rkey", false, 0, 1),
+        ("READ past the region", false, MR_LEN as u64 - 8, 0),
+    ];
+    for (what, write, at, key_xor) in cases {
+        let (a, b) = make();
+        let (remote_addr, rkey) = (b.mr.addr() + at, b.mr.rkey() ^ key_xor);
+        let op = if write {
+            SendOp::Write { remote_addr, rkey }
+        } else {
+            SendOp::Read { remote_addr, rkey }
+        };
+        a.qp.post_send(SendWr::new(1, op, [a.mr.sge(0, 64)]))
+            .unwrap();
+        a.qp.post_send(SendWr::new(2, SendOp::Send, [a.mr.sge(0, 8)]))
+            .unwrap();
+        let first = one(&a.scq);
+        let second = one(&a.scq);
+        if t == Transport::Iwarp && write {
+            // An iWARP WRITE completes once sent (as on siw): the peer's
+            // Terminate then takes the QP down, and the oldest WR not yet
+            // reported takes its error.
+            assert_eq!((first.wr_id, second.wr_id), (1, 2), "{t:?} {what}");
+            if first.status == WcStatus::Success {
+                // Sent already, succeeded, took the error, or flushed:
+                // whichever the timing of the Terminate makes it.
+                assert!(
+                    [
+                        WcStatus::Success,
+                        WcStatus::RemAccessErr,
+                        WcStatus::WrFlushErr
+                    ]
+                    .contains(&second.status),
+                    "{t:?} {what}: {second:?}"
+                );
+            } else {
+                assert_eq!(first.status, WcStatus::RemAccessErr, "{t:?} {what}");
+                assert_eq!(second.status, WcStatus::WrFlushErr, "{t:?} {what}");
+            }
+            common::wait_state(&a.qp, QpState::Err);
+        } else {
+            assert_eq!(
+                (first.wr_id, first.status),
+                (1, WcStatus::RemAccessErr),
+                "{t:?} {what}: {first:?}"
+            );
+            assert_eq!(
+                (second.wr_id, second.status),
+                (2, WcStatus::WrFlushErr),
+                "{t:?} {what}: {second:?}"
+            );
+            assert_eq!(a.qp.state(), QpState::Err, "{t:?} {what}");
+        }
+        // Work posted to the QP in error is flushed, not refused (how an
+        // application drains a QP it tears down).
+        a.qp.post_send(SendWr::new(3, SendOp::Send, [a.mr.sge(0, 8)]))
+            .unwrap();
+        a.qp.post_recv(RecvWr::new(4, [a.mr.sge(0, 8)])).unwrap();
+        let wc = one(&a.scq);
+        assert_eq!(
+            (wc.wr_id, wc.status),
+            (3, WcStatus::WrFlushErr),
+            "{t:?} {what}"
+        );
+        let wc = one(&a.rcq);
+        assert_eq!(
+            (wc.wr_id, wc.status),
+            (4, WcStatus::WrFlushErr),
+            "{t:?} {what}"
+        );
+    }
+}
+
+#[test]
+fn remote_access_errors_over_every_provider() {
+    remote_access_errors(Transport::Roce, || roce_pair(false));
+    remote_access_errors(Transport::Iwarp, iwarp_pair);
+    remote_access_errors(Transport::Shm, shm_pair);
+}

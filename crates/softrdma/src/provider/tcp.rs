@@ -26,7 +26,7 @@ use softrdma_wire::ddp;
 use softrdma_wire::mpa::{self, Crc32c};
 
 use crate::engine::iwarp::{IwarpQp, MAX_HEADER_LEN, Placement, Transmit};
-use crate::engine::{CqKind, MAX_INLINE_DATA, PostError, QpEvent, RecvWr, SendWr};
+use crate::engine::{CqKind, MAX_INLINE_DATA, PostError, QpEvent, QpState, RecvWr, SendWr};
 use crate::memory::{MrTable, Segment};
 use crate::verbs::cq::CqInner;
 use crate::verbs::events::{AsyncEvent, EventQueue};
@@ -284,11 +284,20 @@ impl TcpQp {
     /// ping-pong more than the send itself. Anything else, and a stream of
     /// posts, goes to the transmit thread, which sends many per `writev`.
     pub fn post_send(&self, wr: SendWr) -> Result<(), PostError> {
-        let lone = {
+        let (lone, failed) = {
             let mut qp = self.shared.engine.lock().expect("QP lock");
             qp.post_send(wr)?;
-            qp.lone_send_within(POSTER_SENDS_UP_TO)
+            (
+                qp.lone_send_within(POSTER_SENDS_UP_TO),
+                qp.state() == QpState::Err,
+            )
         };
+        if failed {
+            // Flushed on the post: its completion goes to the CQ now (the
+            // connection's threads may be gone).
+            self.shared.drain();
+            return Ok(());
+        }
         if !(lone && self.shared.send_here(true)) {
             self.shared.kick();
         }
@@ -297,7 +306,15 @@ impl TcpQp {
 
     /// Posts a receive WR.
     pub fn post_recv(&self, wr: RecvWr) -> Result<(), PostError> {
-        self.shared.engine.lock().expect("QP lock").post_recv(wr)
+        let failed = {
+            let mut qp = self.shared.engine.lock().expect("QP lock");
+            qp.post_recv(wr)?;
+            qp.state() == QpState::Err
+        };
+        if failed {
+            self.shared.drain();
+        }
+        Ok(())
     }
 
     /// FPDUs that application threads' polls received (busy-poll mode).
@@ -533,7 +550,7 @@ fn transmit_loop(s: &Shared) {
         }
         // After a Terminate the stream ends, as siw ends it: the peer sees the
         // close and flushes; receiving goes on until it closes too.
-        if s.engine.lock().expect("QP lock").state() == crate::engine::QpState::Err {
+        if s.engine.lock().expect("QP lock").state() == QpState::Err {
             let _ = s.stream.shutdown(Shutdown::Write);
         }
     }

@@ -356,9 +356,6 @@ impl IwarpQp {
 
     /// Posts a send WR.
     pub fn post_send(&mut self, wr: SendWr) -> Result<(), PostError> {
-        if self.state != State::Rts {
-            return Err(PostError::BadState(QpState::Err));
-        }
         match wr.op {
             SendOp::Send
             | SendOp::SendWithInv(_)
@@ -403,6 +400,13 @@ impl IwarpQp {
             done: None,
             seq,
         });
+        if self.state == State::Error {
+            // Posted to a QP in error: flushed, in order behind what is
+            // still being settled (as siw does, and the IB verbs ask: how
+            // an application drains a QP it is tearing down).
+            self.complete(seq, WcStatus::WrFlushErr);
+            return Ok(());
+        }
         self.sq.push_back(SqEntry {
             wr,
             seq,
@@ -417,10 +421,13 @@ impl IwarpQp {
     /// Posts a receive WR.
     pub fn post_recv(&mut self, wr: RecvWr) -> Result<(), PostError> {
         let state = self.state();
-        if state == QpState::Err {
-            return Err(PostError::BadState(state));
-        }
         check_post_recv(&wr, false, state, self.rq.len(), &self.caps)?;
+        if state == QpState::Err {
+            // Flushed at once, as a send WR is.
+            let wc = WorkCompletion::new(wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.qpn);
+            self.completions.push_back((CqKind::Recv, wc));
+            return Ok(());
+        }
         let len = wr.sgl.iter().map(|s| s.len as usize).sum();
         self.rq.push_back(RqEntry {
             wr,

@@ -378,11 +378,21 @@ fn a_bad_stag_terminates_and_both_sides_flush() {
         assert_eq!(p.statuses(0, CqKind::Recv), [(50, WcStatus::WrFlushErr)]);
         assert_eq!(p.s[0].qp.state(), QpState::Err);
         assert_eq!(p.s[1].qp.state(), QpState::Err);
-        assert!(
-            p.s[0]
-                .qp
-                .post_send(SendWr::new(3, SendOp::Send, vec![]))
-                .is_err()
+        // Work posted to the QP in error is flushed (as on siw), not refused.
+        p.post(0, SendWr::new(3, SendOp::Send, vec![]));
+        p.recv(0, 51, vec![]);
+        p.run();
+        assert_eq!(
+            p.statuses(0, CqKind::Send),
+            [
+                (1, WcStatus::Success),
+                (2, WcStatus::Success),
+                (3, WcStatus::WrFlushErr)
+            ]
+        );
+        assert_eq!(
+            p.statuses(0, CqKind::Recv),
+            [(50, WcStatus::WrFlushErr), (51, WcStatus::WrFlushErr)]
         );
     }
 }

@@ -512,9 +512,6 @@ impl ShmQp {
     /// cloned instead.
     #[inline]
     pub(crate) fn post_send(&self, wr: &SendWr) -> Result<(), PostError> {
-        if self.failed.load(Ordering::Acquire) {
-            return Err(PostError::BadState(QpState::Err));
-        }
         if matches!(wr.op, SendOp::SendWithInv(_) | SendOp::LocalInv(_)) {
             return Err(PostError::Unsupported(
                 "SEND with invalidate and local invalidate are iWARP's (not shm's)",
@@ -523,6 +520,18 @@ impl ShmQp {
         crate::engine::check_post_send(wr, &self.caps)?;
         let mut guard = self.sq.lock();
         let sq = &mut *guard;
+        if self.failed.load(Ordering::Acquire) && sq.backlog.is_empty() {
+            // Posted to a QP in error: flushed at once (as rxe and siw do).
+            // Behind a backlog it waits there, which the connection's end
+            // flushes in order.
+            drop(guard);
+            let wc =
+                WorkCompletion::new(wr.wr_id, WcStatus::WrFlushErr, wr.op.wc_opcode(), self.qpn);
+            if self.send_cq.push(wc) {
+                self.send_cq.signal();
+            }
+            return Ok(());
+        }
         if !sq.backlog.is_empty() {
             if sq.backlog.len() >= self.caps.max_send_wr as usize {
                 return Err(PostError::QueueFull(self.caps.max_send_wr));
@@ -853,9 +862,6 @@ impl ShmQp {
     }
 
     pub(crate) fn post_recv(&self, wr: RecvWr) -> Result<(), PostError> {
-        if self.failed.load(Ordering::Acquire) {
-            return Err(PostError::BadState(QpState::Err));
-        }
         if wr.sgl.len() > (self.caps.max_recv_sge as usize).min(MAX_RECV_SGE) {
             return Err(PostError::TooManySges {
                 given: wr.sgl.len(),
@@ -865,6 +871,20 @@ impl ShmQp {
         let mut posted = self.posted.lock().expect("shm RQ lock");
         if posted.len() >= self.caps.max_recv_wr as usize {
             return Err(PostError::QueueFull(self.caps.max_recv_wr));
+        }
+        if self.failed.load(Ordering::Acquire) {
+            // Flushed: by the connection's end if receives wait before it
+            // (it flushes them all, in order), else now.
+            if !posted.is_empty() {
+                posted.push_back(wr.wr_id);
+                return Ok(());
+            }
+            drop(posted);
+            let wc = WorkCompletion::new(wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.qpn);
+            if self.recv_cq.push(wc) {
+                self.recv_cq.signal();
+            }
+            return Ok(());
         }
         let m = &self.mine.mem;
         let head = m.load(RQ_HEAD);
