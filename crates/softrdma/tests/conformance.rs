@@ -441,3 +441,47 @@ fn remote_access_errors_over_every_provider() {
     remote_access_errors(Transport::Iwarp, iwarp_pair);
     remote_access_errors(Transport::Shm, shm_pair);
 }
+
+/// A local buffer that fails its checks (an unknown lkey, or a range past
+/// the region's end): the WR completes with LOC_PROT_ERR, as rxe and NICs
+/// report an L_Key violation, and the QP goes to the error state.
+fn local_protection_errors(t: Transport, make: impl Fn() -> (End, End)) {
+    for (what, lkey_xor, at) in [
+        ("bad lkey", 1u32, 0usize),
+        ("past the region", 0, MR_LEN - 8),
+    ] {
+        for write in [true, false] {
+            let (a, b) = make();
+            let sge = Sge {
+                lkey: a.mr.lkey() ^ lkey_xor,
+                ..a.mr.sge(at.min(MR_LEN - 8), 8)
+            };
+            let sge = Sge {
+                len: if at > 0 { 64 } else { 8 },
+                ..sge
+            };
+            let (remote_addr, rkey) = (b.mr.addr(), b.mr.rkey());
+            let op = if write {
+                SendOp::Write { remote_addr, rkey }
+            } else {
+                SendOp::Read { remote_addr, rkey }
+            };
+            a.qp.post_send(SendWr::new(1, op, [sge])).unwrap();
+            let wc = one(&a.scq);
+            assert_eq!(
+                (wc.wr_id, wc.status),
+                (1, WcStatus::LocProtErr),
+                "{t:?} {what}, {}",
+                if write { "WRITE" } else { "READ" }
+            );
+            common::wait_state(&a.qp, QpState::Err);
+        }
+    }
+}
+
+#[test]
+fn local_protection_errors_over_every_provider() {
+    local_protection_errors(Transport::Roce, || roce_pair(false));
+    local_protection_errors(Transport::Iwarp, iwarp_pair);
+    local_protection_errors(Transport::Shm, shm_pair);
+}

@@ -269,13 +269,6 @@ pub struct IwarpQp {
     stats: IwarpStats,
 }
 
-fn local_error(e: &AccessError) -> WcStatus {
-    match e {
-        AccessError::OutOfBounds { .. } => WcStatus::LocLenErr,
-        _ => WcStatus::LocProtErr,
-    }
-}
-
 impl IwarpQp {
     /// A QP in RTS on an established connection.
     pub fn new(qpn: u32, pd: PdId, caps: QpCaps, cfg: IwarpConfig) -> IwarpQp {
@@ -755,8 +748,11 @@ impl IwarpQp {
             for s in &e.wr.sgl {
                 match mrs.local(pd, s.lkey, s.addr, s.len, need) {
                     Ok(seg) => segs.push(seg),
-                    Err(err) => {
-                        let status = local_error(&err);
+                    Err(_) => {
+                        // Key or bounds: an L_Key violation, LOC_PROT_ERR as
+                        // rxe and NICs report it (LOC_LEN_ERR is for messages
+                        // too long for their port or their receive).
+                        let status = WcStatus::LocProtErr;
                         let seq = e.seq;
                         self.sq.pop_front();
                         self.complete(seq, status);

@@ -48,7 +48,7 @@ use crate::engine::{
 };
 use smallvec::SmallVec;
 
-use crate::memory::{Access, AccessError, MrTable, PdId, Region, RegionMemory, SegmentRef};
+use crate::memory::{Access, MrTable, PdId, Region, RegionMemory, SegmentRef};
 use crate::verbs::cq::CqInner;
 use crate::verbs::events::{AsyncEvent, EventQueue};
 
@@ -615,12 +615,11 @@ impl ShmQp {
         mut f: impl FnMut(&SegmentRef<'_>),
     ) -> Result<(), WcStatus> {
         for s in &wr.sgl {
+            // Key or bounds: an L_Key violation (LOC_LEN_ERR is for
+            // messages too long for their receive).
             let seg = local
                 .local_ref(self.pd, s.lkey, s.addr, s.len, need)
-                .map_err(|e| match e {
-                    AccessError::OutOfBounds { .. } => WcStatus::LocLenErr,
-                    _ => WcStatus::LocProtErr,
-                })?;
+                .map_err(|_| WcStatus::LocProtErr)?;
             f(&seg);
         }
         Ok(())
