@@ -266,7 +266,11 @@ fn inline_ud_sends_arrive_whole() {
                 .to(ah.dest(b.qpn(), QKEY)),
         )
         .unwrap();
-        assert_eq!(scq.wait(T).unwrap().expect("sent").wr_id, 100 + k);
+        let sent = scq.wait(T).unwrap().expect("sent");
+        assert_eq!(
+            (sent.wr_id, sent.status, sent.byte_len as usize),
+            (100 + k, WcStatus::Success, len)
+        );
         let wc = rcq.wait(T).unwrap().expect("an inline UD SEND arrives");
         assert_eq!(
             (wc.wr_id, wc.status, wc.byte_len as usize),

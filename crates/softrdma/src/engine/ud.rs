@@ -352,7 +352,9 @@ impl UdQp {
             // A UD send is complete once it is on the wire: held until the
             // provider has handed the datagram to the kernel, so that the
             // application cannot reuse the buffer before its bytes are copied.
-            let wc = self.wc(w.wr.wr_id, WcStatus::Success, WcOpcode::Send);
+            let mut wc = self.wc(w.wr.wr_id, WcStatus::Success, WcOpcode::Send);
+            // Its length, as rxe reports it (and the RC send completions).
+            wc.byte_len = w.len as u32;
             self.completions.push_back((CqKind::Send, wc, true));
             self.held += 1;
         }
