@@ -98,6 +98,17 @@ fuzz_target!(|data: &[u8]| {
                 inline_data: vec![],
             });
         }
+        // And one inline: its payload is in the header buffer, not in the
+        // pieces that `payload_len` counts (the drain below checks it).
+        let _ = qp.post_send(
+            SendWr::new(3, SendOp::Send, [])
+                .inline(&[0x5a; 13])
+                .to(UdDest {
+                    ah: AhId(1),
+                    remote_qpn: 0x12,
+                    remote_qkey: QKEY,
+                }),
+        );
     }
     let mut buf = vec![0u8; 64 + 4096];
     let mut pieces = Vec::new();
