@@ -703,14 +703,18 @@ def install():
                         example], cwd=REPO, check=True)
 
 
-def isolate():
+def in_namespace():
+    """Whether this is the re-run inside the namespace `isolate` made."""
+    return os.environ.get("SOFTRDMA_BENCH_NETNS") == "1"
+
+
+def isolate(why="keeps every peer on loopback, and apt installs the peers"):
     """Re-runs this script in a new network namespace with only loopback."""
-    if os.environ.get("SOFTRDMA_BENCH_NETNS") == "1":
+    if in_namespace():
         subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
         return
     if os.geteuid() != 0:
-        sys.exit("bench/compare.py needs root: a private network namespace (unshare --net) "
-                 "keeps every peer on loopback, and apt installs the peers")
+        sys.exit(f"{sys.argv[0]} needs root: a private network namespace (unshare --net) {why}")
     env = {**os.environ, "SOFTRDMA_BENCH_NETNS": "1"}
     sys.exit(subprocess.run(["unshare", "--net", sys.executable, *sys.argv], env=env).returncode)
 
@@ -741,7 +745,7 @@ def main():
     if not todo:
         sys.exit(f"--only {a.only!r}: matches no measurement (they are named \"STACK LABEL\", "
                  "e.g. \"softrdma RoCEv2 busy-poll WRITE 65536\", \"libfabric tcp rate\")")
-    if os.environ.get("SOFTRDMA_BENCH_NETNS") != "1":
+    if not in_namespace():
         install()
     isolate()
     # samples[(stack, row)][round] = value

@@ -42,6 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from compare import in_namespace, isolate
+
 REPO = Path(__file__).resolve().parent.parent
 BIN = REPO / "target/release/softrdma"
 SERVER_IP, CLIENT_IP = "127.0.0.91", "127.0.0.92"
@@ -137,17 +139,12 @@ def main():
                     help="a case to run (repeatable; default: all)")
     ap.add_argument("--top", type=int, default=15, help="functions to list per case")
     a = ap.parse_args()
-    if os.geteuid() != 0:
-        sys.exit("bench/instructions.py needs root: a private network namespace (unshare --net)")
-    if os.environ.get("SOFTRDMA_INSTR_NETNS") != "1":
+    if not in_namespace() and os.geteuid() == 0:
         if shutil.which("valgrind") is None:
             subprocess.run(["apt-get", "install", "-y", "-q", "valgrind"], check=True)
         subprocess.run(["cargo", "build", "-q", "--release", "-p", "softrdma-cli"], cwd=REPO,
                        check=True)
-        env = dict(os.environ, SOFTRDMA_INSTR_NETNS="1")
-        sys.exit(subprocess.run(["unshare", "--net", sys.executable, *sys.argv],
-                                env=env).returncode)
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    isolate("keeps the test's sockets on loopback, and apt installs valgrind")
     for case in a.case or list(CASES):
         measure(case, a.top)
 

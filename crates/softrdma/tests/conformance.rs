@@ -357,10 +357,26 @@ fn every_operation_over_shared_memory() {
     run_matrix(Transport::Shm, &a, &b);
 }
 
+/// A WRITE or a READ of the peer's `remote_addr`.
+fn write_or_read(write: bool, remote_addr: u64, rkey: u32) -> SendOp {
+    if write {
+        SendOp::Write { remote_addr, rkey }
+    } else {
+        SendOp::Read { remote_addr, rkey }
+    }
+}
+
+/// Runs `case` over each provider, each pair made fresh by the function given.
+fn over_every_provider(case: impl Fn(Transport, &dyn Fn() -> (End, End))) {
+    case(Transport::Roce, &|| roce_pair(false));
+    case(Transport::Iwarp, &iwarp_pair);
+    case(Transport::Shm, &shm_pair);
+}
+
 /// A remote access with a bad key, or past the end of the region: the
 /// requester's completion says so, its QP goes to the error state and
 /// flushes what was posted behind it. Each case on a fresh pair.
-fn remote_access_errors(t: Transport, make: impl Fn() -> (End, End)) {
+fn remote_access_errors(t: Transport, make: &dyn Fn() -> (End, End)) {
     let cases: [(&str, bool, u64, u32); 4] = [
         ("WRITE, bad rkey", true, 0, 1),
         ("WRITE past the region", true, MR_LEN as u64 - 8, 0),
@@ -369,12 +385,7 @@ fn remote_access_errors(t: Transport, make: impl Fn() -> (End, End)) {
     ];
     for (what, write, at, key_xor) in cases {
         let (a, b) = make();
-        let (remote_addr, rkey) = (b.mr.addr() + at, b.mr.rkey() ^ key_xor);
-        let op = if write {
-            SendOp::Write { remote_addr, rkey }
-        } else {
-            SendOp::Read { remote_addr, rkey }
-        };
+        let op = write_or_read(write, b.mr.addr() + at, b.mr.rkey() ^ key_xor);
         a.qp.post_send(SendWr::new(1, op, [a.mr.sge(0, 64)]))
             .unwrap();
         a.qp.post_send(SendWr::new(2, SendOp::Send, [a.mr.sge(0, 8)]))
@@ -435,35 +446,24 @@ fn remote_access_errors(t: Transport, make: impl Fn() -> (End, End)) {
 
 #[test]
 fn remote_access_errors_over_every_provider() {
-    remote_access_errors(Transport::Roce, || roce_pair(false));
-    remote_access_errors(Transport::Iwarp, iwarp_pair);
-    remote_access_errors(Transport::Shm, shm_pair);
+    over_every_provider(remote_access_errors);
 }
 
 /// A local buffer that fails its checks (an unknown lkey, or a range past
 /// the region's end): the WR completes with LOC_PROT_ERR, as rxe and NICs
 /// report an L_Key violation, and the QP goes to the error state.
-fn local_protection_errors(t: Transport, make: impl Fn() -> (End, End)) {
-    for (what, lkey_xor, at) in [
-        ("bad lkey", 1u32, 0usize),
-        ("past the region", 0, MR_LEN - 8),
+fn local_protection_errors(t: Transport, make: &dyn Fn() -> (End, End)) {
+    for (what, lkey_xor, at, len) in [
+        ("bad lkey", 1u32, 0usize, 8u32),
+        ("past the region", 0, MR_LEN - 8, 64),
     ] {
         for write in [true, false] {
             let (a, b) = make();
             let sge = Sge {
                 lkey: a.mr.lkey() ^ lkey_xor,
-                ..a.mr.sge(at.min(MR_LEN - 8), 8)
+                ..a.mr.sge(at, len)
             };
-            let sge = Sge {
-                len: if at > 0 { 64 } else { 8 },
-                ..sge
-            };
-            let (remote_addr, rkey) = (b.mr.addr(), b.mr.rkey());
-            let op = if write {
-                SendOp::Write { remote_addr, rkey }
-            } else {
-                SendOp::Read { remote_addr, rkey }
-            };
+            let op = write_or_read(write, b.mr.addr(), b.mr.rkey());
             a.qp.post_send(SendWr::new(1, op, [sge])).unwrap();
             let wc = one(&a.scq);
             assert_eq!(
@@ -479,9 +479,7 @@ fn local_protection_errors(t: Transport, make: impl Fn() -> (End, End)) {
 
 #[test]
 fn local_protection_errors_over_every_provider() {
-    local_protection_errors(Transport::Roce, || roce_pair(false));
-    local_protection_errors(Transport::Iwarp, iwarp_pair);
-    local_protection_errors(Transport::Shm, shm_pair);
+    over_every_provider(local_protection_errors);
 }
 
 /// A SEND longer than the receive it lands in: the receive completes with
@@ -490,7 +488,7 @@ fn local_protection_errors_over_every_provider() {
 /// observed, `WIRE-NOTES.md`), REM_INV_REQ_ERR on shm, as the IB spec's
 /// class C and NICs have it; on iWARP, where a SEND completes once sent, it
 /// may have completed already.
-fn receive_too_short(t: Transport, make: impl Fn() -> (End, End)) {
+fn receive_too_short(t: Transport, make: &dyn Fn() -> (End, End)) {
     let (a, b) = make();
     b.qp.post_recv(RecvWr::new(5, [b.mr.sge(0, 16)])).unwrap();
     a.qp.post_send(SendWr::new(1, SendOp::Send, [a.mr.sge(0, 17)]))
@@ -513,7 +511,5 @@ fn receive_too_short(t: Transport, make: impl Fn() -> (End, End)) {
 
 #[test]
 fn a_receive_too_short_over_every_provider() {
-    receive_too_short(Transport::Roce, || roce_pair(false));
-    receive_too_short(Transport::Iwarp, iwarp_pair);
-    receive_too_short(Transport::Shm, shm_pair);
+    over_every_provider(receive_too_short);
 }

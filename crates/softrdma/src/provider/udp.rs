@@ -943,10 +943,10 @@ fn send_packets(shared: &Shared, peer: SocketAddrV4, tx: &mut [TxSlot], qpn: u32
     }
     if let Some(pcap) = &shared.pcap {
         let mut w = pcap.lock().expect("pcap lock");
-        // Each packet's gather list: its headers, its pieces, its trailer.
-        let mut start = 0;
         for (k, s) in sealed.iter().enumerate() {
-            let end = start + 2 + s.pieces.len();
+            // Each packet's own gather list, as it went into `iov`.
+            let mut one = smallvec::SmallVec::<[IoSlice<'_>; GSO_MAX_IOV]>::new();
+            gather(s, &mut one);
             let m = PacketMeta {
                 src: SocketAddrV4::new(*shared.local.ip(), shared.ports[sock]),
                 dst: peer,
@@ -954,10 +954,8 @@ fn send_packets(shared: &Shared, peer: SocketAddrV4, tx: &mut [TxSlot], qpn: u32
                 ttl: 64,
                 tos: 0,
             };
-            let parts: smallvec::SmallVec<[&[u8]; 8]> =
-                iov[start..end].iter().map(|s| &**s).collect();
+            let parts: smallvec::SmallVec<[&[u8]; 8]> = one.iter().map(|s| &**s).collect();
             let _ = w.record(&m, &parts);
-            start = end;
         }
     }
     let to = [Some(SockaddrIn::from(peer))];
@@ -974,6 +972,7 @@ fn send_packets(shared: &Shared, peer: SocketAddrV4, tx: &mut [TxSlot], qpn: u32
             sendmmsg(fd, plain, &one, to, none, MsgFlags::empty()).map(drop)
         }
     });
+    // The gather list borrows `tx`, which the fallback below seals again.
     drop(iov);
     match sent {
         Ok(_) => {
@@ -993,7 +992,7 @@ fn send_packets(shared: &Shared, peer: SocketAddrV4, tx: &mut [TxSlot], qpn: u32
         // now on, starting with these.
         Err(
             nix::errno::Errno::EIO | nix::errno::Errno::EINVAL | nix::errno::Errno::ENOPROTOOPT,
-        ) if tx.len() > 1 => {
+        ) if gso => {
             shared.gso.store(false, Ordering::Relaxed);
             for s in tx {
                 send_packets(shared, peer, std::slice::from_mut(s), qpn);
