@@ -451,28 +451,53 @@ fn remote_access_errors_over_every_provider() {
 
 /// A local buffer that fails its checks (an unknown lkey, or a range past
 /// the region's end): the WR completes with LOC_PROT_ERR, as rxe and NICs
-/// report an L_Key violation, and the QP goes to the error state.
+/// report an L_Key violation, and the QP goes to the error state. A SEND's
+/// receive at the peer gets none of it: it stays posted (RoCEv2, where
+/// nothing was sent), or is flushed when the connection ends (iWARP, shm),
+/// its bytes untouched.
 fn local_protection_errors(t: Transport, make: &dyn Fn() -> (End, End)) {
     for (what, lkey_xor, at, len) in [
         ("bad lkey", 1u32, 0usize, 8u32),
         ("past the region", 0, MR_LEN - 8, 64),
     ] {
-        for write in [true, false] {
+        for op in ["WRITE", "READ", "SEND"] {
             let (a, b) = make();
             let sge = Sge {
                 lkey: a.mr.lkey() ^ lkey_xor,
                 ..a.mr.sge(at, len)
             };
-            let op = write_or_read(write, b.mr.addr(), b.mr.rkey());
-            a.qp.post_send(SendWr::new(1, op, [sge])).unwrap();
+            let op_code = match op {
+                "SEND" => {
+                    b.mr.write(RECV - 16, &[0xee; 96]).unwrap();
+                    b.qp.post_recv(RecvWr::new(9, [b.mr.sge(RECV, 64)]))
+                        .unwrap();
+                    SendOp::Send
+                }
+                _ => write_or_read(op == "WRITE", b.mr.addr(), b.mr.rkey()),
+            };
+            a.qp.post_send(SendWr::new(1, op_code, [sge])).unwrap();
             let wc = one(&a.scq);
             assert_eq!(
                 (wc.wr_id, wc.status),
                 (1, WcStatus::LocProtErr),
-                "{t:?} {what}, {}",
-                if write { "WRITE" } else { "READ" }
+                "{t:?} {what}, {op}"
             );
             common::wait_state(&a.qp, QpState::Err);
+            if op == "SEND" {
+                match b.rcq.wait(std::time::Duration::from_millis(200)).unwrap() {
+                    None => assert_eq!(
+                        t,
+                        Transport::Roce,
+                        "{what}: receive neither flushed nor kept"
+                    ),
+                    Some(wc) => assert_eq!(
+                        (wc.wr_id, wc.status, t == Transport::Roce),
+                        (9, WcStatus::WrFlushErr, false),
+                        "{t:?} {what}: the peer's receive"
+                    ),
+                }
+                check_area(&b.mr, RECV, &[0xee; 64], 0xee, &format!("{t:?} {what}"));
+            }
         }
     }
 }

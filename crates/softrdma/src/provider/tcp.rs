@@ -401,8 +401,13 @@ impl Shared {
         };
         let sent = send_all(self, &mut tx, wait);
         drop(tx);
-        if sent.is_err() {
-            self.lost();
+        match sent {
+            Err(_) => self.lost(),
+            // A local error on the poster's thread ends the stream too.
+            Ok(Ended::Yes) => {
+                let _ = self.stream.shutdown(Shutdown::Write);
+            }
+            Ok(Ended::No) => {}
         }
         true
     }
@@ -544,14 +549,18 @@ fn transmit_loop(s: &Shared) {
         }
         let sent = send_all(s, &mut tx, true);
         drop(tx);
-        if sent.is_err() {
-            s.lost();
-            return;
-        }
-        // After a Terminate the stream ends, as siw ends it: the peer sees the
-        // close and flushes; receiving goes on until it closes too.
-        if s.engine.lock().expect("QP lock").state() == QpState::Err {
-            let _ = s.stream.shutdown(Shutdown::Write);
+        match sent {
+            Err(_) => {
+                s.lost();
+                return;
+            }
+            // After a Terminate or a local error the stream ends, as siw
+            // ends it: the peer sees the close and flushes; receiving goes
+            // on until it closes too.
+            Ok(Ended::Yes) => {
+                let _ = s.stream.shutdown(Shutdown::Write);
+            }
+            Ok(Ended::No) => {}
         }
     }
 }
@@ -642,11 +651,18 @@ impl TxFpdu {
 /// block on a full socket (both ends would stop reading); it sends one batch,
 /// copies what the socket does not take at once to `leftover`, and wakes the
 /// transmit thread for that and anything more.
-fn send_all(s: &Shared, tx: &mut Tx, wait: bool) -> io::Result<()> {
+/// Whether the QP is in error with everything sent: its stream should end.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Ended {
+    Yes,
+    No,
+}
+
+fn send_all(s: &Shared, tx: &mut Tx, wait: bool) -> io::Result<Ended> {
     if !tx.leftover.is_empty() {
         if !wait {
             s.kick();
-            return Ok(());
+            return Ok(Ended::No);
         }
         if let Err(e) = (&s.stream).write_all(&tx.leftover) {
             s.engine.lock().expect("QP lock").transmit_failed();
@@ -658,7 +674,7 @@ fn send_all(s: &Shared, tx: &mut Tx, wait: bool) -> io::Result<()> {
     let mut large = LargeWrite(&s.transmitting, false);
     loop {
         let mut n = 0;
-        {
+        let failed = {
             let mrs = s.mrs.read().expect("MR table lock");
             let mut qp = s.engine.lock().expect("QP lock");
             while n < batch.len() {
@@ -669,10 +685,11 @@ fn send_all(s: &Shared, tx: &mut Tx, wait: bool) -> io::Result<()> {
                 f.t = t;
                 n += 1;
             }
-        }
+            qp.state() == QpState::Err
+        };
         if n == 0 {
             s.drain();
-            return Ok(());
+            return Ok(if failed { Ended::Yes } else { Ended::No });
         }
         for f in &mut batch[..n] {
             f.seal(s.crc);
@@ -716,10 +733,14 @@ fn send_all(s: &Shared, tx: &mut Tx, wait: bool) -> io::Result<()> {
         s.last_sent.store(s.now(), Ordering::Relaxed);
         if !wait {
             // One batch: more is the transmit thread's.
-            if !tx.leftover.is_empty() || s.engine.lock().expect("QP lock").wants_transmit() {
+            let more = !tx.leftover.is_empty() || {
+                let qp = s.engine.lock().expect("QP lock");
+                qp.wants_transmit() || qp.state() == QpState::Err
+            };
+            if more {
                 s.kick();
             }
-            return Ok(());
+            return Ok(Ended::No);
         }
     }
 }

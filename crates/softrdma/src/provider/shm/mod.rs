@@ -753,9 +753,12 @@ impl ShmQp {
                         })
                         .collect::<Result<SmallVec<[SegmentRef<'_>; MAX_RECV_SGE]>, _>>();
                     match dst {
+                        // This side's own buffers failed: its QP goes to ERR
+                        // and takes the connection down, so the receive is
+                        // flushed (as with WRITE with immediate above).
                         Ok(d) if d.iter().map(|s| s.len() as u64).sum::<u64>() >= len => self
                             .gather_into(local, wr, &d)
-                            .map_err(|s| (WcStatus::RemOpErr, s)),
+                            .map_err(|s| (WcStatus::WrFlushErr, s)),
                         Ok(_) => Err((WcStatus::LocLenErr, WcStatus::RemInvReqErr)),
                         Err(_) => Err((WcStatus::LocProtErr, WcStatus::RemOpErr)),
                     }
