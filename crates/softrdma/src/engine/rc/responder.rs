@@ -382,6 +382,34 @@ impl RcQp {
             self.take_recv(mrs)?;
             return Ok(());
         }
+        if info.position == Position::Only && !needs_recv {
+            // Every packet of a WRITE without immediate is a WRITE ONLY (see
+            // the requester): it borrows its region for its one packet. A
+            // reference count taken and dropped per packet put a locked
+            // instruction right after each 4 KiB copy, which waits there for
+            // the copy's stores (5 % of a 1 MiB WRITE stream's CPU).
+            let reth = p.reth().expect("WRITE ONLY carries a RETH");
+            if u64::from(reth.dma_len()) != payload.len() as u64 {
+                return Err(Refusal(NakCode::InvalidRequest));
+            }
+            // rxe ACKs a zero-length WRITE without looking at the key.
+            if !payload.is_empty() {
+                mrs.remote_ref(
+                    self.pd,
+                    reth.rkey(),
+                    reth.va(),
+                    payload.len() as u64,
+                    Access::REMOTE_WRITE,
+                )
+                .map_err(|_| Refusal(NakCode::RemoteAccessError))?
+                .write(0, payload);
+            }
+            self.resp.current = None;
+            self.resp.epsn = psn.next();
+            self.resp.nak_sent = false;
+            self.resp.msn = self.resp.msn.wrapping_add(1) & 0xff_ffff;
+            return Ok(());
+        }
         if info.position.starts() {
             let reth = p.reth().expect("WRITE FIRST/ONLY carry a RETH");
             let dma_len = u64::from(reth.dma_len());
