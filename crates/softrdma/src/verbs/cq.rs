@@ -31,6 +31,9 @@ struct State {
     /// Threads blocked in `wait` (a push with none wakes nobody: no futex
     /// call on the shm provider's path).
     waiters: usize,
+    /// How many queued completions wake them: the least any of them waits
+    /// for (one wake-up for a batch, as a NIC's CQ moderation).
+    wake_at: usize,
 }
 
 /// The shared part of a CQ, which the provider fills.
@@ -69,6 +72,7 @@ impl CqInner {
                 queue: VecDeque::with_capacity(capacity.min(4096)),
                 armed: None,
                 waiters: 0,
+                wake_at: usize::MAX,
             }),
             overrun: AtomicBool::new(false),
             sleep: Mutex::new(()),
@@ -99,7 +103,7 @@ impl CqInner {
         if fire {
             s.armed = None;
         }
-        let waiters = s.waiters > 0;
+        let waiters = s.waiters > 0 && s.queue.len() >= s.wake_at;
         drop(s);
         if waiters {
             drop(self.sleep.lock().expect("CQ sleep lock"));
@@ -264,11 +268,21 @@ impl Cq {
         // iWARP in busy-poll mode: a thread that sleeps here leaves the
         // receiving to the connections' receive threads meanwhile.
         let _sleeping = self.busy_connections().map(|c| c.app_sleeps());
-        self.block(deadline)
+        loop {
+            self.sleep_until(deadline, 1)?;
+            if let Some(wc) = self.inner.state.lock().queue.pop_front() {
+                return Ok(Some(wc));
+            }
+            if Instant::now() >= deadline {
+                return Ok(None);
+            }
+        }
     }
 
-    /// Sleeps until a completion comes (then takes it) or `deadline`.
-    fn block(&self, deadline: Instant) -> Result<Option<WorkCompletion>, CqError> {
+    /// Sleeps until `need` completions are queued (at most the CQ's
+    /// capacity) or `deadline`.
+    fn sleep_until(&self, deadline: Instant, need: usize) -> Result<(), CqError> {
+        let need = need.clamp(1, self.inner.capacity.max(1));
         let mut asleep = self.inner.sleep.lock().expect("CQ sleep lock");
         loop {
             if self.inner.overrun.load(Ordering::Acquire) {
@@ -277,13 +291,11 @@ impl Cq {
             let now = Instant::now();
             {
                 let mut s = self.inner.state.lock();
-                if let Some(wc) = s.queue.pop_front() {
-                    return Ok(Some(wc));
-                }
-                if now >= deadline {
-                    return Ok(None);
+                if s.queue.len() >= need || now >= deadline {
+                    return Ok(());
                 }
                 s.waiters += 1;
+                s.wake_at = s.wake_at.min(need);
             }
             asleep = self
                 .inner
@@ -291,19 +303,37 @@ impl Cq {
                 .wait_timeout(asleep, deadline - now)
                 .expect("CQ sleep lock")
                 .0;
-            self.inner.state.lock().waiters -= 1;
+            let mut s = self.inner.state.lock();
+            s.waiters -= 1;
+            if s.waiters == 0 {
+                s.wake_at = usize::MAX;
+            }
         }
     }
 
     /// Waits for `n` completions (or `timeout`); returns those that came.
+    /// A blocking wait sleeps until all `n` are there: one wake-up, not `n`.
     pub fn wait_for(&self, n: usize, timeout: Duration) -> Result<Vec<WorkCompletion>, CqError> {
         let deadline = Instant::now() + timeout;
         let mut got = Vec::with_capacity(n);
+        let busy = self.busy();
         while got.len() < n {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.wait(left)? {
-                Some(wc) => got.push(wc),
-                None => break,
+            if busy {
+                let left = deadline.saturating_duration_since(Instant::now());
+                match self.wait(left)? {
+                    Some(wc) => got.push(wc),
+                    None => break,
+                }
+                continue;
+            }
+            let _sleeping = self.busy_connections().map(|c| c.app_sleeps());
+            self.sleep_until(deadline, n - got.len())?;
+            let mut s = self.inner.state.lock();
+            let take = (n - got.len()).min(s.queue.len());
+            got.extend(s.queue.drain(..take));
+            drop(s);
+            if Instant::now() >= deadline {
+                break;
             }
         }
         Ok(got)
@@ -358,5 +388,65 @@ impl AsFd for Cq {
     /// The completion channel: readable when an event fired.
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.inner.event.as_fd()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::{WcOpcode, WcStatus};
+    use std::sync::mpsc;
+
+    fn wc(id: u64) -> WorkCompletion {
+        WorkCompletion::new(id, WcStatus::Success, WcOpcode::Send, 1)
+    }
+
+    #[test]
+    fn a_wait_for_several_sleeps_until_all_are_there() {
+        let cq = Cq::new(16, 1, None).unwrap();
+        let (done_tx, done) = mpsc::channel();
+        let waiter = {
+            let cq = cq.clone();
+            std::thread::spawn(move || {
+                let got = cq.wait_for(3, Duration::from_secs(10)).unwrap();
+                done_tx.send(()).unwrap();
+                got
+            })
+        };
+        // Asleep with a threshold of 3: the first two wake nobody.
+        while cq.inner.state.lock().waiters == 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(cq.inner.state.lock().wake_at, 3);
+        for id in [1, 2] {
+            cq.inner.push(wc(id));
+        }
+        assert!(done.recv_timeout(Duration::from_millis(100)).is_err());
+        cq.inner.push(wc(3));
+        done.recv_timeout(Duration::from_secs(10)).unwrap();
+        let ids: Vec<u64> = waiter.join().unwrap().iter().map(|w| w.wr_id).collect();
+        assert_eq!(ids, [1, 2, 3]);
+        assert_eq!(cq.inner.state.lock().wake_at, usize::MAX, "reset");
+        // A single wait wakes at the first.
+        let waiter = {
+            let cq = cq.clone();
+            std::thread::spawn(move || cq.wait(Duration::from_secs(10)).unwrap())
+        };
+        while cq.inner.state.lock().waiters == 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        cq.inner.push(wc(4));
+        assert_eq!(waiter.join().unwrap().map(|w| w.wr_id), Some(4));
+    }
+
+    #[test]
+    fn a_wait_for_more_than_come_returns_what_came_at_its_timeout() {
+        let cq = Cq::new(4, 1, None).unwrap();
+        cq.inner.push(wc(1));
+        let t = Instant::now();
+        // More than the CQ holds counts as its capacity.
+        let got = cq.wait_for(9, Duration::from_millis(50)).unwrap();
+        assert_eq!(got.len(), 1);
+        assert!(t.elapsed() >= Duration::from_millis(50));
     }
 }
