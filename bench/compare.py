@@ -552,7 +552,8 @@ def report(samples, rounds, failures):
               f"\"{ICEILING}\" (`iwarp_ceiling`: the TCP byte stream of softrdma's WRITEs, "
               "MPA's largest FPDUs gathered from the region, each payload read straight into "
               "place, no transport); for the shared-memory bandwidths, memcpy (one thread "
-              "copying between two buffers, the one copy both shared-memory stacks make). "
+              "copying between two buffers, the one copy both shared-memory stacks make; "
+              "the better of glibc's memcpy and softrdma's copy). "
               "Each ceiling runs in the target's mode: a busy-poll target's spins "
               f"(\"{CEILING_BUSY}\", \"{ICEILING_BUSY}\"), a blocking one's blocks.", "",
               "Each ratio is the median (min–max) of one ratio per round, between figures "

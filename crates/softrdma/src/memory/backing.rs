@@ -23,6 +23,67 @@ const BULK_COPY_MIN: usize = 4096;
 /// Copies of at most this many bytes store word by word (see [`copy_words`]).
 pub(crate) const WORD_COPY_MAX: usize = 64;
 
+/// Copies between ranges aligned alike from this size up to (not
+/// including) [`MID_COPY_MAX`], past L1 and within L2, take the AVX2 loop
+/// on Intel CPUs ([`copy_choice`]). On the project's Intel Xeon, `softrdma
+/// perf read-bw --provider shm -s 65536` moved 50.4 GB/s with it, 48.3 with
+/// the AVX-512 loop and 45.8 with glibc's memcpy (`rep movsb` at these sizes;
+/// write-bw alike); in short bursts of copies `rep movsb` was the faster, so
+/// a timing at start-up picked it wrongly. On AMD EPYC `rep movsb` was the
+/// faster, and at 16 KiB (in L1) and 1 MiB memcpy matched or beat the loops
+/// on both.
+const MID_COPY_MIN: usize = 32 << 10;
+const MID_COPY_MAX: usize = 1 << 20;
+
+type CopyLoop = unsafe fn(*const u8, *mut u8, usize);
+
+/// The copy loops chosen for this CPU.
+#[derive(Clone, Copy, Debug)]
+struct CopyChoice {
+    /// For large copies between ranges aligned differently: AVX-512, else
+    /// AVX2, if the CPU has either.
+    apart: Option<CopyLoop>,
+    /// For mid-sized copies between ranges aligned alike, where a loop beats
+    /// memcpy (see [`MID_COPY_MIN`]).
+    mid: Option<CopyLoop>,
+}
+
+/// The loops for this CPU, looked up once (CPUID is slow, more so in a VM).
+fn copy_choice() -> CopyChoice {
+    static CHOICE: std::sync::OnceLock<CopyChoice> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(choose_copy_loops)
+}
+
+fn choose_copy_loops() -> CopyChoice {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx2 = std::arch::is_x86_feature_detected!("avx2");
+        let avx512 = std::arch::is_x86_feature_detected!("avx512f");
+        let apart: Option<CopyLoop> = if avx512 {
+            Some(copy_avx512)
+        } else if avx2 {
+            Some(copy_avx2)
+        } else {
+            None
+        };
+        let cpuid = std::arch::x86_64::__cpuid(0);
+        // "GenuineIntel" in EBX, EDX, ECX.
+        let intel = (cpuid.ebx, cpuid.edx, cpuid.ecx)
+            == (
+                u32::from_le_bytes(*b"Genu"),
+                u32::from_le_bytes(*b"ineI"),
+                u32::from_le_bytes(*b"ntel"),
+            );
+        let mid: Option<CopyLoop> = if avx2 && intel { Some(copy_avx2) } else { None };
+        CopyChoice { apart, mid }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    CopyChoice {
+        apart: None,
+        mid: None,
+    }
+}
+
 /// Copies `len` bytes between ranges that do not overlap.
 ///
 /// Up to [`WORD_COPY_MAX`] bytes, [`copy_words`]: an 8-byte WRITE lands
@@ -34,11 +95,12 @@ pub(crate) const WORD_COPY_MAX: usize = 64;
 /// 8 or 16 bytes past the source modulo 4 KiB, on the project's first
 /// machine). So large copies between ranges aligned differently take an
 /// unrolled AVX-512 (else AVX2) loop that stores to aligned cache lines, and
-/// the others memcpy (`cargo bench -p softrdma --bench paths -- copy`,
-/// `docs/performance.md`): on one machine memcpy moved 64 KiB aligned alike
-/// at 128 GB/s against the loop's 96, and the loop 4 KiB 16 bytes apart at
-/// 165 against memcpy's 89; on another, 4 KiB 16 bytes apart at 51 against
-/// 40, and 64 KiB and 1 MiB level with memcpy (55 and 47).
+/// those aligned alike memcpy, or on Intel the AVX2 loop between
+/// [`MID_COPY_MIN`] and [`MID_COPY_MAX`] (`cargo bench -p softrdma --bench
+/// paths -- copy`, `docs/performance.md`): on one machine memcpy moved 64 KiB
+/// aligned alike at 128 GB/s against the loop's 96, and the loop 4 KiB 16
+/// bytes apart at 165 against memcpy's 89; on another, 4 KiB 16 bytes apart
+/// at 51 against 40, and 64 KiB and 1 MiB level with memcpy (55 and 47).
 ///
 /// # Safety
 /// `from` is readable and `to` writable for `len` bytes; they do not overlap.
@@ -48,24 +110,23 @@ unsafe fn copy_apart(from: *const u8, to: *mut u8, len: usize) {
         unsafe { copy_words(from, to, len) };
         return;
     }
-    #[cfg(target_arch = "x86_64")]
-    if len >= BULK_COPY_MIN && !(to as usize).wrapping_sub(from as usize).is_multiple_of(64) {
-        let vector_loop: Option<unsafe fn(*const u8, *mut u8, usize)> =
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                Some(copy_avx512)
-            } else if std::arch::is_x86_feature_detected!("avx2") {
-                Some(copy_avx2)
-            } else {
-                None
-            };
-        if let Some(copy_loop) = vector_loop {
+    if len >= BULK_COPY_MIN {
+        let choice = copy_choice();
+        let copy_loop = if !(to as usize).wrapping_sub(from as usize).is_multiple_of(64) {
+            choice.apart
+        } else if (MID_COPY_MIN..MID_COPY_MAX).contains(&len) {
+            choice.mid
+        } else {
+            None
+        };
+        if let Some(copy_loop) = copy_loop {
             // Stores that straddle cache lines cost two: the loop starts at
             // a 64-byte-aligned destination (its loads may straddle; they
             // cost less).
             let head = (to as usize).wrapping_neg() & 63;
             // SAFETY: head < 64 <= len, so both parts lie inside both ranges;
-            // the loop's CPU feature was checked above; the rest is the
-            // caller's contract.
+            // the loop's CPU feature was detected (`choose_copy_loops`); the rest
+            // is the caller's contract.
             unsafe {
                 std::ptr::copy_nonoverlapping(from, to, head);
                 copy_loop(from.add(head), to.add(head), len - head);
@@ -451,10 +512,10 @@ mod tests {
         // Below and above the bulk loops' threshold, with partial tails (of
         // their 128- and 256-byte blocks), at source and destination offsets
         // that are not multiples of anything.
-        let src: Vec<u8> = (0..20_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+        let src: Vec<u8> = (0..50_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
         for len in [
             0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 127, 128, 129, 4095, 4096, 4097, 4224, 4351,
-            4353, 9999, 16_384,
+            4353, 9999, 16_384, 40_000,
         ] {
             for (s_at, d_at) in [(0, 0), (3, 16), (16, 3), (129, 1), (5, 70)] {
                 for (name, copy) in copy_routines() {
@@ -478,6 +539,24 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_chosen_loops_are_the_cpus() {
+        let c = choose_copy_loops();
+        #[cfg(target_arch = "x86_64")]
+        {
+            let (avx2, avx512) = (
+                std::arch::is_x86_feature_detected!("avx2"),
+                std::arch::is_x86_feature_detected!("avx512f"),
+            );
+            assert_eq!(c.apart.is_some(), avx2 || avx512);
+            if let Some(mid) = c.mid {
+                assert!(avx2 && std::ptr::fn_addr_eq(mid, copy_avx2 as CopyLoop));
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        assert!(c.apart.is_none() && c.mid.is_none());
     }
 
     /// Spins until `ready`, yielding once in a long while (on a busy machine
