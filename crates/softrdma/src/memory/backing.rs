@@ -26,8 +26,8 @@ pub(crate) const WORD_COPY_MAX: usize = 64;
 /// Copies between ranges aligned alike from this size up to (not
 /// including) [`MID_COPY_MAX`], past L1 and within L2, take the AVX2 loop
 /// on Intel CPUs ([`copy_choice`]). On the project's Intel Xeon, `softrdma
-/// perf read-bw --provider shm -s 65536` moved 50.4 GB/s with it, 48.3 with
-/// the AVX-512 loop and 45.8 with glibc's memcpy (`rep movsb` at these sizes;
+/// perf read-bw --provider shm -s 65536` moved 50.3 GB/s with it, 48.3 with
+/// the AVX-512 loop and 45.9 with glibc's memcpy (`rep movsb` at these sizes;
 /// write-bw alike); in short bursts of copies `rep movsb` was the faster, so
 /// a timing at start-up picked it wrongly. On AMD EPYC `rep movsb` was the
 /// faster, and at 16 KiB (in L1) and 1 MiB memcpy matched or beat the loops
@@ -125,8 +125,8 @@ unsafe fn copy_apart(from: *const u8, to: *mut u8, len: usize) {
             // cost less).
             let head = (to as usize).wrapping_neg() & 63;
             // SAFETY: head < 64 <= len, so both parts lie inside both ranges;
-            // the loop's CPU feature was detected (`choose_copy_loops`); the rest
-            // is the caller's contract.
+            // the loop's CPU feature was detected (`choose_copy_loops`);
+            // the rest is the caller's contract.
             unsafe {
                 std::ptr::copy_nonoverlapping(from, to, head);
                 copy_loop(from.add(head), to.add(head), len - head);

@@ -644,13 +644,6 @@ impl TxFpdu {
     }
 }
 
-/// Sends every FPDU the engine has, a batch per `writev`. The engine
-/// completes a SEND or WRITE only once told its bytes are in the socket (or
-/// copied to `leftover`): the application may reuse a buffer as soon as it
-/// sees its completion. `wait`: false for a receiving thread, which must not
-/// block on a full socket (both ends would stop reading); it sends one batch,
-/// copies what the socket does not take at once to `leftover`, and wakes the
-/// transmit thread for that and anything more.
 /// Whether the QP is in error with everything sent: its stream should end.
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Ended {
@@ -658,6 +651,14 @@ enum Ended {
     No,
 }
 
+/// Sends every FPDU the engine has, a batch per `writev`. The engine
+/// completes a SEND or WRITE only once told its bytes are in the socket (or
+/// copied to `leftover`): the application may reuse a buffer as soon as it
+/// sees its completion. `wait`: false for a receiving thread, which must not
+/// block on a full socket (both ends would stop reading); it sends one batch,
+/// copies what the socket does not take at once to `leftover`, and wakes the
+/// transmit thread for that and anything more (the stream's end included).
+/// Says whether the stream should end: the QP failed and all is sent.
 fn send_all(s: &Shared, tx: &mut Tx, wait: bool) -> io::Result<Ended> {
     if !tx.leftover.is_empty() {
         if !wait {
