@@ -1313,21 +1313,18 @@ fn reap_until(
     let wait = end.map_or(limit, |e| {
         e.saturating_duration_since(Instant::now()).min(limit)
     });
-    let got = if need > 1 {
-        cq.wait_for(need, wait).map_err(|e| e.to_string())?
+    // One at a time without a list (the blocking client's common case).
+    if need > 1 {
+        out.extend(cq.wait_for(need, wait).map_err(|e| e.to_string())?);
     } else {
-        cq.wait(wait)
-            .map_err(|e| e.to_string())?
-            .into_iter()
-            .collect()
-    };
-    if got.is_empty() {
+        out.extend(cq.wait(wait).map_err(|e| e.to_string())?);
+    }
+    if out.is_empty() {
         if end.is_some_and(|e| Instant::now() >= e) {
             return Ok(false);
         }
         return Err("no completion in 60 s: the peer is gone?".into());
     }
-    out.extend_from_slice(&got);
     let n = cq.poll(&mut more).map_err(|e| e.to_string())?;
     out.extend_from_slice(&more[..n]);
     Ok(true)
