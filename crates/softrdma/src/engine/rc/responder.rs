@@ -596,6 +596,33 @@ impl RcQp {
                     (false, true) => Opcode::RC_RDMA_READ_RESPONSE_LAST,
                     (false, false) => Opcode::RC_RDMA_READ_RESPONSE_MIDDLE,
                 };
+                if opcode == Opcode::RC_RDMA_READ_RESPONSE_MIDDLE {
+                    // Most packets of a long READ: a bare BTH, written
+                    // without the general `Repr` (some 200 instructions).
+                    let bth = bth::Repr {
+                        opcode,
+                        solicited: false,
+                        mig_req: false,
+                        pad_count: bth::pad_for(plen),
+                        pkey: bth::DEFAULT_PKEY,
+                        fecn: false,
+                        becn: false,
+                        dest_qp,
+                        ack_req: false,
+                        psn: first_psn.add(k),
+                    };
+                    bth.emit(&mut bth::Header::new_unchecked(&mut buf[..bth::HEADER_LEN]));
+                    let piece = seg.as_ref().and_then(|s| s.slice(off as usize, plen));
+                    let payload_len = piece.as_ref().map_or(0, |s| s.len());
+                    pieces.extend(piece);
+                    // Not the last: the READ stays queued.
+                    *next += 1;
+                    return Some(Transmit {
+                        len: bth::HEADER_LEN,
+                        payload_len,
+                        pad: bth::pad_for(payload_len),
+                    });
+                }
                 let mut r = Repr::new(opcode, dest_qp, first_psn.add(k), plen);
                 if k == 0 || k + 1 == n {
                     r.aeth = Some(aeth::Repr {

@@ -404,6 +404,139 @@ fn a_write_goes_as_write_only_packets_and_with_an_immediate_as_one_message() {
 }
 
 #[test]
+fn middle_packets_match_the_general_framing() {
+    use softrdma_wire::Opcode as O;
+    use softrdma_wire::packet::{Packet, Repr};
+    // 70 packets of 256 bytes, the last 246: the middle ones take the
+    // requester's short path, the first and last the general one.
+    let len = 70 * 256 - 10;
+    let data = pattern(len, 3);
+    let ops = [
+        SendOp::Send,
+        SendOp::SendWithImm(7),
+        SendOp::Write {
+            remote_addr: IOVA[1] + 100,
+            rkey: RKEY[1],
+        },
+        SendOp::WriteWithImm {
+            remote_addr: IOVA[1] + 100,
+            rkey: RKEY[1],
+            imm: 7,
+        },
+    ];
+    for op in ops {
+        let mut p = Pair::new(Setup {
+            pmtu: Mtu::Mtu256,
+            ..Setup::default()
+        });
+        p.write_mem(0, 0, &data);
+        p.send(0, op, vec![Pair::sge(0, 0, len as u32)]);
+        let packets = take_packets(&mut p, 0, 100);
+        assert_eq!(packets.len(), 70, "{op:?}");
+        let first = Repr::parse(&Packet::new_checked(&packets[0][..]).unwrap()).unwrap();
+        for (k, b) in packets.iter().enumerate() {
+            let r = Repr::parse(&Packet::new_checked(&b[..]).unwrap()).unwrap();
+            // The general emitter, given what was parsed, writes the same
+            // header bytes: no field or reserved bit differs.
+            let mut again = [0u8; 64];
+            let h = r.emit_header(&mut again).unwrap();
+            assert_eq!(&again[..h], &b[..h], "{op:?} packet {k}");
+            let last = k == 69;
+            let want = match (op, k, last) {
+                (SendOp::Write { .. }, _, _) => O::RC_RDMA_WRITE_ONLY,
+                (_, 0, _) if matches!(op, SendOp::WriteWithImm { .. }) => O::RC_RDMA_WRITE_FIRST,
+                (_, 0, _) => O::RC_SEND_FIRST,
+                (SendOp::WriteWithImm { .. }, _, true) => O::RC_RDMA_WRITE_LAST_WITH_IMMEDIATE,
+                (SendOp::WriteWithImm { .. }, _, false) => O::RC_RDMA_WRITE_MIDDLE,
+                (SendOp::SendWithImm(_), _, true) => O::RC_SEND_LAST_WITH_IMMEDIATE,
+                (_, _, true) => O::RC_SEND_LAST,
+                _ => O::RC_SEND_MIDDLE,
+            };
+            assert_eq!(r.bth.opcode, want, "{op:?} packet {k}");
+            assert_eq!(r.bth.psn, first.bth.psn.add(k as u32));
+            assert_eq!(r.bth.dest_qp, QPN[1]);
+            // An ACK asked for every 64 packets, and by the last.
+            assert_eq!(r.bth.ack_req, k == 63 || last, "{op:?} packet {k}");
+            assert!(!r.bth.solicited);
+            let plen = if last { 246 } else { 256 };
+            assert_eq!(r.payload_len, plen);
+            let at = h;
+            assert_eq!(&b[at..at + plen], &data[k * 256..k * 256 + plen]);
+            if let SendOp::Write { .. } = op {
+                let reth = r.reth.expect("a RETH on every WRITE ONLY");
+                assert_eq!(
+                    (reth.va, reth.rkey, reth.dma_len),
+                    (IOVA[1] + 100 + 256 * k as u64, RKEY[1], plen as u32)
+                );
+            }
+        }
+        p.deliver(1, &packets);
+        if matches!(op, SendOp::Send | SendOp::SendWithImm(_)) {
+            p.recv(1, vec![Pair::sge(1, 0, len as u32)]);
+            // The receive came after the packets: they are retransmitted.
+            p.run([1, 1]);
+            assert_eq!(p.read_mem(1, 0, len), data, "{op:?}");
+        } else {
+            p.recv(1, vec![]);
+            p.run([1, 0]);
+            assert_eq!(p.read_mem(1, 100, len), data, "{op:?}");
+        }
+        assert_eq!(p.wcs(0)[0].1.status, WcStatus::Success, "{op:?}");
+    }
+}
+
+#[test]
+fn read_response_middles_match_the_general_framing() {
+    use softrdma_wire::Opcode as O;
+    use softrdma_wire::packet::{Packet, Repr};
+    let len = 70 * 256 - 10;
+    let data = pattern(len, 9);
+    let mut p = Pair::new(Setup {
+        pmtu: Mtu::Mtu256,
+        ..Setup::default()
+    });
+    p.write_mem(1, 300, &data);
+    p.send(
+        0,
+        SendOp::Read {
+            remote_addr: IOVA[1] + 300,
+            rkey: RKEY[1],
+        },
+        vec![Pair::sge(0, 0, len as u32)],
+    );
+    let request = take_packets(&mut p, 0, 10);
+    assert_eq!(request.len(), 1);
+    p.deliver(1, &request);
+    let responses = take_packets(&mut p, 1, 100);
+    assert_eq!(responses.len(), 70);
+    let req = Repr::parse(&Packet::new_checked(&request[0][..]).unwrap()).unwrap();
+    for (k, b) in responses.iter().enumerate() {
+        let r = Repr::parse(&Packet::new_checked(&b[..]).unwrap()).unwrap();
+        let mut again = [0u8; 64];
+        let h = r.emit_header(&mut again).unwrap();
+        assert_eq!(&again[..h], &b[..h], "response {k}");
+        let (first, last) = (k == 0, k == 69);
+        let want = match (first, last) {
+            (true, _) => O::RC_RDMA_READ_RESPONSE_FIRST,
+            (_, true) => O::RC_RDMA_READ_RESPONSE_LAST,
+            _ => O::RC_RDMA_READ_RESPONSE_MIDDLE,
+        };
+        assert_eq!(r.bth.opcode, want, "response {k}");
+        assert_eq!(r.bth.psn, req.bth.psn.add(k as u32));
+        assert_eq!(r.bth.dest_qp, QPN[0]);
+        assert_eq!(r.aeth.is_some(), first || last, "response {k}");
+        assert!(!r.bth.ack_req && !r.bth.solicited, "response {k}");
+        let plen = if last { 246 } else { 256 };
+        assert_eq!(r.payload_len, plen);
+        assert_eq!(&b[h..h + plen], &data[k * 256..k * 256 + plen]);
+    }
+    p.deliver(0, &responses);
+    p.run([1, 0]);
+    assert_eq!(p.wcs(0)[0].1.status, WcStatus::Success);
+    assert_eq!(p.read_mem(0, 0, len), data);
+}
+
+#[test]
 fn rdma_read() {
     let mut p = Pair::new(Setup::default());
     let data = pattern(10_000, 9);
