@@ -86,7 +86,10 @@ fn iwarp_pair() -> (End, End) {
 
 fn shm_pair() -> (End, End) {
     use softrdma::cm::shm::{self, Listener};
-    let name = format!("conformance-{}", std::process::id());
+    // One name per pair: the tests of this file run at once in one process.
+    static PAIRS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let pair = PAIRS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let name = format!("conformance-{}-{pair}", std::process::id());
     let server = end(Device::shm());
     let listener = Listener::bind(&server.ctx, &name).unwrap();
     let t = std::thread::spawn(move || {
