@@ -2,11 +2,11 @@
 """Instructions per operation on softrdma's hot paths, counted by callgrind.
 
 Timings on this machine's VMs move 20-50 % from minute to minute; instruction
-counts do not. This runs the client of a `softrdma perf` test under
-valgrind's callgrind twice, with two iteration counts, and divides the
-difference by the difference of the counts: start-up, connection and
-reporting cancel out, and what is left is one iteration's work in the
-client (its own process only: the server runs natively).
+counts do not. This runs the client of a `softrdma perf` test (the server,
+for the -server case) under valgrind's callgrind twice, with two iteration
+counts, and divides the difference by the difference of the counts:
+start-up, connection and reporting cancel out, and what is left is one
+iteration's work in that process (the other runs natively).
 
     sudo bench/instructions.py                 # the default cases below
     sudo bench/instructions.py --case shm-write-8
@@ -19,6 +19,9 @@ Cases:
                posting the next WRITE (`Qp::post_send`, inclusive)
   roce-bw-64k  RoCEv2 WRITE 64 KiB (16 packets): the sender's work per WRITE
   shm-write-8  shared-memory 8-byte WRITE: one post (one completion in 100)
+  roce-read-64k-server
+               RoCEv2 READ 64 KiB (16 response packets): the responder's work
+               per READ, in the server
 
 The total per iteration also holds what the perf harness does per
 iteration (building WRs, timing) and some of its reporting (sorting the
@@ -48,16 +51,21 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = REPO / "target/release/softrdma"
 SERVER_IP, CLIENT_IP = "127.0.0.91", "127.0.0.92"
 
-# name: (perf arguments, the two iteration counts, functions to report inclusive)
+# name: (perf arguments, the two iteration counts, functions to report
+# inclusive, the side counted)
 CASES = {
     "roce-lat": (["write-lat", "--provider", "roce", "--busy-poll", "-s", "8"], (10000, 30000),
-                 ["provider::udp::receive_datagram", "verbs::Qp::post_send"]),
+                 ["provider::udp::receive_datagram", "verbs::Qp::post_send"], "client"),
     # Above 20 000 iterations perf (as perftest) keeps no peak figure, whose
     # search grows faster than the count and would not cancel out.
     "roce-bw-64k": (["write-bw", "--provider", "roce", "-s", "65536"], (20100, 20700),
-                    ["provider::udp::send_packets", "engine::rc::RcQp::poll_transmit"]),
+                    ["provider::udp::send_packets", "engine::rc::RcQp::poll_transmit"],
+                    "client"),
     "shm-write-8": (["write-bw", "--provider", "shm", "-s", "8"], (100000, 300000),
-                    ["verbs::Qp::post_send"]),
+                    ["verbs::Qp::post_send"], "client"),
+    "roce-read-64k-server": (["read-bw", "--provider", "roce", "-s", "65536"], (3000, 6000),
+                             ["provider::udp::send_packets", "engine::rc::RcQp::poll_transmit"],
+                             "server"),
 }
 
 
@@ -92,36 +100,40 @@ def parse(path):
     return self_cost, incl, calls
 
 
-def run_client(args, iters, out, port):
-    """One run of the case: the server natively, the client under callgrind."""
+def run_case(args, iters, out, port, side):
+    """One run of the case: `side` under callgrind, the other natively."""
     perf = [str(BIN), "perf", *args, "-n", str(iters), "-p", str(port)]
-    server = subprocess.Popen([*perf, "--bind", SERVER_IP], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    grind = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
+    counted = side == "server"
+    server = subprocess.Popen([*(grind if counted else []), *perf, "--bind", SERVER_IP],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.3)
-        client = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
-                                 *perf, "--bind", CLIENT_IP, SERVER_IP],
-                                capture_output=True, text=True)
+        # A server under valgrind takes a few seconds to listen.
+        time.sleep(3 if counted else 0.3)
+        client = subprocess.run([*([] if counted else grind), *perf, "--bind", CLIENT_IP,
+                                 SERVER_IP], capture_output=True, text=True)
         if client.returncode != 0:
             sys.exit(f"client failed:\n{client.stderr[-2000:]}")
-        server.wait(timeout=60)
+        _, err = server.communicate(timeout=120)
+        if server.returncode != 0:
+            sys.exit(f"server failed:\n{err[-2000:]}")
     finally:
         if server.poll() is None:
             server.kill()
 
 
 def measure(case, top):
-    args, (n1, n2), report = CASES[case]
+    args, (n1, n2), report, side = CASES[case]
     with tempfile.TemporaryDirectory() as tmp:
         files = []
         for k, n in enumerate((n1, n2)):
             out = os.path.join(tmp, f"cg.{n}")
-            run_client(args, n, out, 18690 + k)
+            run_case(args, n, out, 18690 + k, side)
             files.append(parse(out))
     (s1, i1, c1), (s2, i2, c2) = files
     per = n2 - n1
     self_diff = {f: (s2.get(f, 0) - s1.get(f, 0)) / per for f in set(s1) | set(s2)}
-    print(f"## {case}: softrdma perf {' '.join(args)} (client; {n1} and {n2} iterations)")
+    print(f"## {case}: softrdma perf {' '.join(args)} ({side}; {n1} and {n2} iterations)")
     print(f"instructions per iteration: {sum(self_diff.values()):.0f}")
     for want in report:
         for f in (f for f in i2 if f.endswith(want)):
