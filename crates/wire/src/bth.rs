@@ -175,6 +175,23 @@ pub struct Repr {
 }
 
 impl Repr {
+    /// A BTH as RC and UD senders write it: no solicited event, migration
+    /// request, congestion mark or ACK request, the default partition key.
+    pub const fn new(opcode: Opcode, dest_qp: u32, psn: Psn, pad_count: u8) -> Repr {
+        Repr {
+            opcode,
+            solicited: false,
+            mig_req: false,
+            pad_count,
+            pkey: DEFAULT_PKEY,
+            fecn: false,
+            becn: false,
+            dest_qp,
+            ack_req: false,
+            psn,
+        }
+    }
+
     /// Parses a BTH. Rejects a transport version other than 0 and nonzero reserved
     /// bits, as rxe does; the opcode is checked by [`crate::packet`].
     pub fn parse<T: AsRef<[u8]>>(h: &Header<T>) -> Result<Repr> {

@@ -188,18 +188,7 @@ impl Repr {
     /// the opcode needs. The pad count follows from `payload_len`.
     pub fn new(opcode: Opcode, dest_qp: u32, psn: crate::Psn, payload_len: usize) -> Repr {
         Repr {
-            bth: bth::Repr {
-                opcode,
-                solicited: false,
-                mig_req: false,
-                pad_count: bth::pad_for(payload_len),
-                pkey: bth::DEFAULT_PKEY,
-                fecn: false,
-                becn: false,
-                dest_qp,
-                ack_req: false,
-                psn,
-            },
+            bth: bth::Repr::new(opcode, dest_qp, psn, bth::pad_for(payload_len)),
             deth: None,
             reth: None,
             atomic: None,

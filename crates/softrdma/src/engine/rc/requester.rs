@@ -572,16 +572,8 @@ impl RcQp {
             self.req.since_ackreq = 0;
         }
         let bth = bth::Repr {
-            opcode,
-            solicited: false,
-            mig_req: false,
-            pad_count: 0,
-            pkey: bth::DEFAULT_PKEY,
-            fecn: false,
-            becn: false,
-            dest_qp: self.dest_qp,
             ack_req,
-            psn,
+            ..bth::Repr::new(opcode, self.dest_qp, psn, 0)
         };
         bth.emit(&mut bth::Header::new_unchecked(&mut buf[..bth::HEADER_LEN]));
         let mut len = bth::HEADER_LEN;

@@ -560,13 +560,25 @@ impl RcQp {
         let front = self.resp.out.front_mut()?;
         let (repr, payload) = match front {
             Pending::Ack { psn, syndrome, msn } => {
-                let mut r = Repr::new(Opcode::RC_ACKNOWLEDGE, dest_qp, *psn, 0);
-                r.aeth = Some(aeth::Repr {
+                // One a message or one in 64 packets, and one in each busy-poll
+                // half round trip: BTH and AETH written directly, as a
+                // READ RESPONSE MIDDLE's BTH below.
+                let bth = bth::Repr::new(Opcode::RC_ACKNOWLEDGE, dest_qp, *psn, 0);
+                bth.emit(&mut bth::Header::new_unchecked(&mut buf[..bth::HEADER_LEN]));
+                let aeth = aeth::Repr {
                     syndrome: *syndrome,
                     msn: *msn,
-                });
+                };
+                let len = bth::HEADER_LEN + aeth::HEADER_LEN;
+                aeth.emit(&mut aeth::Header::new_unchecked(
+                    &mut buf[bth::HEADER_LEN..len],
+                ));
                 self.resp.out.pop_front();
-                (r, None)
+                return Some(Transmit {
+                    len,
+                    payload_len: 0,
+                    pad: 0,
+                });
             }
             Pending::AtomicAck { psn, original, msn } => {
                 let mut r = Repr::new(Opcode::RC_ATOMIC_ACKNOWLEDGE, dest_qp, *psn, 0);
@@ -599,18 +611,7 @@ impl RcQp {
                 if opcode == Opcode::RC_RDMA_READ_RESPONSE_MIDDLE {
                     // Most packets of a long READ: a bare BTH, written
                     // without the general `Repr` (some 200 instructions).
-                    let bth = bth::Repr {
-                        opcode,
-                        solicited: false,
-                        mig_req: false,
-                        pad_count: bth::pad_for(plen),
-                        pkey: bth::DEFAULT_PKEY,
-                        fecn: false,
-                        becn: false,
-                        dest_qp,
-                        ack_req: false,
-                        psn: first_psn.add(k),
-                    };
+                    let bth = bth::Repr::new(opcode, dest_qp, first_psn.add(k), bth::pad_for(plen));
                     bth.emit(&mut bth::Header::new_unchecked(&mut buf[..bth::HEADER_LEN]));
                     let piece = seg.as_ref().and_then(|s| s.slice(off as usize, plen));
                     let payload_len = piece.as_ref().map_or(0, |s| s.len());

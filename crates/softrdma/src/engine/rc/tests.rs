@@ -471,6 +471,35 @@ fn middle_packets_match_the_general_framing() {
             }
         }
         p.deliver(1, &packets);
+        // The responder's answers, framed as the general path would: ACKs,
+        // and where a receive is consumed (none is posted yet) an RNR NAK
+        // (for a SEND, then a sequence NAK for the packet after it).
+        let answers = take_packets(&mut p, 1, 10);
+        let mut rnr_naks = 0;
+        for b in &answers {
+            let r = Repr::parse(&Packet::new_checked(&b[..]).unwrap()).unwrap();
+            let mut again = [0u8; 64];
+            let h = r.emit_header(&mut again).unwrap();
+            assert_eq!((&again[..h], h), (&b[..h], b.len() - 4), "{op:?}");
+            assert_eq!(r.bth.opcode, O::RC_ACKNOWLEDGE);
+            assert_eq!(r.bth.dest_qp, QPN[0]);
+            let aeth = r.aeth.expect("an AETH");
+            if let SendOp::Write { .. } = op {
+                assert!(aeth.syndrome.is_ack(), "{op:?}: {aeth:?}");
+            }
+            rnr_naks += usize::from(matches!(
+                aeth.syndrome,
+                softrdma_wire::aeth::Syndrome::RnrNak(_)
+            ));
+        }
+        let consumes = !matches!(op, SendOp::Write { .. });
+        assert_eq!(
+            rnr_naks,
+            usize::from(consumes),
+            "{op:?}: {} answers",
+            answers.len()
+        );
+        p.deliver(0, &answers);
         if matches!(op, SendOp::Send | SendOp::SendWithImm(_)) {
             p.recv(1, vec![Pair::sge(1, 0, len as u32)]);
             // The receive came after the packets: they are retransmitted.
