@@ -1313,10 +1313,10 @@ fn reap_until(
     let wait = end.map_or(limit, |e| {
         e.saturating_duration_since(Instant::now()).min(limit)
     });
-    // One at a time without a list (the blocking client's common case).
     if need > 1 {
         out.extend(cq.wait_for(need, wait).map_err(|e| e.to_string())?);
     } else {
+        // One at a time without a list (the blocking client's common case).
         out.extend(cq.wait(wait).map_err(|e| e.to_string())?);
     }
     if out.is_empty() {

@@ -406,7 +406,6 @@ fn a_write_goes_as_write_only_packets_and_with_an_immediate_as_one_message() {
 #[test]
 fn middle_packets_match_the_general_framing() {
     use softrdma_wire::Opcode as O;
-    use softrdma_wire::packet::{Packet, Repr};
     // 70 packets of 256 bytes, the last 246: the middle ones take the
     // requester's short path, the first and last the general one.
     let len = 70 * 256 - 10;
@@ -433,14 +432,9 @@ fn middle_packets_match_the_general_framing() {
         p.send(0, op, vec![Pair::sge(0, 0, len as u32)]);
         let packets = take_packets(&mut p, 0, 100);
         assert_eq!(packets.len(), 70, "{op:?}");
-        let first = Repr::parse(&Packet::new_checked(&packets[0][..]).unwrap()).unwrap();
+        let first = reframed(&packets[0], &format!("{op:?} packet 0")).0;
         for (k, b) in packets.iter().enumerate() {
-            let r = Repr::parse(&Packet::new_checked(&b[..]).unwrap()).unwrap();
-            // The general emitter, given what was parsed, writes the same
-            // header bytes: no field or reserved bit differs.
-            let mut again = [0u8; 64];
-            let h = r.emit_header(&mut again).unwrap();
-            assert_eq!(&again[..h], &b[..h], "{op:?} packet {k}");
+            let (r, h) = reframed(b, &format!("{op:?} packet {k}"));
             let last = k == 69;
             let want = match (op, k, last) {
                 (SendOp::Write { .. }, _, _) => O::RC_RDMA_WRITE_ONLY,
@@ -477,10 +471,8 @@ fn middle_packets_match_the_general_framing() {
         let answers = take_packets(&mut p, 1, 10);
         let mut rnr_naks = 0;
         for b in &answers {
-            let r = Repr::parse(&Packet::new_checked(&b[..]).unwrap()).unwrap();
-            let mut again = [0u8; 64];
-            let h = r.emit_header(&mut again).unwrap();
-            assert_eq!((&again[..h], h), (&b[..h], b.len() - 4), "{op:?}");
+            let (r, h) = reframed(b, &format!("{op:?} answer"));
+            assert_eq!(h, b.len() - 4, "{op:?}");
             assert_eq!(r.bth.opcode, O::RC_ACKNOWLEDGE);
             assert_eq!(r.bth.dest_qp, QPN[0]);
             let aeth = r.aeth.expect("an AETH");
@@ -517,7 +509,6 @@ fn middle_packets_match_the_general_framing() {
 #[test]
 fn read_response_middles_match_the_general_framing() {
     use softrdma_wire::Opcode as O;
-    use softrdma_wire::packet::{Packet, Repr};
     let len = 70 * 256 - 10;
     let data = pattern(len, 9);
     let mut p = Pair::new(Setup {
@@ -538,12 +529,9 @@ fn read_response_middles_match_the_general_framing() {
     p.deliver(1, &request);
     let responses = take_packets(&mut p, 1, 100);
     assert_eq!(responses.len(), 70);
-    let req = Repr::parse(&Packet::new_checked(&request[0][..]).unwrap()).unwrap();
+    let req = reframed(&request[0], "request").0;
     for (k, b) in responses.iter().enumerate() {
-        let r = Repr::parse(&Packet::new_checked(&b[..]).unwrap()).unwrap();
-        let mut again = [0u8; 64];
-        let h = r.emit_header(&mut again).unwrap();
-        assert_eq!(&again[..h], &b[..h], "response {k}");
+        let (r, h) = reframed(b, &format!("response {k}"));
         let (first, last) = (k == 0, k == 69);
         let want = match (first, last) {
             (true, _) => O::RC_RDMA_READ_RESPONSE_FIRST,
@@ -1163,6 +1151,19 @@ fn deep_queues_of_large_messages_share_ack_requests() {
 }
 
 /// Up to `n` packets end `i` sends now, taken by hand (not delivered).
+/// Parses a packet taken by hand and emits its headers again through the
+/// general path (`packet::Repr::emit_header`), which must write the same
+/// bytes: no field or reserved bit differs. Returns the parse and the
+/// headers' length.
+fn reframed(b: &[u8], what: &str) -> (softrdma_wire::packet::Repr, usize) {
+    use softrdma_wire::packet::{Packet, Repr};
+    let r = Repr::parse(&Packet::new_checked(b).unwrap()).unwrap();
+    let mut again = [0u8; 64];
+    let h = r.emit_header(&mut again).unwrap();
+    assert_eq!(&again[..h], &b[..h], "{what}");
+    (r, h)
+}
+
 fn take_packets(p: &mut Pair, i: usize, n: usize) -> Vec<Vec<u8>> {
     std::iter::from_fn(|| p.sim.next_packet(i))
         .take(n)
