@@ -297,3 +297,17 @@ fn rc_requester_write(b: Bencher, len: u32) {
             p.qp[0].poll_completion().expect("the WRITE completed")
         });
 }
+
+/// One look of a thread spinning on an empty CQ of a RoCEv2 device in
+/// busy-poll mode: an empty `recvmsg` on the device's socket and what the
+/// CQ and the provider add around it (the period at which a busy-poll
+/// ping-pong notices its answer).
+#[divan::bench]
+fn roce_busy_poll_empty_look(b: Bencher) {
+    let ctx = Device::udp("127.0.0.95:0".parse().unwrap())
+        .busy_poll(true)
+        .open()
+        .unwrap();
+    let cq = ctx.create_cq(64).unwrap();
+    b.bench_local(|| black_box(cq.poll_one().unwrap()));
+}

@@ -4,7 +4,7 @@
 
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -50,6 +50,9 @@ pub(crate) struct CqInner {
     /// the first locked instruction after a large copy waits for the copy's
     /// stores to drain).
     state: SpinMutex<State, Yield>,
+    /// The queue's length, stored under the lock at every change: an empty
+    /// CQ's poll reads this and takes no lock.
+    len: AtomicUsize,
     overrun: AtomicBool,
     /// Blocked waiters sleep on `ready` with this held; a push that sees
     /// waiters takes it before notifying, so no wake-up is lost.
@@ -74,6 +77,7 @@ impl CqInner {
                 waiters: 0,
                 wake_at: usize::MAX,
             }),
+            len: AtomicUsize::new(0),
             overrun: AtomicBool::new(false),
             sleep: Mutex::new(()),
             ready: Condvar::new(),
@@ -94,6 +98,7 @@ impl CqInner {
             return false;
         }
         s.queue.push_back(wc);
+        self.len.store(s.queue.len(), Ordering::Release);
         let fire = match s.armed {
             Some(solicited_only) => {
                 !solicited_only || wc.solicited || wc.status != crate::engine::WcStatus::Success
@@ -113,6 +118,33 @@ impl CqInner {
     }
 
     /// Signals the completion channel.
+    /// Whether no completion waits (read without the lock).
+    fn is_empty(&self) -> bool {
+        self.len.load(Ordering::Acquire) == 0
+    }
+
+    /// Takes the oldest completion; an empty queue's answer takes no lock.
+    fn pop(&self) -> Option<WorkCompletion> {
+        if self.is_empty() {
+            return None;
+        }
+        let mut s = self.state.lock();
+        let wc = s.queue.pop_front();
+        self.len.store(s.queue.len(), Ordering::Release);
+        wc
+    }
+
+    /// Takes up to `n` of the oldest completions into `out`.
+    fn take_into(&self, n: usize, out: &mut impl Extend<WorkCompletion>) {
+        if self.is_empty() {
+            return;
+        }
+        let mut s = self.state.lock();
+        let take = n.min(s.queue.len());
+        out.extend(s.queue.drain(..take));
+        self.len.store(s.queue.len(), Ordering::Release);
+    }
+
     pub(crate) fn signal(&self) {
         let _ = rustix::io::write(&self.event, &1u64.to_ne_bytes());
     }
@@ -123,7 +155,9 @@ impl CqInner {
 pub struct Cq {
     pub(crate) inner: Arc<CqInner>,
     /// The RoCEv2 device whose receiving a poll may do (busy-poll mode).
-    driver: Option<std::sync::Weak<crate::provider::udp::Shared>>,
+    /// Held as QPs and PDs hold their device (a weak reference cost every
+    /// look of a spinning poll two atomic read-modify-writes).
+    driver: Option<Arc<crate::provider::udp::Shared>>,
     /// The iWARP device's connections, whose receiving a poll may do, and
     /// its busy-poll flag.
     connections: Option<(Arc<crate::provider::tcp::Connections>, Arc<AtomicBool>)>,
@@ -164,7 +198,7 @@ impl Cq {
     /// A CQ of a RoCEv2 device: in the device's busy-poll mode, polling it
     /// receives for the device.
     pub(crate) fn driven_by(mut self, device: &Arc<crate::provider::udp::Shared>) -> Cq {
-        self.driver = Some(Arc::downgrade(device));
+        self.driver = Some(device.clone());
         self
     }
 
@@ -174,8 +208,8 @@ impl Cq {
     /// memory (a WRITE ping-pong) calls this between looks. Otherwise, and
     /// on shm, does nothing.
     pub fn progress(&self) {
-        if let Some(d) = self.driver.as_ref().and_then(|d| d.upgrade()) {
-            crate::provider::udp::poll_now(&d);
+        if let Some(d) = &self.driver {
+            crate::provider::udp::poll_now(d);
         }
         if let Some(c) = self.busy_connections() {
             c.poll();
@@ -183,8 +217,8 @@ impl Cq {
     }
 
     /// The CQ's device, if it is in busy-poll mode.
-    fn busy_device(&self) -> Option<Arc<crate::provider::udp::Shared>> {
-        self.driver.as_ref()?.upgrade().filter(|d| d.busy_poll())
+    fn busy_device(&self) -> Option<&crate::provider::udp::Shared> {
+        self.driver.as_deref().filter(|d| d.busy_poll())
     }
 
     fn busy(&self) -> bool {
@@ -197,7 +231,7 @@ impl Cq {
         if let Some(d) = self.busy_device()
             && self.is_empty()
         {
-            crate::provider::udp::poll_now(&d);
+            crate::provider::udp::poll_now(d);
         }
         if let Some(c) = self.busy_connections()
             && self.is_empty()
@@ -222,11 +256,15 @@ impl Cq {
             return Err(CqError::Overrun(self.inner.capacity));
         }
         self.poll_device_if_empty();
+        if self.inner.is_empty() {
+            return Ok(0);
+        }
         let mut s = self.inner.state.lock();
         let n = out.len().min(s.queue.len());
         for (slot, wc) in out.iter_mut().zip(s.queue.drain(..n)) {
             *slot = wc;
         }
+        self.inner.len.store(s.queue.len(), Ordering::Release);
         Ok(n)
     }
 
@@ -240,11 +278,11 @@ impl Cq {
             return Err(CqError::Overrun(self.inner.capacity));
         }
         self.poll_device_if_empty();
-        Ok(self.inner.state.lock().queue.pop_front())
+        Ok(self.inner.pop())
     }
 
     fn is_empty(&self) -> bool {
-        self.inner.state.lock().queue.is_empty()
+        self.inner.is_empty()
     }
 
     /// Waits until a completion is there, then takes it; `Ok(None)` after
@@ -270,7 +308,7 @@ impl Cq {
         let _sleeping = self.busy_connections().map(|c| c.app_sleeps());
         loop {
             self.sleep_until(deadline, 1)?;
-            if let Some(wc) = self.inner.state.lock().queue.pop_front() {
+            if let Some(wc) = self.inner.pop() {
                 return Ok(Some(wc));
             }
             if Instant::now() >= deadline {
@@ -328,10 +366,7 @@ impl Cq {
             }
             let _sleeping = self.busy_connections().map(|c| c.app_sleeps());
             self.sleep_until(deadline, n - got.len())?;
-            let mut s = self.inner.state.lock();
-            let take = (n - got.len()).min(s.queue.len());
-            got.extend(s.queue.drain(..take));
-            drop(s);
+            self.inner.take_into(n - got.len(), &mut got);
             if Instant::now() >= deadline {
                 break;
             }
