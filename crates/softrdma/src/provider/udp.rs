@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::io::{self, IoSlice};
 use std::net::{SocketAddr, SocketAddrV4, UdpSocket};
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -29,6 +29,8 @@ use rustix::net::sockopt;
 use softrdma_wire::bth;
 use softrdma_wire::icrc::{self, Ipv4Flow, Ipv4Pseudo};
 use softrdma_wire::opcode::Opcode;
+use spin::mutex::SpinMutex;
+use spin::relax::Yield;
 
 use super::pcap::{PacketMeta, PcapWriter};
 use crate::engine::rc::MAX_HEADER_LEN;
@@ -80,8 +82,54 @@ pub(crate) struct QpSlot {
     pub recv_cq: Arc<CqInner>,
     /// The SRQ the QP takes receives from, with its number.
     pub srq: Option<(u32, Arc<Mutex<Srq>>)>,
-    tx_busy: AtomicBool,
-    tx_again: AtomicBool,
+    /// Which thread transmits for the QP.
+    tx: TransmitTurn,
+    /// Whether packets were handled since a transmit last found nothing to
+    /// send: a deferred transmit (see [`poll_now`]) is skipped when a post's
+    /// has sent the answers already. Written under the QP lock.
+    answers_pending: AtomicBool,
+}
+
+/// The hand-off of a QP's transmitting between threads: one thread
+/// transmits at a time, and a thread that finds another at it asks it to go
+/// round again (it then sends what the asking thread queued). Uncontended, a
+/// pass costs two read-modify-writes.
+#[derive(Debug, Default)]
+struct TransmitTurn(AtomicU8);
+
+const TX_BUSY: u8 = 1;
+const TX_AGAIN: u8 = 2;
+
+impl TransmitTurn {
+    /// Whether this thread is to transmit: true if no other thread does;
+    /// false once the one that does has been asked to go round again.
+    fn enter(&self) -> bool {
+        loop {
+            if self.0.fetch_or(TX_BUSY, Ordering::AcqRel) & TX_BUSY == 0 {
+                return true;
+            }
+            // The RMWs on the word are totally ordered: if the holder has
+            // left meanwhile, this sees no TX_BUSY and tries again to hold it.
+            if self.0.fetch_or(TX_AGAIN, Ordering::AcqRel) & TX_BUSY != 0 {
+                return false;
+            }
+        }
+    }
+
+    /// Ends a pass: true if done; false if another thread asked for another
+    /// pass. The swap that clears the request reads it, so that the next
+    /// pass sees what the asking thread queued before it asked.
+    fn leave(&self) -> bool {
+        if self
+            .0
+            .compare_exchange(TX_BUSY, 0, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            return true;
+        }
+        self.0.swap(TX_BUSY, Ordering::AcqRel);
+        false
+    }
 }
 
 impl QpSlot {
@@ -98,8 +146,8 @@ impl QpSlot {
             send_cq,
             recv_cq,
             srq,
-            tx_busy: AtomicBool::new(false),
-            tx_again: AtomicBool::new(false),
+            tx: TransmitTurn::default(),
+            answers_pending: AtomicBool::new(false),
         }
     }
 
@@ -188,7 +236,9 @@ pub(crate) struct Shared {
     alarm_pushed: AtomicU64,
     /// Held by whichever thread is receiving from the sockets; holds the
     /// QPs whose answers a polling thread deferred (see [`poll_now`]).
-    rx_lock: Mutex<Vec<Arc<QpSlot>>>,
+    /// A spin lock: polling threads only try it, and its release is a store
+    /// (a futex mutex's is a read-modify-write, on every look).
+    rx_lock: SpinMutex<Vec<Arc<QpSlot>>, Yield>,
     /// Packets of a QP go out in UDP GSO sends (off after the kernel refuses).
     gso: AtomicBool,
     /// The sockets report received TTLs and TOSes (see [`report_ip_fields`]).
@@ -395,9 +445,9 @@ impl RxBuffers {
     /// thread deferred, then everything that waits. Returns whether a
     /// datagram came (and notes when).
     fn take_sockets(&mut self, shared: &Shared, which: &[bool; SOCKETS]) -> bool {
-        let mut deferred = shared.rx_lock.lock().expect("rx lock");
+        let mut deferred = shared.rx_lock.lock();
         for slot in deferred.drain(..) {
-            transmit(shared, &slot);
+            transmit_deferred(shared, &slot);
         }
         let received = self.drain_sockets(shared, which, false, false, None);
         if received {
@@ -459,14 +509,14 @@ pub(crate) fn poll_now(shared: &Shared) {
         shared.alarm_pushed.store(now, Ordering::Relaxed);
         shared.set_standby_alarm(STANDBY_NS);
     }
-    let Ok(mut deferred) = shared.rx_lock.try_lock() else {
+    let Some(mut deferred) = shared.rx_lock.try_lock() else {
         return;
     };
     // What the last look received answers now, unless a post sent it
     // already: deferred so that an answer (an ACK) can leave with the
     // application's next request in one GSO send.
     for slot in deferred.drain(..) {
-        transmit(shared, &slot);
+        transmit_deferred(shared, &slot);
     }
     APP_RX.with_borrow_mut(|b| {
         let which = b.sockets_to_look_at();
@@ -612,7 +662,7 @@ impl UdpDevice {
                 rustix::time::TimerfdFlags::CLOEXEC | rustix::time::TimerfdFlags::NONBLOCK,
             )?,
             alarm_pushed: AtomicU64::new(0),
-            rx_lock: Mutex::new(Vec::new()),
+            rx_lock: SpinMutex::new(Vec::new()),
             gso: AtomicBool::new(offload),
             ip_fields: AtomicBool::new(ip_fields),
         });
@@ -714,24 +764,24 @@ fn signal_cqs(slot: &QpSlot, signal: [bool; 2]) {
     }
 }
 
+/// [`transmit`] for a QP whose answers a polling thread deferred, unless a
+/// transmit (a post's) has found nothing left to send since its packets were
+/// handled.
+fn transmit_deferred(shared: &Shared, slot: &QpSlot) {
+    if slot.answers_pending.load(Ordering::Relaxed) {
+        transmit(shared, slot);
+    }
+}
+
 /// Sends everything the QP has to send, unless another thread is at it (then
 /// that thread goes round again). Returns the QP's next timer.
 fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
-    // A Dekker-style hand-off between threads: each side stores one flag and
-    // then reads the other's, so every access is SeqCst (with acquire/release
-    // the final load may be ordered before the store, and a post is lost).
-    // `tx_again` is raised before `tx_busy` is tried: raised after, it could
-    // come just after the holder's last look at it, leaving a posted WR
-    // unsent with nothing in flight to bring a transmit (perf write-lat hung
-    // so, 1 run in 10).
-    slot.tx_again.store(true, Ordering::SeqCst);
-    if slot.tx_busy.swap(true, Ordering::SeqCst) {
+    if !slot.tx.enter() {
         return None;
     }
     let mut timer = None;
     TX.with_borrow_mut(|tx| {
         loop {
-            slot.tx_again.store(false, Ordering::SeqCst);
             loop {
                 let mut signal = [false; 2];
                 let (n, peer) = {
@@ -747,7 +797,10 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
                                 s.ah = ah;
                                 n += 1;
                             }
-                            None => break,
+                            None => {
+                                slot.answers_pending.store(false, Ordering::Relaxed);
+                                break;
+                            }
                         }
                     }
                     drain_completions(&mut qp, slot, &shared.events, &mut signal);
@@ -819,8 +872,7 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
                     break;
                 }
             }
-            slot.tx_busy.store(false, Ordering::SeqCst);
-            if !slot.tx_again.load(Ordering::SeqCst) || slot.tx_busy.swap(true, Ordering::SeqCst) {
+            if slot.tx.leave() {
                 break;
             }
         }
@@ -1073,9 +1125,9 @@ fn progress(shared: &Arc<Shared>) {
         if !standby && shared.busy_poll.load(Ordering::Relaxed) {
             // No thread polls (any more): send what one deferred (see
             // `poll_now`), which woke this thread if it was not standing by.
-            let deferred = std::mem::take(&mut *shared.rx_lock.lock().expect("rx lock"));
+            let deferred = std::mem::take(&mut *shared.rx_lock.lock());
             for slot in &deferred {
-                transmit(shared, slot);
+                transmit_deferred(shared, slot);
             }
         }
         if standby {
@@ -1209,35 +1261,90 @@ pub(crate) struct RxMeta {
 
 /// Receives one datagram from a socket made by [`roce_socket`]; `None` when
 /// there is none.
+///
+/// The system call is made directly, not through libc's `recvmsg`: that
+/// wrapper makes every call a thread-cancellation point, two calls around
+/// the system call that took some 8 % of an empty busy-poll look.
 pub(crate) fn recv_datagram(
     socket: &UdpSocket,
     rx: &mut [u8],
     cmsg: &mut [u8],
 ) -> Option<(usize, RxMeta)> {
-    use nix::sys::socket::{ControlMessageOwned, recvmsg};
     use std::os::fd::AsRawFd;
-    let mut iov = [io::IoSliceMut::new(rx)];
-    let msg = recvmsg::<SockaddrIn>(
-        socket.as_raw_fd(),
-        &mut iov,
-        Some(cmsg),
-        MsgFlags::MSG_DONTWAIT,
-    )
-    .ok()?;
-    let from = SocketAddrV4::from(msg.address?);
+    // SAFETY: all-zero bytes are a valid `sockaddr_in` and `msghdr` (plain C
+    // structs of integers and pointers).
+    let (mut from, mut hdr): (libc::sockaddr_in, libc::msghdr) =
+        unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
+    let mut iov = libc::iovec {
+        iov_base: rx.as_mut_ptr().cast(),
+        iov_len: rx.len(),
+    };
+    hdr.msg_name = (&raw mut from).cast();
+    hdr.msg_namelen = size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    hdr.msg_iov = &raw mut iov;
+    hdr.msg_iovlen = 1;
+    hdr.msg_control = cmsg.as_mut_ptr().cast();
+    hdr.msg_controllen = cmsg.len();
+    // SAFETY: `hdr` points at `from`, at `iov` (over `rx`) and at `cmsg`,
+    // each live, writable and as long as `hdr` says; the kernel writes
+    // within those lengths and keeps no pointer past the call.
+    let n = unsafe {
+        libc::syscall(
+            libc::SYS_recvmsg,
+            socket.as_raw_fd(),
+            &raw mut hdr,
+            libc::MSG_DONTWAIT,
+        )
+    };
+    if n < 0
+        || hdr.msg_namelen as usize != size_of::<libc::sockaddr_in>()
+        || from.sin_family != libc::AF_INET as libc::sa_family_t
+    {
+        return None;
+    }
+    let from = SocketAddrV4::new(
+        u32::from_be(from.sin_addr.s_addr).into(),
+        u16::from_be(from.sin_port),
+    );
     let (mut ttl, mut tos, mut gro_segment) = (64, 0, None);
-    if let Ok(cmsgs) = msg.cmsgs() {
-        for c in cmsgs {
-            match c {
-                ControlMessageOwned::Ipv4Ttl(t) => ttl = t as u8,
-                ControlMessageOwned::Ipv4Tos(t) => tos = t,
-                ControlMessageOwned::UdpGroSegments(n) if n > 0 => gro_segment = Some(n as usize),
-                _ => {}
+    // The control messages the kernel wrote: `msg_controllen` is now their
+    // length, within `cmsg`. Each header and value is read unaligned (a
+    // `Vec<u8>` need not be aligned for `cmsghdr`).
+    let control = &cmsg[..hdr.msg_controllen.min(cmsg.len())];
+    let header_len = size_of::<libc::cmsghdr>();
+    let mut at = 0;
+    while control.len() >= at + header_len {
+        // SAFETY: `header_len` bytes from `at` are within `control`.
+        let c: libc::cmsghdr = unsafe {
+            control
+                .as_ptr()
+                .add(at)
+                .cast::<libc::cmsghdr>()
+                .read_unaligned()
+        };
+        let Some(data) = at
+            .checked_add(c.cmsg_len)
+            .and_then(|end| control.get(at + header_len..end))
+        else {
+            break;
+        };
+        let int = |d: &[u8]| d.first_chunk().map(|b| i32::from_ne_bytes(*b));
+        match (c.cmsg_level, c.cmsg_type) {
+            (libc::IPPROTO_IP, libc::IP_TTL) => ttl = int(data).map_or(ttl, |t| t as u8),
+            (libc::IPPROTO_IP, libc::IP_TOS) => tos = data.first().copied().unwrap_or(tos),
+            (libc::SOL_UDP, libc::UDP_GRO) => {
+                gro_segment = int(data).filter(|&g| g > 0).map(|g| g as usize)
             }
+            _ => {}
         }
+        // Each message starts aligned to `size_t`.
+        at += c
+            .cmsg_len
+            .max(header_len)
+            .next_multiple_of(size_of::<usize>());
     }
     Some((
-        msg.bytes,
+        n as usize,
         RxMeta {
             from,
             ttl,
@@ -1280,7 +1387,7 @@ fn receive_datagram(
             continue;
         };
         if let Some(slot) = run_slot.take_if(|s| s.qpn != dest_qp) {
-            holding |= deliver(shared, &slot, &mut run, rx, now, touched);
+            holding |= deliver(shared, slot, &mut run, rx, now, touched);
         }
         if run_slot.is_none() {
             run_slot = qp_for(shared, dest_qp, rx.from);
@@ -1291,7 +1398,7 @@ fn receive_datagram(
         run.push((packet, ident));
     }
     if let Some(slot) = run_slot {
-        holding |= deliver(shared, &slot, &mut run, rx, now, touched);
+        holding |= deliver(shared, slot, &mut run, rx, now, touched);
     }
     if !defer {
         for slot in touched.drain(..) {
@@ -1381,7 +1488,7 @@ fn qp_for(shared: &Shared, qpn: u32, from: SocketAddrV4) -> Option<Arc<QpSlot>> 
 /// responses (read under the lock the packets took).
 fn deliver(
     shared: &Shared,
-    slot: &Arc<QpSlot>,
+    slot: Arc<QpSlot>,
     run: &mut Run<'_>,
     rx: &RxMeta,
     now: Time,
@@ -1401,12 +1508,13 @@ fn deliver(
             };
             qp.handle_packet(now, packet, &meta, &mrs);
         }
-        drain_completions(&mut qp, slot, &shared.events, &mut signal);
+        slot.answers_pending.store(true, Ordering::Relaxed);
+        drain_completions(&mut qp, &slot, &shared.events, &mut signal);
         qp.responses_queued() >= GSO_MAX_SEGMENTS as u32
     };
-    signal_cqs(slot, signal);
-    if !touched.iter().any(|t| Arc::ptr_eq(t, slot)) {
-        touched.push(slot.clone());
+    signal_cqs(&slot, signal);
+    if !touched.iter().any(|t| Arc::ptr_eq(t, &slot)) {
+        touched.push(slot);
     }
     holding
 }
@@ -1436,6 +1544,86 @@ mod tests {
                 ah: None,
             })
             .collect()
+    }
+
+    /// The turn's states, one step at a time: a thread that finds another
+    /// at it gets a second pass out of it, and the turn is free after.
+    #[test]
+    fn the_transmit_turn_gives_a_pass_to_whoever_asks() {
+        let turn = TransmitTurn::default();
+        assert!(turn.enter(), "a free turn is taken");
+        assert!(turn.leave(), "no one asked: one pass");
+        assert!(turn.enter(), "left free");
+        assert!(!turn.enter(), "held: the asker leaves it to the holder");
+        assert!(!turn.enter(), "asked twice, still one more pass");
+        assert!(!turn.leave(), "asked: another pass");
+        assert!(turn.leave(), "then done");
+        assert_eq!(turn.0.load(Ordering::Relaxed), 0);
+    }
+
+    /// Rounds in which threads each queue an item and try for the turn to
+    /// transmit, as posts do, then wait until every item of the round has
+    /// been taken: a pass asked for and never made strands an item, with no
+    /// thread left to take it.
+    #[test]
+    fn the_transmit_turn_loses_no_work() {
+        use std::sync::atomic::AtomicUsize;
+        const THREADS: usize = 4;
+        const ROUNDS: usize = 20_000;
+        let turn = TransmitTurn::default();
+        let pending: [AtomicBool; THREADS] = Default::default();
+        let (taken, arrived) = (AtomicUsize::new(0), AtomicUsize::new(0));
+        let stranded = AtomicUsize::new(usize::MAX);
+        // Waits until `done`; false (noting the round) after 5 s or once
+        // another thread gave up.
+        let wait = |round: usize, done: &dyn Fn() -> bool| {
+            let until = Instant::now() + Duration::from_secs(5);
+            while !done() {
+                if stranded.load(Ordering::Relaxed) != usize::MAX || Instant::now() > until {
+                    stranded.fetch_min(round, Ordering::Relaxed);
+                    return false;
+                }
+                std::thread::yield_now();
+            }
+            true
+        };
+        std::thread::scope(|s| {
+            for me in 0..THREADS {
+                let (turn, pending, taken, arrived, wait) =
+                    (&turn, &pending, &taken, &arrived, &wait);
+                s.spawn(move || {
+                    for round in 0..ROUNDS {
+                        pending[me].store(true, Ordering::Release);
+                        if turn.enter() {
+                            loop {
+                                for p in pending {
+                                    if p.swap(false, Ordering::AcqRel) {
+                                        taken.fetch_add(1, Ordering::Relaxed);
+                                    }
+                                }
+                                if turn.leave() {
+                                    break;
+                                }
+                            }
+                        }
+                        let all_taken = || !pending.iter().any(|p| p.load(Ordering::Acquire));
+                        arrived.fetch_add(1, Ordering::AcqRel);
+                        let all_here = || arrived.load(Ordering::Acquire) >= THREADS * (round + 1);
+                        if !wait(round, &all_taken) || !wait(round, &all_here) {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        let stranded = stranded.load(Ordering::Relaxed);
+        assert_eq!(
+            stranded,
+            usize::MAX,
+            "round {stranded}: an item was never taken"
+        );
+        assert_eq!(taken.load(Ordering::Relaxed), THREADS * ROUNDS);
+        assert_eq!(turn.0.load(Ordering::Relaxed), 0, "the turn is left held");
     }
 
     #[test]
