@@ -152,6 +152,48 @@ fn a_destroyed_peer_gives_retry_exceeded() {
     assert_eq!(a.qp.state(), QpState::Err);
 }
 
+/// A destroyed QP takes no packet, even right after it took some (the
+/// receiving thread keeps the QPs the last packets were for): a WRITE to it
+/// lands nowhere, is counted as for no QP, and its requester gives up.
+#[test]
+fn a_destroyed_qp_takes_no_more_packets() {
+    let (a, b) = pair();
+    let o = RcOptions {
+        timeout: 4,
+        retry_cnt: 1,
+        ..RcOptions::default()
+    };
+    a.qp.modify(
+        &QpAttr {
+            state: Some(QpState::Reset),
+            ..QpAttr::default()
+        },
+        None,
+    )
+    .unwrap();
+    cm::connect(&a.qp, &a.info, &b.info, &o).unwrap();
+    let write = |wr_id: u64, at: u64| {
+        SendWr::new(
+            wr_id,
+            SendOp::Write {
+                remote_addr: b.info.va + at,
+                rkey: b.info.rkey,
+            },
+            vec![a.mr.sge(0, 8)],
+        )
+    };
+    a.mr.write(0, &[7; 8]).unwrap();
+    a.qp.post_send(write(1, 0)).unwrap();
+    assert_eq!(one(&a.cq).status, WcStatus::Success);
+    assert_eq!(b.mr.read_vec(0, 8).unwrap(), [7; 8]);
+    let RoceEnd { ctx, mr, qp, .. } = b;
+    drop(qp);
+    a.qp.post_send(write(2, 64)).unwrap();
+    assert_eq!(one(&a.cq).status, WcStatus::RetryExcErr);
+    assert_eq!(mr.read_vec(64, 8).unwrap(), [0; 8]);
+    assert!(ctx.stats().no_qp > 0, "{:?}", ctx.stats());
+}
+
 #[test]
 fn thousands_of_ping_pongs_lose_no_post() {
     // The poster and the progress thread hand transmission to each other on

@@ -172,7 +172,7 @@ impl QpSlot {
 pub struct DeviceStats {
     /// Datagrams sent.
     pub sent: AtomicU64,
-    /// Datagrams received.
+    /// Datagrams received (counted by the holder of the receive lock).
     pub received: AtomicU64,
     /// Dropped: bad ICRC.
     pub bad_icrc: AtomicU64,
@@ -234,11 +234,10 @@ pub(crate) struct Shared {
     standby_alarm: OwnedFd,
     /// When a polling thread last pushed the alarm back (engine time, ns).
     alarm_pushed: AtomicU64,
-    /// Held by whichever thread is receiving from the sockets; holds the
-    /// QPs whose answers a polling thread deferred (see [`poll_now`]).
-    /// A spin lock: polling threads only try it, and its release is a store
-    /// (a futex mutex's is a read-modify-write, on every look).
-    rx_lock: SpinMutex<Vec<Arc<QpSlot>>, Yield>,
+    /// Held by whichever thread is receiving from the sockets. A spin lock:
+    /// polling threads only try it, and its release is a store (a futex
+    /// mutex's is a read-modify-write, on every look).
+    rx_lock: SpinMutex<Receiving, Yield>,
     /// Packets of a QP go out in UDP GSO sends (off after the kernel refuses).
     gso: AtomicBool,
     /// The sockets report received TTLs and TOSes (see [`report_ip_fields`]).
@@ -253,6 +252,16 @@ impl Shared {
 
     pub fn now(&self) -> Time {
         Time(self.epoch.elapsed().as_nanos() as u64)
+    }
+
+    /// Takes a QP out of the device's table, and out of the receiving
+    /// thread's recent QPs (waiting for that thread to finish its look).
+    pub fn remove_qp(&self, qpn: u32) {
+        self.qps.write().expect("QP table lock").remove(&qpn);
+        let mut receiving = self.rx_lock.lock();
+        for s in &mut receiving.recent_qps {
+            s.take_if(|s| s.qpn == qpn);
+        }
     }
 
     /// Has the sockets report the TTL and TOS of what arrives, from now on
@@ -344,11 +353,52 @@ const BUSY_SPIN_NS: u64 = 1_000_000;
 const STREAM_GAP_NS: u64 = 20_000;
 const STREAM_LOOKS: u32 = 4;
 
+/// What the thread receiving from a device's sockets keeps (under
+/// [`Shared::rx_lock`]).
+#[derive(Debug, Default)]
+pub(crate) struct Receiving {
+    /// QPs whose answers a polling thread deferred (see [`poll_now`]).
+    deferred: Vec<Arc<QpSlot>>,
+    /// QPs the datagrams of the current look reached (see
+    /// [`receive_datagram`]).
+    touched: Vec<Arc<QpSlot>>,
+    /// The QPs the last packets were for, most recent first: datagrams
+    /// mostly come for the QP the last one came for, and a hit takes no
+    /// lock of the QP table. A destroyed QP is dropped from here (see
+    /// [`Shared::remove_qp`]).
+    recent_qps: [Option<Arc<QpSlot>>; RECENT_QPS],
+}
+
+/// How many QPs [`Receiving::recent_qps`] holds.
+const RECENT_QPS: usize = 4;
+
+impl Receiving {
+    /// The QP `qpn` names, from the recent ones or the device's table.
+    fn qp(&mut self, shared: &Shared, qpn: u32) -> Option<Arc<QpSlot>> {
+        if let Some(at) = self
+            .recent_qps
+            .iter()
+            .position(|s| s.as_ref().is_some_and(|s| s.qpn == qpn))
+        {
+            self.recent_qps[..=at].rotate_right(1);
+            return self.recent_qps[0].clone();
+        }
+        let slot = shared
+            .qps
+            .read()
+            .expect("QP table lock")
+            .get(&qpn)
+            .cloned()?;
+        self.recent_qps.rotate_right(1);
+        self.recent_qps[0] = Some(slot.clone());
+        Some(slot)
+    }
+}
+
 /// A receiving thread's buffers.
 struct RxBuffers {
     rx: Vec<u8>,
     cmsg: Vec<u8>,
-    touched: Vec<Arc<QpSlot>>,
     polls: u32,
     /// When the progress thread last received a datagram (engine time, ns;
     /// see [`RxBuffers::spin`]).
@@ -360,7 +410,6 @@ impl RxBuffers {
         RxBuffers {
             rx: vec![0u8; RX_BUF],
             cmsg: nix::cmsg_space!(i32, u8, i32),
-            touched: Vec::new(),
             polls: 0,
             last_rx: 0,
         }
@@ -368,7 +417,8 @@ impl RxBuffers {
 
     /// Receives and handles what waits on the device's sockets: everything,
     /// or (`one`) at most a datagram per socket. With `defer`, the QPs the
-    /// datagrams reached are left in `touched` (see [`receive_datagram`]);
+    /// datagrams reached are left in `receiving.touched` (see
+    /// [`receive_datagram`]);
     /// otherwise they send what they have after each datagram, unless one
     /// has a GSO send's worth of responses queued: then the next datagrams
     /// are taken first (at most [`HELD_DATAGRAMS`]), so that consecutive READ
@@ -380,6 +430,7 @@ impl RxBuffers {
     fn drain_sockets(
         &mut self,
         shared: &Shared,
+        receiving: &mut Receiving,
         readable: &[bool; SOCKETS],
         defer: bool,
         one: bool,
@@ -399,16 +450,16 @@ impl RxBuffers {
                 received = true;
                 holding |= receive_datagram(
                     shared,
+                    receiving,
                     &self.rx[..n],
                     &meta,
                     shared.ports[i],
-                    &mut self.touched,
                     true,
                     looked_at.take().unwrap_or_else(|| shared.now()),
                 );
                 held += 1;
                 if !defer && (held >= HELD_DATAGRAMS || !holding) {
-                    for slot in self.touched.drain(..) {
+                    for slot in receiving.touched.drain(..) {
                         transmit(shared, &slot);
                     }
                     held = 0;
@@ -420,7 +471,7 @@ impl RxBuffers {
             }
         }
         if !defer {
-            for slot in self.touched.drain(..) {
+            for slot in receiving.touched.drain(..) {
                 transmit(shared, &slot);
             }
         }
@@ -445,11 +496,11 @@ impl RxBuffers {
     /// thread deferred, then everything that waits. Returns whether a
     /// datagram came (and notes when).
     fn take_sockets(&mut self, shared: &Shared, which: &[bool; SOCKETS]) -> bool {
-        let mut deferred = shared.rx_lock.lock();
-        for slot in deferred.drain(..) {
+        let mut receiving = shared.rx_lock.lock();
+        for slot in receiving.deferred.drain(..) {
             transmit_deferred(shared, &slot);
         }
-        let received = self.drain_sockets(shared, which, false, false, None);
+        let received = self.drain_sockets(shared, &mut receiving, which, false, false, None);
         if received {
             self.last_rx = shared.now().0;
         }
@@ -509,13 +560,13 @@ pub(crate) fn poll_now(shared: &Shared) {
         shared.alarm_pushed.store(now, Ordering::Relaxed);
         shared.set_standby_alarm(STANDBY_NS);
     }
-    let Some(mut deferred) = shared.rx_lock.try_lock() else {
+    let Some(mut receiving) = shared.rx_lock.try_lock() else {
         return;
     };
     // What the last look received answers now, unless a post sent it
     // already: deferred so that an answer (an ACK) can leave with the
     // application's next request in one GSO send.
-    for slot in deferred.drain(..) {
+    for slot in receiving.deferred.drain(..) {
         transmit_deferred(shared, &slot);
     }
     APP_RX.with_borrow_mut(|b| {
@@ -526,15 +577,19 @@ pub(crate) fn poll_now(shared: &Shared) {
         // that looks seldom takes everything that waits.
         b.drain_sockets(
             shared,
+            &mut receiving,
             &which,
             true,
             since_last_look < LOOKS_OFTEN_NS,
             Some(Time(now)),
         );
-        deferred.append(&mut b.touched);
+        let Receiving {
+            deferred, touched, ..
+        } = &mut *receiving;
+        deferred.append(touched);
     });
-    let waiting = !deferred.is_empty();
-    drop(deferred);
+    let waiting = !receiving.deferred.is_empty();
+    drop(receiving);
     // A progress thread asleep on the sockets would not wake to send what
     // was deferred if this thread stopped polling: wake it into standby.
     // (It clears the flag before it takes the deferred list: one of the two
@@ -662,7 +717,7 @@ impl UdpDevice {
                 rustix::time::TimerfdFlags::CLOEXEC | rustix::time::TimerfdFlags::NONBLOCK,
             )?,
             alarm_pushed: AtomicU64::new(0),
-            rx_lock: SpinMutex::new(Vec::new()),
+            rx_lock: SpinMutex::new(Receiving::default()),
             gso: AtomicBool::new(offload),
             ip_fields: AtomicBool::new(ip_fields),
         });
@@ -1125,7 +1180,7 @@ fn progress(shared: &Arc<Shared>) {
         if !standby && shared.busy_poll.load(Ordering::Relaxed) {
             // No thread polls (any more): send what one deferred (see
             // `poll_now`), which woke this thread if it was not standing by.
-            let deferred = std::mem::take(&mut *shared.rx_lock.lock());
+            let deferred = std::mem::take(&mut shared.rx_lock.lock().deferred);
             for slot in &deferred {
                 transmit_deferred(shared, slot);
             }
@@ -1188,15 +1243,16 @@ fn progress(shared: &Arc<Shared>) {
             }
         }
         if let (Some(uplink), true) = (&shared.uplink, uplink_open) {
+            let mut receiving = shared.rx_lock.lock();
             loop {
                 match super::hostd::recv_forwarded(uplink, &mut b.rx) {
                     Ok(Some((n, meta))) => {
                         receive_datagram(
                             shared,
+                            &mut receiving,
                             &b.rx[..n],
                             &meta,
                             shared.local.port(),
-                            &mut b.touched,
                             false,
                             shared.now(),
                         );
@@ -1357,24 +1413,28 @@ pub(crate) fn recv_datagram(
 /// A datagram (with UDP GRO, several packets of one segment size) received
 /// at `now` (one time for its packets: they arrived together): each packet
 /// to its QP, then each QP it reached sends what it has (ACKs coalesce over
-/// the datagram) — unless `defer`, when the QPs are left in `touched` for
-/// the caller to transmit later. Returns whether a QP it reached holds a GSO
-/// send's worth of responses (see [`RxBuffers::drain_sockets`]).
+/// the datagram) — unless `defer`, when the QPs are left in
+/// `receiving.touched` for the caller to transmit later. Returns whether a QP
+/// it reached holds a GSO send's worth of responses (see
+/// [`RxBuffers::drain_sockets`]).
 fn receive_datagram(
     shared: &Shared,
+    receiving: &mut Receiving,
     datagram: &[u8],
     rx: &RxMeta,
     dst_port: u16,
-    touched: &mut Vec<Arc<QpSlot>>,
     defer: bool,
     now: Time,
 ) -> bool {
     let segment = rx.gro_segment.unwrap_or(datagram.len()).max(1);
     let count = datagram.len().div_ceil(segment);
-    shared
-        .stats
-        .received
-        .fetch_add(count as u64, Ordering::Relaxed);
+    // Only the holder of the receive lock (`receiving`) counts here: a load
+    // and a store, not a read-modify-write.
+    let received = &shared.stats.received;
+    received.store(
+        received.load(Ordering::Relaxed) + count as u64,
+        Ordering::Relaxed,
+    );
     // Consecutive packets for one QP (a GRO datagram's come from one GSO
     // send, so from one QP to one QP) are handled under one hold of its
     // lock: one look-up, one lock and one completion drain a run, not a
@@ -1387,10 +1447,10 @@ fn receive_datagram(
             continue;
         };
         if let Some(slot) = run_slot.take_if(|s| s.qpn != dest_qp) {
-            holding |= deliver(shared, slot, &mut run, rx, now, touched);
+            holding |= deliver(shared, slot, &mut run, rx, now, &mut receiving.touched);
         }
         if run_slot.is_none() {
-            run_slot = qp_for(shared, dest_qp, rx.from);
+            run_slot = qp_for(shared, receiving, dest_qp, rx.from);
             if run_slot.is_none() {
                 continue;
             }
@@ -1398,10 +1458,10 @@ fn receive_datagram(
         run.push((packet, ident));
     }
     if let Some(slot) = run_slot {
-        holding |= deliver(shared, slot, &mut run, rx, now, touched);
+        holding |= deliver(shared, slot, &mut run, rx, now, &mut receiving.touched);
     }
     if !defer {
-        for slot in touched.drain(..) {
+        for slot in receiving.touched.drain(..) {
             transmit(shared, &slot);
         }
     }
@@ -1468,8 +1528,13 @@ fn check_packet(
 }
 
 /// The QP `qpn` names, if it takes packets from `from`.
-fn qp_for(shared: &Shared, qpn: u32, from: SocketAddrV4) -> Option<Arc<QpSlot>> {
-    let Some(slot) = shared.qps.read().expect("QP table lock").get(&qpn).cloned() else {
+fn qp_for(
+    shared: &Shared,
+    receiving: &mut Receiving,
+    qpn: u32,
+    from: SocketAddrV4,
+) -> Option<Arc<QpSlot>> {
+    let Some(slot) = receiving.qp(shared, qpn) else {
         shared.stats.no_qp.fetch_add(1, Ordering::Relaxed);
         return None;
     };

@@ -1255,11 +1255,7 @@ impl Qp {
 impl Drop for Qp {
     fn drop(&mut self) {
         if let (QpKind::Roce(slot), Provider::Udp(d)) = (&self.kind, &self.ctx.inner.dev) {
-            d.shared
-                .qps
-                .write()
-                .expect("QP table lock")
-                .remove(&slot.qpn);
+            d.shared.remove_qp(slot.qpn);
         }
     }
 }
