@@ -558,6 +558,25 @@ pub(crate) fn push_pieces(
     }
 }
 
+/// Copies `out.len()` bytes of `segs`, starting `off` bytes into them, into
+/// `out`.
+pub(crate) fn gather(segs: &[Segment], mut off: usize, mut out: &mut [u8]) {
+    for s in segs {
+        if out.is_empty() {
+            break;
+        }
+        if off >= s.len() {
+            off -= s.len();
+            continue;
+        }
+        let n = (s.len() - off).min(out.len());
+        let (now, rest) = out.split_at_mut(n);
+        s.read(off, now);
+        out = rest;
+        off = 0;
+    }
+}
+
 /// Copies `data` into `segs` starting `off` bytes into them (the one copy of
 /// a receive: datagram buffer to region).
 pub(crate) fn scatter(segs: &[Segment], mut off: usize, mut data: &[u8]) {

@@ -7,8 +7,12 @@ use softrdma_wire::{Opcode, Psn, atomic, bth, reth};
 
 use super::{MAX_PKTS_PER_ACK, MAX_UNACKED_PSNS, MIN_UNACKED_PSNS, RcQp};
 use crate::engine::{CqKind, PostError, QpState, SendOp, SendWr, Time, Transmit, WcStatus};
-use crate::engine::{SegList, push_pieces};
+use crate::engine::{SegList, gather, push_pieces};
 use crate::memory::{Access, MrTable, Segment};
+
+/// Payloads up to this long are copied into the packet buffer when the
+/// packet is built, not sent from region pieces.
+const COPIED_PAYLOAD_MAX: usize = 128;
 
 /// A send work request and its progress.
 #[derive(Debug)]
@@ -494,11 +498,17 @@ impl RcQp {
         let mut len = repr
             .emit_header(buf)
             .expect("the requester builds headers that match their opcodes");
-        // Payload bytes in `pieces` (inline payload is in `buf`, counted in `len`).
+        // Payload bytes in `pieces`; inline payload, and a small one, is
+        // copied into `buf` (counted in `len`): a piece would cost its
+        // region's reference count two atomic read-modify-writes, more than
+        // copying these few bytes.
         let mut in_pieces = 0;
         if let Some((off, plen, _)) = payload {
             if w.wr.flags.inline {
                 buf[len..len + plen].copy_from_slice(&w.wr.inline_data[off..off + plen]);
+                len += plen;
+            } else if plen <= COPIED_PAYLOAD_MAX {
+                gather(&w.segs, off, &mut buf[len..len + plen]);
                 len += plen;
             } else {
                 push_pieces(&w.segs, off, plen, pieces);
