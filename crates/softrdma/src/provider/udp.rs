@@ -418,15 +418,14 @@ impl RxBuffers {
     /// Receives and handles what waits on the device's sockets: everything,
     /// or (`one`) at most a datagram per socket. With `defer`, the QPs the
     /// datagrams reached are left in `receiving.touched` (see
-    /// [`receive_datagram`]);
-    /// otherwise they send what they have after each datagram, unless one
-    /// has a GSO send's worth of responses queued: then the next datagrams
-    /// are taken first (at most [`HELD_DATAGRAMS`]), so that consecutive READ
-    /// responses share GSO sends (a 64 KiB READ's FIRST and LAST packets are
-    /// 4 bytes longer than its MIDDLE ones, so alone it takes three sends;
-    /// with the next READ's, two). `looked_at`: when the caller started
-    /// looking, taken as the first datagram's arrival (the clock is read for
-    /// the others).
+    /// [`receive_datagram`]); otherwise they send what they have after each
+    /// datagram, unless one has a GSO send's worth of responses queued: then
+    /// the next datagrams are taken first (at most [`HELD_DATAGRAMS`]), so
+    /// that consecutive READ responses share GSO sends (a 64 KiB READ's FIRST
+    /// and LAST packets are 4 bytes longer than its MIDDLE ones, so alone it
+    /// takes three sends; with the next READ's, two). `looked_at`: when the
+    /// caller started looking, taken as the first datagram's arrival (the
+    /// clock is read for the others).
     fn drain_sockets(
         &mut self,
         shared: &Shared,
@@ -1320,7 +1319,8 @@ pub(crate) struct RxMeta {
 ///
 /// The system call is made directly, not through libc's `recvmsg`: that
 /// wrapper makes every call a thread-cancellation point, two calls around
-/// the system call that took some 8 % of an empty busy-poll look.
+/// the system call that took 8 % of a profile of two processes spinning on
+/// empty sockets.
 pub(crate) fn recv_datagram(
     socket: &UdpSocket,
     rx: &mut [u8],
