@@ -158,26 +158,13 @@ fn a_destroyed_peer_gives_retry_exceeded() {
 #[test]
 fn a_destroyed_qp_takes_no_more_packets() {
     let (a, b) = pair();
-    let o = RcOptions {
-        timeout: 4,
-        retry_cnt: 1,
-        ..RcOptions::default()
-    };
-    a.qp.modify(
-        &QpAttr {
-            state: Some(QpState::Reset),
-            ..QpAttr::default()
-        },
-        None,
-    )
-    .unwrap();
-    cm::connect(&a.qp, &a.info, &b.info, &o).unwrap();
+    let b_info = b.info;
     let write = |wr_id: u64, at: u64| {
         SendWr::new(
             wr_id,
             SendOp::Write {
-                remote_addr: b.info.va + at,
-                rkey: b.info.rkey,
+                remote_addr: b_info.va + at,
+                rkey: b_info.rkey,
             },
             vec![a.mr.sge(0, 8)],
         )
@@ -186,12 +173,32 @@ fn a_destroyed_qp_takes_no_more_packets() {
     a.qp.post_send(write(1, 0)).unwrap();
     assert_eq!(one(&a.cq).status, WcStatus::Success);
     assert_eq!(b.mr.read_vec(0, 8).unwrap(), [7; 8]);
+    // B's receiving thread now holds B's QP among its recent ones.
     let RoceEnd { ctx, mr, qp, .. } = b;
     drop(qp);
+    // A short timeout for the WRITE that is to find no QP.
+    a.qp.modify(
+        &QpAttr {
+            state: Some(QpState::Reset),
+            ..QpAttr::default()
+        },
+        None,
+    )
+    .unwrap();
+    let o = RcOptions {
+        timeout: 8,
+        retry_cnt: 1,
+        ..RcOptions::default()
+    };
+    cm::connect(&a.qp, &a.info, &b_info, &o).unwrap();
     a.qp.post_send(write(2, 64)).unwrap();
     assert_eq!(one(&a.cq).status, WcStatus::RetryExcErr);
     assert_eq!(mr.read_vec(64, 8).unwrap(), [0; 8]);
-    assert!(ctx.stats().no_qp > 0, "{:?}", ctx.stats());
+    let until = Instant::now() + T;
+    while ctx.stats().no_qp == 0 {
+        assert!(Instant::now() < until, "{:?}", ctx.stats());
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 #[test]
