@@ -1,6 +1,6 @@
 //! Connecting shared-memory QPs: a Unix seqpacket socket in the abstract
 //! namespace, named by the listener (`softrdma-shm/NAME`); the provider then
-//! exchanges the inboxes and regions over it ([`crate::provider::shm`]) and
+//! exchanges the inboxes and regions over it (the provider's `shm` module) and
 //! keeps it to see the peer go.
 
 use std::os::fd::OwnedFd;

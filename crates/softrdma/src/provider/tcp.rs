@@ -8,7 +8,7 @@
 //! that receiving never waits for a blocked send: a peer that is itself
 //! blocked sending to us is always drained. In busy-poll mode an application
 //! thread polling a CQ of the device receives small FPDUs itself, and the
-//! receive thread stands by meanwhile (see [`poll_now`]).
+//! receive thread stands by meanwhile (see `poll_now`).
 //!
 //! Copies of payload bytes (the design's budget): none on send, none on
 //! receive (READ Requests and Terminates, small control messages, are read
