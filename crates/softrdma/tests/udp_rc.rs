@@ -119,15 +119,9 @@ fn every_operation_over_loopback() {
     assert_eq!(a.ctx.stats().bad_icrc + b.ctx.stats().bad_icrc, 0);
 }
 
-#[test]
-fn a_destroyed_peer_gives_retry_exceeded() {
-    let (a, b) = pair();
-    let o = RcOptions {
-        timeout: 4,
-        retry_cnt: 2,
-        ..RcOptions::default()
-    };
-    // Reconnect A with a short timeout.
+/// Resets `a`'s QP and connects it to `peer` again with this ACK timeout
+/// (4.096 us << `timeout`) and retry count.
+fn reconnect_with_short_timeout(a: &RoceEnd, peer: &ConnInfo, timeout: u8, retry_cnt: u8) {
     a.qp.modify(
         &QpAttr {
             state: Some(QpState::Reset),
@@ -136,7 +130,18 @@ fn a_destroyed_peer_gives_retry_exceeded() {
         None,
     )
     .unwrap();
-    cm::connect(&a.qp, &a.info, &b.info, &o).unwrap();
+    let o = RcOptions {
+        timeout,
+        retry_cnt,
+        ..RcOptions::default()
+    };
+    cm::connect(&a.qp, &a.info, peer, &o).unwrap();
+}
+
+#[test]
+fn a_destroyed_peer_gives_retry_exceeded() {
+    let (a, b) = pair();
+    reconnect_with_short_timeout(&a, &b.info, 4, 2);
     drop(b);
     a.qp.post_send(SendWr::new(
         1,
@@ -177,20 +182,7 @@ fn a_destroyed_qp_takes_no_more_packets() {
     let RoceEnd { ctx, mr, qp, .. } = b;
     drop(qp);
     // A short timeout for the WRITE that is to find no QP.
-    a.qp.modify(
-        &QpAttr {
-            state: Some(QpState::Reset),
-            ..QpAttr::default()
-        },
-        None,
-    )
-    .unwrap();
-    let o = RcOptions {
-        timeout: 8,
-        retry_cnt: 1,
-        ..RcOptions::default()
-    };
-    cm::connect(&a.qp, &a.info, &b_info, &o).unwrap();
+    reconnect_with_short_timeout(&a, &b_info, 8, 1);
     a.qp.post_send(write(2, 64)).unwrap();
     assert_eq!(one(&a.cq).status, WcStatus::RetryExcErr);
     assert_eq!(mr.read_vec(64, 8).unwrap(), [0; 8]);

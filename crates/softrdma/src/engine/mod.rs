@@ -536,62 +536,51 @@ pub(crate) fn check_post_recv(
     Ok(())
 }
 
-/// Pushes the pieces of `segs` covering `off..off + len` onto `pieces`.
-pub(crate) fn push_pieces(
+/// The stretches of `segs` covering `off..off + len`: each segment with the
+/// offset and length of its part.
+fn stretches(
     segs: &[Segment],
     mut off: usize,
     mut len: usize,
-    pieces: &mut Vec<Segment>,
-) {
-    for s in segs {
-        if len == 0 {
-            break;
-        }
-        if off >= s.len() {
-            off -= s.len();
-            continue;
-        }
-        let n = (s.len() - off).min(len);
-        pieces.push(s.slice(off, n).expect("inside the segment"));
-        len -= n;
-        off = 0;
+) -> impl Iterator<Item = (&Segment, usize, usize)> {
+    segs.iter()
+        .map_while(move |s| {
+            if len == 0 {
+                return None;
+            }
+            let at = off.min(s.len());
+            off -= at;
+            let n = (s.len() - at).min(len);
+            len -= n;
+            Some((s, at, n))
+        })
+        .filter(|&(_, _, n)| n > 0)
+}
+
+/// Pushes the pieces of `segs` covering `off..off + len` onto `pieces`.
+pub(crate) fn push_pieces(segs: &[Segment], off: usize, len: usize, pieces: &mut Vec<Segment>) {
+    for (s, at, n) in stretches(segs, off, len) {
+        pieces.push(s.slice(at, n).expect("inside the segment"));
     }
 }
 
 /// Copies `out.len()` bytes of `segs`, starting `off` bytes into them, into
 /// `out`.
-pub(crate) fn gather(segs: &[Segment], mut off: usize, mut out: &mut [u8]) {
-    for s in segs {
-        if out.is_empty() {
-            break;
-        }
-        if off >= s.len() {
-            off -= s.len();
-            continue;
-        }
-        let n = (s.len() - off).min(out.len());
-        let (now, rest) = out.split_at_mut(n);
-        s.read(off, now);
-        out = rest;
-        off = 0;
+pub(crate) fn gather(segs: &[Segment], off: usize, out: &mut [u8]) {
+    let mut done = 0;
+    for (s, at, n) in stretches(segs, off, out.len()) {
+        s.read(at, &mut out[done..done + n]);
+        done += n;
     }
 }
 
 /// Copies `data` into `segs` starting `off` bytes into them (the one copy of
 /// a receive: datagram buffer to region).
-pub(crate) fn scatter(segs: &[Segment], mut off: usize, mut data: &[u8]) {
-    for s in segs {
-        if data.is_empty() {
-            break;
-        }
-        if off >= s.len() {
-            off -= s.len();
-            continue;
-        }
-        let n = (s.len() - off).min(data.len());
-        s.write(off, &data[..n]);
-        data = &data[n..];
-        off = 0;
+pub(crate) fn scatter(segs: &[Segment], off: usize, data: &[u8]) {
+    let mut done = 0;
+    for (s, at, n) in stretches(segs, off, data.len()) {
+        s.write(at, &data[done..done + n]);
+        done += n;
     }
 }
 
