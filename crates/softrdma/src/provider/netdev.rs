@@ -33,9 +33,7 @@ pub fn interfaces() -> io::Result<Vec<Netdev>> {
             order.push(ifa.interface_name.clone());
             Netdev {
                 name: ifa.interface_name.clone(),
-                mtu: std::fs::read_to_string(format!("/sys/class/net/{}/mtu", ifa.interface_name))
-                    .ok()
-                    .and_then(|s| s.trim().parse().ok()),
+                mtu: link_mtu(&ifa.interface_name),
                 mac: None,
                 ipv4: Vec::new(),
                 loopback: ifa.flags.contains(InterfaceFlags::IFF_LOOPBACK),
@@ -51,6 +49,38 @@ pub fn interfaces() -> io::Result<Vec<Netdev>> {
         }
     }
     Ok(order.into_iter().filter_map(|n| devs.remove(&n)).collect())
+}
+
+/// An interface's MTU, asked of the kernel through a socket, so that it is
+/// this network namespace's even where `/sys` shows another's (`nsenter
+/// --net` leaves the host's sysfs mounted).
+fn link_mtu(name: &str) -> Option<usize> {
+    let bytes = name.as_bytes();
+    if bytes.len() >= libc::IFNAMSIZ || bytes.contains(&0) {
+        return None;
+    }
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::DGRAM, None).ok()?;
+    // SAFETY: `ifreq` is plain old data, valid all zeros. The name is copied
+    // in with room for its NUL (checked above). SIOCGIFMTU reads the name and
+    // writes only `ifru_mtu` of the request the pointer names, which lives
+    // across the call; the union field read is the one the kernel wrote (or
+    // the zero it started as).
+    let mtu = unsafe {
+        let mut request: libc::ifreq = std::mem::zeroed();
+        for (to, from) in request.ifr_name.iter_mut().zip(bytes) {
+            *to = *from as libc::c_char;
+        }
+        if libc::ioctl(
+            std::os::fd::AsRawFd::as_raw_fd(&socket),
+            libc::SIOCGIFMTU,
+            &mut request,
+        ) != 0
+        {
+            return None;
+        }
+        request.ifr_ifru.ifru_mtu
+    };
+    usize::try_from(mtu).ok().filter(|&m| m > 0)
 }
 
 /// The interface that has `ip`, if any.
@@ -111,5 +141,24 @@ mod tests {
             .expect("a loopback interface");
         assert!(lo.ipv4.contains(&Ipv4Addr::LOCALHOST));
         assert_eq!(lo.mac, None);
+    }
+
+    #[test]
+    fn the_link_mtu_is_the_kernels() {
+        let lo = interfaces()
+            .unwrap()
+            .into_iter()
+            .find(|d| d.loopback)
+            .expect("a loopback interface");
+        // Tests run where sysfs and the network namespace agree.
+        let sysfs: usize = std::fs::read_to_string(format!("/sys/class/net/{}/mtu", lo.name))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        assert_eq!(lo.mtu, Some(sysfs));
+        assert_eq!(link_mtu("no-such-if0"), None);
+        assert_eq!(link_mtu("a-name-too-long-for-ifreq"), None);
+        assert_eq!(link_mtu("l\0o"), None);
     }
 }
