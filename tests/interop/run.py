@@ -100,6 +100,23 @@ class Guest:
         r = self.vm("server", self.name, GUEST_IP, "sh /mnt/share/runner.sh", check=False)
         if r.returncode != 0:
             raise RuntimeError(f"guest {self.name} did not boot:\n{r.stderr}")
+        self.check_link_mtu()
+
+    def check_link_mtu(self):
+        """The host's side of the link (the bridge) has the variant's MTU.
+
+        The bridge takes the smallest of its ports' MTUs, so a port a
+        previous guest left behind would hold it at 1500 and our side would
+        rightly refuse the variant's 4096-byte path MTU. Say so and set it.
+        """
+        want = int(self.env.get("MTU") or 1500)
+        links = subprocess.run(["ip", "-n", NS, "-o", "link", "show"], capture_output=True,
+                               text=True).stdout
+        bridge = re.search(r"^\d+: br0: .* mtu (\d+)", links, re.M)
+        if bridge and int(bridge.group(1)) != want:
+            log(f"{self.name}: the bridge's MTU is {bridge.group(1)}, not {want}; its links:\n"
+                + links.rstrip())
+            subprocess.run(["ip", "-n", NS, "link", "set", "br0", "mtu", str(want)], check=True)
 
     def stop(self):
         self.vm("stop", self.name, check=False)
