@@ -400,16 +400,21 @@ impl Oob {
                 let mut buf = [0u8; 64];
                 while matches!(stream.read(&mut buf), Ok(n) if n > 0) {}
             }
-            // The client's last WRITE answers the server's last, whose
-            // completion the server may not have seen yet: siw fails a WRITE
-            // still in its transmit path with LOC_QP_OP_ERR when the
-            // connection goes (seen once in 130 runs). So the client waits
-            // for the server to disconnect, which flushes the receive posted
-            // here; the server, done last, leaves at once.
-            Link::Cm(c) if self.client => {
-                let _ = c.rcq.wait(limit.min(Duration::from_secs(2)));
+            // siw fails a WRITE still in its transmit path with
+            // LOC_QP_OP_ERR when the connection goes, and either side's
+            // last WRITE may be there when the other is done: the server's
+            // (seen once in 130 runs) and the client's (its 100th, once in
+            // some 150 CI runs, with our server leaving at once). So each
+            // side waits for the peer to disconnect, which flushes the
+            // receive posted here, as in `close`, and with its limits.
+            Link::Cm(c) => {
+                let wait = if self.client {
+                    CLIENT_LINGER
+                } else {
+                    SERVER_LINGER
+                };
+                let _ = c.rcq.wait(limit.min(wait));
             }
-            Link::Cm(_) => {}
         }
     }
 
