@@ -403,8 +403,8 @@ impl Oob {
             // siw fails a WRITE still in its transmit path with
             // LOC_QP_OP_ERR when the connection goes, and either side's
             // last WRITE may be there when the other is done: the server's
-            // (seen once in 130 runs) and the client's (its 100th, once in
-            // some 150 CI runs, with our server leaving at once). So each
+            // (seen once in 130 runs) and the client's (its 100th, seen once
+            // in CI, when our server still left at once). So each
             // side waits for the peer to disconnect, which flushes the
             // receive posted here, as in `close`, and with its limits.
             Link::Cm(c) => {
