@@ -153,6 +153,13 @@ const CONTROL_MSG: usize = 64;
 /// disconnect (see `Oob::close`).
 const CLIENT_LINGER: Duration = Duration::from_millis(300);
 const SERVER_LINGER: Duration = Duration::from_secs(2);
+
+/// This side's wait for the peer's disconnect: the client's the shorter, so
+/// that two softrdma ends, both waiting, part after it.
+fn cm_linger(client: bool) -> Duration {
+    if client { CLIENT_LINGER } else { SERVER_LINGER }
+}
+
 /// Receives kept posted: one would do in lock step; two spare a race with a
 /// repost.
 const CONTROL_RECVS: usize = 2;
@@ -408,12 +415,7 @@ impl Oob {
             // side waits for the peer to disconnect, which flushes the
             // receive posted here, as in `close`, and with its limits.
             Link::Cm(c) => {
-                let wait = if self.client {
-                    CLIENT_LINGER
-                } else {
-                    SERVER_LINGER
-                };
-                let _ = c.rcq.wait(limit.min(wait));
+                let _ = c.rcq.wait(limit.min(cm_linger(self.client)));
             }
         }
     }
@@ -434,16 +436,9 @@ impl Oob {
             // failing there (seen once in ~130 runs for each role). So each
             // side waits for the peer to disconnect, which flushes the
             // receive posted here; a siw peer disconnects once its SEND has
-            // completed. The client waits less, so that two softrdma ends,
-            // both waiting, part after CLIENT_LINGER rather than at the
-            // server's limit.
+            // completed.
             Link::Cm(c) => {
-                let limit = if self.client {
-                    CLIENT_LINGER
-                } else {
-                    SERVER_LINGER
-                };
-                let _ = c.rcq.wait(limit);
+                let _ = c.rcq.wait(cm_linger(self.client));
             }
         }
         Ok(())

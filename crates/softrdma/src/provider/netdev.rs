@@ -132,24 +132,24 @@ mod tests {
         );
     }
 
-    #[test]
-    fn loopback_is_listed_with_its_address() {
-        let lo = interfaces()
+    fn loopback() -> Netdev {
+        interfaces()
             .unwrap()
             .into_iter()
             .find(|d| d.loopback)
-            .expect("a loopback interface");
+            .expect("a loopback interface")
+    }
+
+    #[test]
+    fn loopback_is_listed_with_its_address() {
+        let lo = loopback();
         assert!(lo.ipv4.contains(&Ipv4Addr::LOCALHOST));
         assert_eq!(lo.mac, None);
     }
 
     #[test]
     fn the_link_mtu_is_the_kernels() {
-        let lo = interfaces()
-            .unwrap()
-            .into_iter()
-            .find(|d| d.loopback)
-            .expect("a loopback interface");
+        let lo = loopback();
         // Tests run where sysfs and the network namespace agree.
         let sysfs: usize = std::fs::read_to_string(format!("/sys/class/net/{}/mtu", lo.name))
             .unwrap()
