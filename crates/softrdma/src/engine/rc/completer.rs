@@ -151,8 +151,12 @@ impl RcQp {
         }
         let psn = p.bth().psn();
         // Answers to PSNs never sent, or long acknowledged, are stale or bogus.
+        // "Sent" is up to the highest PSN that went out (a READ's whole
+        // response range), not every PSN assigned: a message's later
+        // packets may still wait for the window.
         let oldest = self.oldest_unacked();
-        if psn.before(oldest) || !psn.before(self.req.psn) {
+        let sent_end = self.req.high_psn.unwrap_or(oldest);
+        if psn.before(oldest) || !psn.before(sent_end) {
             self.stats.dropped += 1;
             return;
         }

@@ -95,6 +95,8 @@ pub const MAX_UNACKED_PSNS: u32 = 512;
 pub const MAX_PKTS_PER_ACK: u32 = 64;
 /// Room a transmit buffer needs beyond the inline payload: the longest header set.
 pub const MAX_HEADER_LEN: usize = 64;
+/// The longest message InfiniBand allows (2^31 bytes).
+pub const MAX_MESSAGE_LEN: u64 = 1 << 31;
 
 /// The state of one reliable connected QP.
 #[derive(Debug)]

@@ -154,7 +154,7 @@ impl RcQp {
             ));
         }
         let len = crate::engine::check_post_send(&wr, &self.caps)?;
-        if len > 1 << 31 {
+        if len > super::MAX_MESSAGE_LEN {
             return Err(PostError::TooLong(len));
         }
         if wr.op.is_atomic() && (wr.sgl.len() != 1 || wr.sgl[0].len != 8) {

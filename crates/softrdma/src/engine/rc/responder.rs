@@ -8,8 +8,8 @@ use softrdma_wire::opcode::{Operation, Position};
 use softrdma_wire::packet::{Packet, Repr};
 use softrdma_wire::{Opcode, Psn, bth};
 
-use super::RcQp;
 use super::requester::packets_for;
+use super::{MAX_MESSAGE_LEN, RcQp};
 use crate::engine::{CqKind, PostError, QpState, RecvWr, Transmit, WcOpcode, WcStatus};
 use crate::engine::{SegList, scatter};
 use crate::memory::{Access, MrTable, Segment};
@@ -195,11 +195,18 @@ impl RcQp {
             Operation::Send => self.execute_send(p, mrs)?,
             Operation::RdmaWrite => self.execute_write(p, mrs)?,
             Operation::ReadRequest => {
-                if !self.access.contains(Access::REMOTE_READ) {
+                // As rxe: no responder resources, no READs or atomics.
+                if !self.access.contains(Access::REMOTE_READ) || self.max_dest_rd_atomic == 0 {
                     return Err(invalid);
                 }
                 let reth = p.reth().expect("READ requests carry a RETH");
                 let len = u64::from(reth.dma_len());
+                // IB messages are at most 2^31 bytes; a longer READ's
+                // responses could span half the PSN space, where a duplicate
+                // can no longer be told from a new request.
+                if len > MAX_MESSAGE_LEN {
+                    return Err(invalid);
+                }
                 let seg = if len == 0 {
                     None
                 } else {
@@ -231,7 +238,7 @@ impl RcQp {
                 return Ok(());
             }
             Operation::CompareSwap | Operation::FetchAdd => {
-                if !self.access.contains(Access::REMOTE_ATOMIC) {
+                if !self.access.contains(Access::REMOTE_ATOMIC) || self.max_dest_rd_atomic == 0 {
                     return Err(invalid);
                 }
                 let a = p.atomic_eth().expect("atomics carry an AtomicETH");
