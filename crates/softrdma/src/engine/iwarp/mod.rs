@@ -205,6 +205,8 @@ struct RqEntry {
     /// Resolved when its message starts.
     segs: Option<SegList>,
     len: usize,
+    /// Bytes of its message placed so far: the next segment's offset.
+    placed: usize,
 }
 
 /// What the current inbound segment is, between `accept_header` and
@@ -426,6 +428,7 @@ impl IwarpQp {
             wr,
             segs: None,
             len,
+            placed: 0,
         });
         Ok(())
     }
@@ -1043,6 +1046,13 @@ impl IwarpQp {
                     }
                     r.segs = Some(segs);
                 }
+                // As siw: segments come in order, so each starts where the
+                // last ended; a gap would complete the receive over bytes
+                // that never came.
+                if message_offset as usize != r.placed {
+                    self.terminate(Layer::Ddp, 2, 0x04, hdr, None);
+                    return Placement::Discard;
+                }
                 let end = message_offset as usize + payload_len;
                 if end > r.len {
                     let r = self.rq.pop_front().expect("front");
@@ -1056,6 +1066,7 @@ impl IwarpQp {
                     self.terminate(Layer::Ddp, 2, 0x05, hdr, None);
                     return Placement::Discard;
                 }
+                r.placed = end;
                 push_pieces(
                     r.segs.as_deref().unwrap_or(&[]),
                     message_offset as usize,
