@@ -838,8 +838,20 @@ impl Decoder {
                 }));
                 return;
             }
-            stream.ahead_bytes += payload.len();
-            stream.ahead.entry(seq).or_insert_with(|| payload.to_vec());
+            // A retransmission of a held segment is counted once; a longer
+            // one replaces it, so that its extra bytes are not lost.
+            match stream.ahead.entry(seq) {
+                std::collections::btree_map::Entry::Vacant(v) => {
+                    stream.ahead_bytes += payload.len();
+                    v.insert(payload.to_vec());
+                }
+                std::collections::btree_map::Entry::Occupied(mut o) => {
+                    if payload.len() > o.get().len() {
+                        stream.ahead_bytes += payload.len() - o.get().len();
+                        *o.get_mut() = payload.to_vec();
+                    }
+                }
+            }
             return;
         }
         let skip = rel.unsigned_abs() as usize;
