@@ -293,7 +293,7 @@ impl Cq {
     /// `timeout`. Blocks, except in busy-poll mode, where it polls (and so
     /// receives for the device) until then.
     pub fn wait(&self, timeout: Duration) -> Result<Option<WorkCompletion>, CqError> {
-        let deadline = Instant::now() + timeout;
+        let deadline = super::deadline_after(timeout);
         if self.busy() {
             let mut spins = 0u32;
             loop {
@@ -356,7 +356,7 @@ impl Cq {
     /// Waits for `n` completions (or `timeout`); returns those that came.
     /// A blocking wait sleeps until all `n` are there: one wake-up, not `n`.
     pub fn wait_for(&self, n: usize, timeout: Duration) -> Result<Vec<WorkCompletion>, CqError> {
-        let deadline = Instant::now() + timeout;
+        let deadline = super::deadline_after(timeout);
         let mut got = Vec::with_capacity(n);
         let busy = self.busy();
         while got.len() < n {
@@ -412,14 +412,26 @@ impl Cq {
             &self.inner.event,
             rustix::event::PollFlags::IN,
         )];
-        let ts = rustix::time::Timespec {
-            tv_sec: timeout.as_secs() as i64,
-            tv_nsec: i64::from(timeout.subsec_nanos()),
-        };
+        // A timeout beyond what a timespec holds waits without one.
+        let ts = i64::try_from(timeout.as_secs())
+            .ok()
+            .map(|tv_sec| rustix::time::Timespec {
+                tv_sec,
+                tv_nsec: i64::from(timeout.subsec_nanos()),
+            });
         // iWARP in busy-poll mode: the receiving is the connections' threads'
         // while this one sleeps.
         let _sleeping = self.busy_connections().map(|c| c.app_sleeps());
-        matches!(rustix::event::poll(&mut fds, Some(&ts)), Ok(n) if n > 0) && self.take_events() > 0
+        loop {
+            match rustix::event::poll(&mut fds, ts.as_ref()) {
+                Ok(n) => return n > 0 && self.take_events() > 0,
+                // A signal is not the channel firing, nor the timeout: the
+                // wait goes on (with its full timeout, as poll(2) callers
+                // restarting on EINTR do).
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(_) => return false,
+            }
+        }
     }
 }
 

@@ -83,7 +83,7 @@ impl EventQueue {
     }
 
     pub(crate) fn wait(&self, timeout: Duration) -> Option<AsyncEvent> {
-        let deadline = Instant::now() + timeout;
+        let deadline = super::deadline_after(timeout);
         let mut q = self.queue.lock().expect("event lock");
         loop {
             if !q.is_empty() {

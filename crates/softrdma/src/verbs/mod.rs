@@ -22,6 +22,14 @@ mod shm;
 
 pub use iwarp::IwarpQpStats;
 
+/// The instant `timeout` from now; a timeout too long to add (such as
+/// `Duration::MAX`, "wait forever") ends a century from now instead.
+pub(crate) fn deadline_after(timeout: std::time::Duration) -> std::time::Instant {
+    let now = std::time::Instant::now();
+    now.checked_add(timeout)
+        .unwrap_or_else(|| now + std::time::Duration::from_secs(100 * 365 * 86_400))
+}
+
 use std::fmt;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -1257,5 +1265,20 @@ impl Drop for Qp {
         if let (QpKind::Roce(slot), Provider::Udp(d)) = (&self.kind, &self.ctx.inner.dev) {
             d.shared.remove_qp(slot.qpn);
         }
+    }
+}
+
+#[cfg(test)]
+mod deadline_tests {
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn a_timeout_too_long_to_add_is_far_away_not_a_panic() {
+        let now = Instant::now();
+        assert!(
+            super::deadline_after(Duration::MAX) > now + Duration::from_secs(50 * 365 * 86_400)
+        );
+        let d = super::deadline_after(Duration::from_millis(5));
+        assert!(d >= now + Duration::from_millis(5) && d < now + Duration::from_secs(60));
     }
 }
