@@ -859,7 +859,7 @@ impl ShmQp {
         slot[14] = u8::from(imm.is_some());
         slot[16..20].copy_from_slice(&imm.unwrap_or(0).to_le_bytes());
         m.write(self.peer.cq_slot(head), &slot);
-        m.store(CQ_HEAD, head + 1);
+        m.store(CQ_HEAD, head.wrapping_add(1));
         self.peer.wake();
     }
 
@@ -900,7 +900,7 @@ impl ShmQp {
             slot[e + 12..e + 16].copy_from_slice(&s.lkey.to_le_bytes());
         }
         m.write(self.mine.rq_slot(head), &slot);
-        m.store(RQ_HEAD, head + 1);
+        m.store(RQ_HEAD, head.wrapping_add(1));
         posted.push_back(wr.wr_id);
         drop(posted);
         if m.load(PEER_WAITING) != 0 {
