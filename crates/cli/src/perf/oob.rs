@@ -13,6 +13,9 @@ use softrdma::verbs::*;
 /// 5.70 are refused, as perftest refuses them.
 pub const VERSION: &str = "6.06";
 const OLDEST_PEER: f64 = 5.70;
+/// The largest page size a peer may announce (Linux pages go to 64 KiB; a
+/// huge page as perftest's cycle buffer is allowed).
+const MAX_CYCLE_BUFFER: u32 = 2 << 20;
 /// A key message: `KEY_PRINT_FMT_GID` and its NUL.
 pub const KEY_LEN: usize = 108;
 /// A key record in rdma_cm mode: perftest's `struct pingpong_dest`.
@@ -344,6 +347,14 @@ impl Oob {
         self.xchg(&cache_line.to_be_bytes(), &mut r4)
             .map_err(ctx("cache line"))?;
         let cache_line = cache_line.max(u32::from_be_bytes(r4));
+        // Page and cache-line sizes, as perftest sends them: the buffers are
+        // sized and strided by them, so a peer's absurd ones are refused.
+        if cycle > MAX_CYCLE_BUFFER || cache_line == 0 || cache_line > cycle {
+            return Err(format!(
+                "the peer's cycle buffer ({cycle}) or cache line ({cache_line}) is out of \
+                 range (a cache line of at most the cycle buffer, which is at most {MAX_CYCLE_BUFFER})"
+            ));
+        }
         let mut m = [0u8; 2];
         m[0] = b'0' + mtu;
         let mut rm = [0u8; 2];
@@ -490,6 +501,33 @@ mod tests {
         );
         assert_eq!(k.gid[..6], [0x52, 0x54, 0x0a, 0x63, 0x00, 0x03]);
         assert_eq!(k.encode_record(), r);
+    }
+
+    /// A peer announcing a page or cache-line size the buffers can't be
+    /// laid out by is refused with an error, not a panic or a huge buffer.
+    #[test]
+    fn absurd_peer_buffer_sizes_are_refused() {
+        for (cycle, line) in [(4096u32, 4097u32), (4096, 8192), (u32::MAX, 64)] {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let addr = listener.local_addr().unwrap();
+            let peer = std::thread::spawn(move || {
+                let (mut s, _) = listener.accept().unwrap();
+                let mut buf = [0u8; 16];
+                s.read_exact(&mut buf).unwrap();
+                let mut v = [0u8; 16];
+                v[..4].copy_from_slice(b"6.06");
+                s.write_all(&v).unwrap();
+                let mut r4 = [0u8; 4];
+                s.read_exact(&mut r4).unwrap();
+                s.write_all(&cycle.to_be_bytes()).unwrap();
+                s.read_exact(&mut r4).unwrap();
+                s.write_all(&line.to_be_bytes()).unwrap();
+            });
+            let mut oob = Oob::new(TcpStream::connect(addr).unwrap(), true);
+            let err = oob.preamble(4096, 64, 3).unwrap_err();
+            assert!(err.contains("out of range"), "{cycle}/{line}: {err}");
+            peer.join().unwrap();
+        }
     }
 
     #[test]
