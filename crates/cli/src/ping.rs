@@ -103,7 +103,9 @@ impl Dest {
         let qpn = hex("QPN", 0xff_ffff)?;
         let psn = hex("PSN", 0xff_ffff)?;
         let g = f.next().ok_or(format!("no GID in {text:?}"))?;
-        if g.len() != 32 {
+        // Hex digits only: byte-indexing a string with multi-byte
+        // characters in it would panic.
+        if g.len() != 32 || !g.bytes().all(|b| b.is_ascii_hexdigit()) {
             return Err(format!("bad GID {g:?}"));
         }
         let mut gid = [0u8; 16];
@@ -419,4 +421,28 @@ pub fn resolve_v4(host: &str, port: u16) -> Result<Ipv4Addr, String> {
             IpAddr::V6(_) => None,
         })
         .ok_or(format!("{host}: no IPv4 address"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_round_trip_and_bad_ones_are_errors() {
+        let d = Dest {
+            lid: 0,
+            qpn: 0x11,
+            psn: 0x123456,
+            gid: [0xfe; 16],
+        };
+        let back = Dest::parse(&d.message()).unwrap();
+        assert_eq!((back.qpn, back.psn, back.gid), (0x11, 0x123456, [0xfe; 16]));
+        // 32 bytes of GID with a two-byte character in it: refused, where
+        // slicing it by bytes would panic.
+        let mut m = b"0000:000000:000000:a\xc3\xa9".to_vec();
+        m.extend_from_slice(&[b'0'; 29]);
+        m.push(0);
+        assert!(Dest::parse(&m).unwrap_err().contains("bad GID"));
+        assert!(Dest::parse(b"0000:000000:000000:zz\0").is_err());
+    }
 }
