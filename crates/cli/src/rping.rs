@@ -236,13 +236,27 @@ fn server(a: &RpingArgs) -> Result<(), String> {
     loop {
         let side = Side::new(a.addr, a.size)?;
         side.post_recv()?;
-        listener
+        let accepted = listener
             .accept(&side.qp, &mpa_config(a), |_| Decision::Accept)
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| e.to_string());
+        if let Err(e) = accepted {
+            // As rdma-core's rping -P: one bad client doesn't end the server.
+            if !a.persistent {
+                return Err(e);
+            }
+            eprintln!("rping: connection refused: {e}");
+            continue;
+        }
         if a.debug {
             eprintln!("accepting client connection request");
         }
-        serve(a, &side)?;
+        if let Err(e) = serve(a, &side) {
+            if !a.persistent {
+                return Err(e);
+            }
+            eprintln!("rping: client failed: {e}");
+            continue;
+        }
         debug_fpdus(a, &side);
         eprintln!("server DISCONNECT EVENT...");
         if !a.persistent {

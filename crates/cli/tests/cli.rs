@@ -846,3 +846,70 @@ fn rping_with_a_wrong_rkey_fails_with_the_terminate_reported() {
         "{s:?}"
     );
 }
+
+/// `rping -s -P` keeps serving after a client that isn't one (as rdma-core's
+/// does): an HTTP request on its port, then a real client.
+#[test]
+fn a_persistent_rping_server_outlives_a_bad_client() {
+    use std::io::Write;
+    let bin = env!("CARGO_BIN_EXE_softrdma");
+    let mut server = Command::new(bin)
+        .args([
+            "rping",
+            "-s",
+            "-P",
+            "-a",
+            "127.0.1.53",
+            "-p",
+            "19363",
+            "-S",
+            "100",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut bad = None;
+    for _ in 0..50 {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        if let Ok(s) = std::net::TcpStream::connect("127.0.1.53:19363") {
+            bad = Some(s);
+            break;
+        }
+    }
+    let mut bad = bad.expect("the server listened");
+    bad.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+    drop(bad);
+    let client = Command::new(bin)
+        .args([
+            "rping",
+            "-c",
+            "-a",
+            "127.0.1.53",
+            "-I",
+            "127.0.1.54",
+            "-p",
+            "19363",
+            "-C",
+            "2",
+            "-S",
+            "100",
+            "-v",
+        ])
+        .output()
+        .unwrap();
+    let _ = server.kill();
+    let server = server.wait_with_output().unwrap();
+    assert!(client.status.success(), "{client:?} {server:?}");
+    assert_eq!(
+        stdout(&client)
+            .lines()
+            .filter(|l| l.starts_with("ping data: "))
+            .count(),
+        2
+    );
+    assert!(
+        String::from_utf8_lossy(&server.stderr).contains("connection refused"),
+        "{server:?}"
+    );
+}
