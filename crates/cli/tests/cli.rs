@@ -188,6 +188,23 @@ fn bad_flags_are_refused() {
         .unwrap();
     assert!(o.status.success());
     assert!(stdout(&o).contains("decode"));
+    // perf flags out of range: a message and a failing exit, no panic.
+    for args in [
+        ["perf", "write-bw", "-D", "100000000000"],
+        ["perf", "write-bw", "-D", "0"],
+        ["perf", "write-bw", "-s", "18014398509481985M"],
+    ] {
+        let o = Command::new(env!("CARGO_BIN_EXE_softrdma"))
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            matches!(o.status.code(), Some(1 | 2))
+                && (err.contains("should be between") || err.contains("must be between")),
+            "{args:?}: {o:?}"
+        );
+    }
 }
 
 #[test]

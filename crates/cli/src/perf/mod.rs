@@ -200,7 +200,7 @@ fn parse_size(s: &str) -> Result<u64, String> {
         _ => (s, 1),
     };
     let v: u64 = num.parse().map_err(|_| format!("{s}: not a size"))?;
-    let v = v * mul;
+    let v = v.saturating_mul(mul);
     if !(1..=u64::from(u32::MAX / 2)).contains(&v) {
         return Err(" Message Size should be between 1 and 2147483647".into());
     }
@@ -208,6 +208,7 @@ fn parse_size(s: &str) -> Result<u64, String> {
 }
 
 const MAX_SIZE: u64 = 1 << 23;
+const MAX_DURATION_SECS: u64 = 365 * 86_400;
 const CACHE_LINE: u32 = 64;
 const PAGE: u32 = 4096;
 
@@ -328,6 +329,12 @@ fn config(a: &PerfArgs) -> Result<Config, String> {
         if a.shared_port || a.pcap.is_some() {
             return Err(" --shared-port and --pcap are for RoCEv2, not -R (iWARP)".into());
         }
+    }
+    // perftest refuses 0; past a year the run's clock arithmetic overflows.
+    if a.duration.is_some_and(|d| d == 0 || d > MAX_DURATION_SECS) {
+        return Err(format!(
+            " Duration period must be between 1 and {MAX_DURATION_SECS} seconds"
+        ));
     }
     if a.duration.is_some() && a.all {
         return Err("Duration mode currently doesn't support running on all sizes.".into());
