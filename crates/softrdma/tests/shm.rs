@@ -461,3 +461,47 @@ fn two_qps_of_one_device_connect_to_each_other() {
     assert_eq!(one(&cq).status, WcStatus::Success);
     assert_eq!(mr.read_vec(100, 6).unwrap(), b"looped");
 }
+
+/// Both ends announce every region of their PD while connecting; with more
+/// than the socket queues (about 280 here), sending all before reading
+/// deadlocked both. The acceptor now reads first.
+#[test]
+fn ends_with_many_regions_each_connect() {
+    const REGIONS: usize = 500;
+    let server = end();
+    let client = end();
+    let mut keep = Vec::new();
+    for e in [&server, &client] {
+        for _ in 0..REGIONS {
+            keep.push(e.pd.register(4096, Access::ALL).unwrap());
+        }
+    }
+    let name = pid_name("many-regions");
+    let listener = Listener::bind(&server.ctx, &name).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let r = listener.accept(&server.qp).map_err(|e| e.to_string());
+        let _ = tx.send(r.map(|()| server));
+    });
+    shm::connect(&client.qp, &name).unwrap();
+    let server = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the acceptor returned")
+        .unwrap();
+    // The connection works: a WRITE into the server's first region.
+    client.mr.write(0, b"many").unwrap();
+    let wr = SendWr::new(
+        1,
+        SendOp::Write {
+            remote_addr: server.mr.addr(),
+            rkey: server.mr.rkey(),
+        },
+        [client.mr.sge(0, 4)],
+    );
+    client.qp.post_send(wr).unwrap();
+    assert_eq!(one(&client.scq).status, WcStatus::Success);
+    let mut got = [0u8; 4];
+    server.mr.read(0, &mut got).unwrap();
+    assert_eq!(&got, b"many");
+    drop(keep);
+}

@@ -39,7 +39,7 @@ pub fn connect(qp: &Qp, name: &str) -> Result<()> {
     let sock = socket()?;
     rustix::net::connect(&sock, &addr)
         .map_err(|e| io_err(format!("no shm listener {name:?} on this host"), e.into()))?;
-    qp.attach_shm(sock, TIMEOUT)
+    qp.attach_shm(sock, TIMEOUT, false)
 }
 
 /// A listener for shm connections.
@@ -78,6 +78,6 @@ impl Listener {
     pub fn accept(&self, qp: &Qp) -> Result<()> {
         let sock = rustix::net::accept_with(&self.sock, SocketFlags::CLOEXEC)
             .map_err(|e| io_err(format!("accepting on {:?}", self.name), e.into()))?;
-        qp.attach_shm(sock, TIMEOUT)
+        qp.attach_shm(sock, TIMEOUT, true)
     }
 }

@@ -93,7 +93,12 @@ impl Pd {
 
 impl Qp {
     /// Runs the shm exchange on a connected Unix socket and starts the QP.
-    pub(crate) fn attach_shm(&self, sock: OwnedFd, timeout: Duration) -> Result<()> {
+    pub(crate) fn attach_shm(
+        &self,
+        sock: OwnedFd,
+        timeout: Duration,
+        reads_first: bool,
+    ) -> Result<()> {
         let QpKind::Shm(slot) = &self.kind else {
             return Err(VerbsError::Invalid(
                 "cm::shm needs a QP of a shared-memory device (Device::shm)".into(),
@@ -114,9 +119,11 @@ impl Qp {
             recv_cq: slot.recv_cq.clone(),
             events: self.ctx.inner.events().clone(),
         };
-        let conn = shm::establish(&dev.shm, sock, parts, timeout).map_err(|e| VerbsError::Io {
-            what: "the shared-memory connection".into(),
-            source: e,
+        let conn = shm::establish(&dev.shm, sock, parts, timeout, reads_first).map_err(|e| {
+            VerbsError::Io {
+                what: "the shared-memory connection".into(),
+                source: e,
+            }
         })?;
         for wr in connecting.receives() {
             conn.post_recv(wr)?;

@@ -356,44 +356,11 @@ fn map_region(msg: &[u8], fd: &OwnedFd) -> io::Result<Region> {
     .map_err(|e| bad(e.to_string()))
 }
 
-/// Both sides run the same exchange: HELLO with the inbox and its eventfd,
-/// every region of the PD, READY; then they read the peer's.
-pub(crate) fn establish(
-    device: &Arc<ShmDevice>,
-    sock: OwnedFd,
-    parts: QpParts,
-    timeout: Duration,
-) -> io::Result<Arc<ShmQp>> {
-    let slots = u64::from(parts.caps.max_recv_wr.max(1)).next_power_of_two();
-    let (inbox, inbox_fd) = mapping::create(inbox_len(slots), "softrdma-inbox")?;
-    let my_event = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?;
-    rustix::net::sockopt::set_socket_timeout(
-        &sock,
-        rustix::net::sockopt::Timeout::Recv,
-        Some(timeout),
-    )?;
-    let mut hello = [0u8; 16];
-    hello[0] = HELLO;
-    hello[4..8].copy_from_slice(&VERSION.to_le_bytes());
-    hello[8..12].copy_from_slice(&parts.qpn.to_le_bytes());
-    hello[12..16].copy_from_slice(&(slots as u32).to_le_bytes());
-    // The regions as they are now; what changes until this QP joins the
-    // list that hears of later ones is sent after the exchange. (The lock is
-    // not held across it: the peer may be a QP of this same device.)
-    let announced: Vec<u32> = {
-        let regions = device.regions.lock().expect("shm regions lock");
-        send_msg(sock.as_fd(), &hello, &[inbox_fd.as_fd(), my_event.as_fd()])?;
-        let mut sent = Vec::new();
-        for r in regions.iter().filter(|r| r.pd == parts.pd && r.shared()) {
-            send_msg(sock.as_fd(), &r.message(), &[r.fd.as_fd()])?;
-            sent.push(r.lkey);
-        }
-        sent
-    };
-    send_msg(sock.as_fd(), &[READY], &[])?;
-
+/// The peer's half of the exchange: its HELLO (ring size, inbox, eventfd)
+/// and its regions, up to READY.
+fn read_peer(sock: BorrowedFd<'_>) -> io::Result<(u64, OwnedFd, RegionMemory, MrTable)> {
     let mut buf = [0u8; MSG_MAX];
-    let (n, mut fds) = recv_msg(sock.as_fd(), &mut buf)
+    let (n, mut fds) = recv_msg(sock, &mut buf)
         .map_err(|e| io::Error::new(e.kind(), format!("no HELLO from the peer: {e}")))?;
     if n != 16 || buf[0] != HELLO || fds.len() != 2 {
         return Err(bad("the peer is not a softrdma shm QP"));
@@ -414,7 +381,7 @@ pub(crate) fn establish(
     let peer_inbox = mapping::map(fds[0].as_fd(), inbox_len(peer_slots))?;
     let mut peer_regions = MrTable::new();
     loop {
-        let (n, fds) = recv_msg(sock.as_fd(), &mut buf)?;
+        let (n, fds) = recv_msg(sock, &mut buf)?;
         match (n, buf[0]) {
             (1, READY) => break,
             (32, REGION) if fds.len() == 1 => {
@@ -428,7 +395,65 @@ pub(crate) fn establish(
             _ => return Err(bad("an unexpected message during the exchange")),
         }
     }
-    rustix::net::sockopt::set_socket_timeout(&sock, rustix::net::sockopt::Timeout::Recv, None)?;
+    Ok((peer_slots, peer_event, peer_inbox, peer_regions))
+}
+
+/// Both sides send the same messages: HELLO with the inbox and its eventfd,
+/// every region of the PD, READY. The side that `reads_first` (the
+/// acceptor) takes the peer's before sending its own, so that neither
+/// blocks on a full socket while the other does the same: a PD's regions
+/// can outnumber what the socket queues.
+pub(crate) fn establish(
+    device: &Arc<ShmDevice>,
+    sock: OwnedFd,
+    parts: QpParts,
+    timeout: Duration,
+    reads_first: bool,
+) -> io::Result<Arc<ShmQp>> {
+    let slots = u64::from(parts.caps.max_recv_wr.max(1)).next_power_of_two();
+    let (inbox, inbox_fd) = mapping::create(inbox_len(slots), "softrdma-inbox")?;
+    let my_event = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?;
+    for dir in [
+        rustix::net::sockopt::Timeout::Recv,
+        rustix::net::sockopt::Timeout::Send,
+    ] {
+        rustix::net::sockopt::set_socket_timeout(&sock, dir, Some(timeout))?;
+    }
+    let mut hello = [0u8; 16];
+    hello[0] = HELLO;
+    hello[4..8].copy_from_slice(&VERSION.to_le_bytes());
+    hello[8..12].copy_from_slice(&parts.qpn.to_le_bytes());
+    hello[12..16].copy_from_slice(&(slots as u32).to_le_bytes());
+    // The regions as they are now; what changes until this QP joins the
+    // list that hears of later ones is sent after the exchange. (The lock is
+    // not held while reading: the peer may be a QP of this same device.)
+    let send_mine = || -> io::Result<Vec<u32>> {
+        let announced: Vec<u32> = {
+            let regions = device.regions.lock().expect("shm regions lock");
+            send_msg(sock.as_fd(), &hello, &[inbox_fd.as_fd(), my_event.as_fd()])?;
+            let mut sent = Vec::new();
+            for r in regions.iter().filter(|r| r.pd == parts.pd && r.shared()) {
+                send_msg(sock.as_fd(), &r.message(), &[r.fd.as_fd()])?;
+                sent.push(r.lkey);
+            }
+            sent
+        };
+        send_msg(sock.as_fd(), &[READY], &[])?;
+        Ok(announced)
+    };
+    let (announced, (peer_slots, peer_event, peer_inbox, peer_regions)) = if reads_first {
+        let peer = read_peer(sock.as_fd())?;
+        (send_mine()?, peer)
+    } else {
+        let announced = send_mine()?;
+        (announced, read_peer(sock.as_fd())?)
+    };
+    for dir in [
+        rustix::net::sockopt::Timeout::Recv,
+        rustix::net::sockopt::Timeout::Send,
+    ] {
+        rustix::net::sockopt::set_socket_timeout(&sock, dir, None)?;
+    }
     let qp = Arc::new(ShmQp {
         qpn: parts.qpn,
         pd: parts.pd,
