@@ -579,3 +579,65 @@ fn peer_closes_mid_transfer(busy: bool) {
         "a QP fatal event"
     );
 }
+
+/// A peer that completes MPA and then never reads: posting goes on without
+/// blocking (once the socket is full, WRITEs wait in the QP; before, a post
+/// sent on the poster's thread blocked in the socket until the peer closed).
+#[test]
+fn posting_to_a_peer_that_stops_reading_does_not_block() {
+    use std::time::Instant;
+    let l = std::net::TcpListener::bind("127.0.0.2:0").unwrap();
+    let std::net::SocketAddr::V4(at) = l.local_addr().unwrap() else {
+        unreachable!("bound to IPv4")
+    };
+    let (held_tx, held_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        softrdma::cm::mpa::accept(&mut s, &MpaConfig::default(), |_| Decision::Accept).unwrap();
+        held_tx.send(s).unwrap();
+    });
+    let c = end([127, 0, 0, 1]);
+    iwarp::connect(&c.qp, at, &MpaConfig::default()).unwrap();
+    let _peer = held_rx.recv().unwrap();
+    // The posts run on a thread of their own, so that a post that blocks
+    // fails the test instead of hanging it.
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let c = std::sync::Arc::new(c);
+    let poster = c.clone();
+    std::thread::spawn(move || {
+        let c = poster;
+        let mut stalled = false;
+        let mut slowest = Duration::ZERO;
+        for k in 0..2000u64 {
+            let t = Instant::now();
+            c.qp.post_send(SendWr::new(
+                k,
+                SendOp::Write {
+                    remote_addr: 0x1000,
+                    rkey: 0x1234,
+                },
+                vec![c.mr.sge(0, 16 << 10)],
+            ))
+            .unwrap();
+            slowest = slowest.max(t.elapsed());
+            // Lone posts, as the poster's thread sends them: one at a time,
+            // a moment apart, each completing when written.
+            match c.scq.wait(Duration::from_millis(500)).unwrap() {
+                Some(wc) => assert_eq!(wc.status, WcStatus::Success),
+                None => {
+                    stalled = true;
+                    break;
+                }
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        let _ = done_tx.send((stalled, slowest));
+    });
+    let (stalled, slowest) = done_rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("a post_send blocked");
+    assert!(stalled, "the socket never filled");
+    assert!(slowest < Duration::from_secs(1), "a post took {slowest:?}");
+    // The QP still answers.
+    assert_eq!(c.qp.state(), QpState::Rts);
+}

@@ -298,7 +298,9 @@ impl TcpQp {
             self.shared.drain();
             return Ok(());
         }
-        if !(lone && self.shared.send_here(true)) {
+        // Without waiting on the socket: a peer that stops reading must not
+        // hold the poster (what doesn't fit is the transmit thread's).
+        if !(lone && self.shared.send_here()) {
             self.shared.kick();
         }
         Ok(())
@@ -367,7 +369,7 @@ impl Drop for TcpQp {
 const TX_NAME: &str = "softrdma-iwarp-tx";
 
 /// The largest work request a poster sends on its own thread: a small one
-/// fits the socket's buffer, so the `writev` does not wait.
+/// fits the socket's buffer, so the `writev` seldom leaves a rest.
 const POSTER_SENDS_UP_TO: usize = 16 << 10;
 
 /// After receiving: a lone small READ response goes out on this thread, as
@@ -375,7 +377,7 @@ const POSTER_SENDS_UP_TO: usize = 16 << 10;
 /// request's round trip paid the transmit thread's wake-up); anything else
 /// is the transmit thread's.
 fn answer_or_kick(s: &Shared, lone_response: bool) {
-    if !(lone_response && s.send_here(false)) {
+    if !(lone_response && s.send_here()) {
         s.kick();
     }
 }
@@ -385,10 +387,11 @@ fn answer_or_kick(s: &Shared, lone_response: bool) {
 const STREAM_GAP: Duration = Duration::from_micros(5);
 
 impl Shared {
-    /// Sends on the calling thread (see [`send_all`] for `wait`), unless a
-    /// send finished within [`STREAM_GAP`] (a stream, the transmit thread's
-    /// to batch) or another thread is sending. Returns whether it sent.
-    fn send_here(&self, wait: bool) -> bool {
+    /// Sends one batch on the calling thread without waiting on the socket
+    /// (what doesn't fit is left to the transmit thread), unless a send
+    /// finished within [`STREAM_GAP`] (a stream, the transmit thread's to
+    /// batch) or another thread is sending. Returns whether it sent.
+    fn send_here(&self) -> bool {
         if self
             .now()
             .saturating_sub(self.last_sent.load(Ordering::Relaxed))
@@ -399,7 +402,7 @@ impl Shared {
         let Ok(mut tx) = self.tx.try_lock() else {
             return false;
         };
-        let sent = send_all(self, &mut tx, wait);
+        let sent = send_all(self, &mut tx, false);
         drop(tx);
         match sent {
             Err(_) => self.lost(),
