@@ -289,16 +289,21 @@ fn tool_pair(
     spawn_pair(&server, &client)
 }
 
+/// Starts `softrdma ARGS...` in the background, its output kept.
+fn spawn_server(args: &[&str]) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_softrdma"))
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
 /// Starts `softrdma SERVER...`, then runs `softrdma CLIENT...` until it finds
 /// the server listening; both outputs.
 fn spawn_pair(server: &[&str], client: &[&str]) -> (Output, Output) {
     let bin = env!("CARGO_BIN_EXE_softrdma");
-    let server = Command::new(bin)
-        .args(server)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let server = spawn_server(server);
     let mut out = None;
     for _ in 0..50 {
         std::thread::sleep(std::time::Duration::from_millis(100));
@@ -870,22 +875,17 @@ fn rping_with_a_wrong_rkey_fails_with_the_terminate_reported() {
 fn a_persistent_rping_server_outlives_a_bad_client() {
     use std::io::Write;
     let bin = env!("CARGO_BIN_EXE_softrdma");
-    let mut server = Command::new(bin)
-        .args([
-            "rping",
-            "-s",
-            "-P",
-            "-a",
-            "127.0.1.53",
-            "-p",
-            "19363",
-            "-S",
-            "100",
-        ])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut server = spawn_server(&[
+        "rping",
+        "-s",
+        "-P",
+        "-a",
+        "127.0.1.53",
+        "-p",
+        "19363",
+        "-S",
+        "100",
+    ]);
     let mut bad = None;
     for _ in 0..50 {
         std::thread::sleep(std::time::Duration::from_millis(100));

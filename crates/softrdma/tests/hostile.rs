@@ -108,22 +108,25 @@ fn a_read_longer_than_two_gib_is_an_invalid_request() {
     );
 }
 
+/// An iWARP QP with one 4 KiB receive posted.
+fn iwarp_qp_with_a_receive() -> IwarpQp {
+    let mut qp = IwarpQp::new(0x11, 1, QpCaps::default(), IwarpConfig::default());
+    let sge = Sge {
+        addr: IOVA,
+        len: 4096,
+        lkey: LKEY,
+    };
+    qp.post_recv(RecvWr::new(9, [sge])).unwrap();
+    qp
+}
+
 /// An iWARP SEND segment must start where the message's last one ended: one
 /// at offset 1000 of a fresh message would have completed the receive with
 /// 1 010 bytes, 1 000 of them never sent.
 #[test]
 fn an_iwarp_send_segment_past_a_gap_is_refused() {
     let mrs = region();
-    let mut qp = IwarpQp::new(0x11, 1, QpCaps::default(), IwarpConfig::default());
-    qp.post_recv(RecvWr::new(
-        9,
-        [Sge {
-            addr: IOVA,
-            len: 4096,
-            lkey: LKEY,
-        }],
-    ))
-    .unwrap();
+    let mut qp = iwarp_qp_with_a_receive();
     let mut hdr = [0u8; ddp::UNTAGGED_HEADER_LEN];
     let segment = |offset| ddp::Repr {
         last: true,
@@ -150,16 +153,7 @@ fn an_iwarp_send_segment_past_a_gap_is_refused() {
     assert_eq!(qp.state(), QpState::Err, "a Terminate ends the stream");
 
     // The same segment at offset 0 is placed and completes 10 bytes.
-    let mut qp = IwarpQp::new(0x11, 1, QpCaps::default(), IwarpConfig::default());
-    qp.post_recv(RecvWr::new(
-        9,
-        [Sge {
-            addr: IOVA,
-            len: 4096,
-            lkey: LKEY,
-        }],
-    ))
-    .unwrap();
+    let mut qp = iwarp_qp_with_a_receive();
     segment(0).emit(&mut ddp::Segment::new_unchecked(&mut hdr[..]));
     let placement = qp.accept_header(&hdr, 10, &mrs, &mut pieces);
     assert!(matches!(placement, Placement::Data), "{placement:?}");
