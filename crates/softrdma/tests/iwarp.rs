@@ -641,3 +641,80 @@ fn posting_to_a_peer_that_stops_reading_does_not_block() {
     // The QP still answers.
     assert_eq!(c.qp.state(), QpState::Rts);
 }
+
+/// `modify` to ERR (rping and rdma_cm users flush this way before
+/// destroying): the QP's work is flushed at once, its connection closes and
+/// the peer's QP fails; it is the one move an iWARP QP takes.
+#[test]
+fn modify_to_err_flushes_and_closes_the_connection() {
+    let (a, b) = pair(MpaConfig::default(), |_| {});
+    for k in 0..3 {
+        a.qp.post_recv(RecvWr::new(10 + k, [a.mr.sge(0, 64)]))
+            .unwrap();
+    }
+    let rts = QpAttr {
+        state: Some(QpState::Rts),
+        ..QpAttr::default()
+    };
+    let e = a.qp.modify(&rts, None).unwrap_err();
+    assert!(e.to_string().contains("to ERR"), "{e}");
+    let wrong_now = QpAttr {
+        state: Some(QpState::Err),
+        cur_state: Some(QpState::Init),
+        ..QpAttr::default()
+    };
+    assert!(a.qp.modify(&wrong_now, None).is_err());
+    assert_eq!(a.qp.state(), QpState::Rts);
+    let err = QpAttr {
+        state: Some(QpState::Err),
+        ..QpAttr::default()
+    };
+    a.qp.modify(&err, None).unwrap();
+    assert_eq!(a.qp.state(), QpState::Err);
+    // Flushed by the time modify returns, in posting order.
+    let flushed: Vec<(u64, WcStatus)> = std::iter::from_fn(|| a.rcq.poll_one().unwrap())
+        .map(|w| (w.wr_id, w.status))
+        .collect();
+    assert_eq!(
+        flushed,
+        [10, 11, 12].map(|k| (k, WcStatus::WrFlushErr)).to_vec()
+    );
+    a.qp.post_send(SendWr::new(5, SendOp::Send, vec![a.mr.sge(0, 8)]))
+        .unwrap();
+    let w = one(&a.scq);
+    assert_eq!((w.wr_id, w.status), (5, WcStatus::WrFlushErr));
+    // The application's own move is no fatal event; the peer's loss is.
+    let fatal = |e: &AsyncEvent| matches!(e, AsyncEvent::QpFatal { .. });
+    assert!(!std::iter::from_fn(|| a.ctx.poll_async_event()).any(|e| fatal(&e)));
+    wait_state(&b.qp, QpState::Err);
+    assert!(
+        std::iter::from_fn(|| b.ctx.poll_async_event())
+            .any(|e| e == AsyncEvent::QpFatal { qpn: b.qp.qpn() })
+    );
+    // Again: nothing more happens.
+    a.qp.modify(&err, None).unwrap();
+    assert_eq!(a.rcq.poll_one().unwrap(), None);
+}
+
+#[test]
+fn modify_to_err_before_connecting_flushes_the_early_receives() {
+    let a = end([127, 0, 0, 1]);
+    a.qp.post_recv(RecvWr::new(1, [a.mr.sge(0, 64)])).unwrap();
+    let err = QpAttr {
+        state: Some(QpState::Err),
+        ..QpAttr::default()
+    };
+    a.qp.modify(&err, None).unwrap();
+    assert_eq!(a.qp.state(), QpState::Err);
+    let w = a
+        .rcq
+        .poll_one()
+        .unwrap()
+        .expect("the early receive, flushed");
+    assert_eq!((w.wr_id, w.status), (1, WcStatus::WrFlushErr));
+    assert!(a.qp.post_recv(RecvWr::new(2, [a.mr.sge(0, 64)])).is_err());
+    let b = end([127, 0, 0, 2]);
+    let listener = Listener::bind(&b.ctx, 0).unwrap();
+    let e = iwarp::connect(&a.qp, listener.local_addr(), &MpaConfig::default()).unwrap_err();
+    assert!(e.to_string().contains("moved to ERR"), "{e}");
+}

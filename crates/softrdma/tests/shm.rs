@@ -505,3 +505,72 @@ fn ends_with_many_regions_each_connect() {
     assert_eq!(&got, b"many");
     drop(keep);
 }
+
+/// `modify` to ERR: the QP's work is flushed by the time it returns, the
+/// connection closes and the peer's QP fails; it is the one move a shm QP
+/// takes.
+#[test]
+fn modify_to_err_flushes_and_closes_the_connection() {
+    let (a, b) = pair(&pid_name("to-err"));
+    for k in 0..3 {
+        a.qp.post_recv(RecvWr::new(10 + k, [a.mr.sge(0, 64)]))
+            .unwrap();
+    }
+    let rts = QpAttr {
+        state: Some(QpState::Rts),
+        ..QpAttr::default()
+    };
+    let e = a.qp.modify(&rts, None).unwrap_err();
+    assert!(e.to_string().contains("to ERR"), "{e}");
+    let err = QpAttr {
+        state: Some(QpState::Err),
+        ..QpAttr::default()
+    };
+    a.qp.modify(&err, None).unwrap();
+    assert_eq!(a.qp.state(), QpState::Err);
+    let flushed: Vec<(u64, WcStatus)> = std::iter::from_fn(|| a.rcq.poll_one().unwrap())
+        .map(|w| (w.wr_id, w.status))
+        .collect();
+    assert_eq!(
+        flushed,
+        [10, 11, 12].map(|k| (k, WcStatus::WrFlushErr)).to_vec()
+    );
+    a.qp.post_recv(RecvWr::new(13, [a.mr.sge(0, 64)])).unwrap();
+    let w = one(&a.rcq);
+    assert_eq!((w.wr_id, w.status), (13, WcStatus::WrFlushErr));
+    a.qp.post_send(SendWr::new(5, SendOp::Send, vec![a.mr.sge(0, 8)]))
+        .unwrap();
+    let w = one(&a.scq);
+    assert_eq!((w.wr_id, w.status), (5, WcStatus::WrFlushErr));
+    // The application's own move is no fatal event; the peer's loss is.
+    let fatal = |e: &AsyncEvent| matches!(e, AsyncEvent::QpFatal { .. });
+    assert!(!std::iter::from_fn(|| a.ctx.poll_async_event()).any(|e| fatal(&e)));
+    wait_state(&b.qp, QpState::Err);
+    assert!(
+        std::iter::from_fn(|| b.ctx.poll_async_event())
+            .any(|e| e == AsyncEvent::QpFatal { qpn: b.qp.qpn() })
+    );
+}
+
+#[test]
+fn modify_to_err_before_connecting_flushes_the_early_receives() {
+    let name = pid_name("err-early");
+    let b = end();
+    let _listener = Listener::bind(&b.ctx, &name).unwrap();
+    let a = end();
+    a.qp.post_recv(RecvWr::new(1, [a.mr.sge(0, 64)])).unwrap();
+    let err = QpAttr {
+        state: Some(QpState::Err),
+        ..QpAttr::default()
+    };
+    a.qp.modify(&err, None).unwrap();
+    assert_eq!(a.qp.state(), QpState::Err);
+    let w = a
+        .rcq
+        .poll_one()
+        .unwrap()
+        .expect("the early receive, flushed");
+    assert_eq!((w.wr_id, w.status), (1, WcStatus::WrFlushErr));
+    let e = shm::connect(&a.qp, &name).unwrap_err();
+    assert!(e.to_string().contains("moved to ERR"), "{e}");
+}

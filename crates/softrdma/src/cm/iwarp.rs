@@ -33,6 +33,7 @@ pub enum ConnectError {
 /// Connects `qp` (of an iWARP device, not yet connected) to a listener at
 /// `to`: TCP from the device's address, MPA Request with `cfg`'s offer.
 pub fn connect(qp: &Qp, to: SocketAddrV4, cfg: &MpaConfig) -> Result<MpaOutcome, ConnectError> {
+    qp.check_unconnected()?;
     let local = SocketAddrV4::new(*qp.context().local_addr().ip(), 0);
     let tcp = |source| ConnectError::Tcp {
         to: to.into(),
@@ -99,6 +100,7 @@ impl Listener {
         cfg: &MpaConfig,
         decide: impl FnOnce(&MpaRequest) -> Decision,
     ) -> Result<MpaOutcome, ConnectError> {
+        qp.check_unconnected()?;
         let (mut stream, _) = self.tcp.accept().map_err(|source| ConnectError::Tcp {
             to: self
                 .tcp

@@ -35,6 +35,7 @@ fn socket() -> Result<OwnedFd> {
 /// Connects `qp` (of a shm device, not yet connected) to the listener
 /// `name` on this host.
 pub fn connect(qp: &Qp, name: &str) -> Result<()> {
+    qp.check_unconnected()?;
     let addr = address(name)?;
     let sock = socket()?;
     rustix::net::connect(&sock, &addr)
@@ -76,6 +77,7 @@ impl Listener {
 
     /// Takes the next connection for `qp`.
     pub fn accept(&self, qp: &Qp) -> Result<()> {
+        qp.check_unconnected()?;
         let sock = rustix::net::accept_with(&self.sock, SocketFlags::CLOEXEC)
             .map_err(|e| io_err(format!("accepting on {:?}", self.name), e.into()))?;
         qp.attach_shm(sock, TIMEOUT, true)

@@ -336,18 +336,17 @@ impl TcpQp {
     pub fn with_engine<R>(&self, f: impl FnOnce(&IwarpQp) -> R) -> R {
         f(&self.shared.engine.lock().expect("QP lock"))
     }
-}
 
-impl Drop for TcpQp {
-    fn drop(&mut self) {
-        // A destroyed QP flushes its work at once; only a Terminate it owes
-        // the peer still goes out (the transmit thread gets 2 s for it)
-        // before the socket closes.
-        self.shared
-            .engine
-            .lock()
-            .expect("QP lock")
-            .connection_lost();
+    /// Moves the QP to ERR and closes its connection, as siw does on a
+    /// modify to ERROR: its work is flushed at once; only a Terminate it
+    /// owes the peer still goes out (the transmit thread gets 2 s for it)
+    /// before the socket closes. Returns with the flushes in the CQs and the
+    /// threads ended; again, does nothing.
+    pub fn shut_down(&mut self) {
+        if self.threads.is_empty() {
+            return;
+        }
+        self.shared.engine.lock().expect("QP lock").to_error();
         self.shared.drain();
         self.shared.close();
         let t0 = std::time::Instant::now();
@@ -363,6 +362,12 @@ impl Drop for TcpQp {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+    }
+}
+
+impl Drop for TcpQp {
+    fn drop(&mut self) {
+        self.shut_down();
     }
 }
 

@@ -1,15 +1,17 @@
 //! What a QP connected by a connection manager (iWARP, shared memory) keeps
 //! until its connection is up: the receives posted before it (rdma_cm users
-//! post them first), and whether it was connected once.
+//! post them first), and whether it was connected once (or moved to ERR).
 
 use std::sync::{Mutex, MutexGuard};
 
-use crate::engine::{PostError, QpState, RecvWr};
+use super::cq::CqInner;
+use crate::engine::{PostError, QpState, RecvWr, WcOpcode, WcStatus, WorkCompletion};
 
 #[derive(Debug, Default)]
 pub(crate) struct BeforeConnect {
     early: Mutex<Vec<RecvWr>>,
-    /// Connected once (a QP is not reused for a second connection).
+    /// Connected once, or moved to ERR (a QP is not reused for a second
+    /// connection).
     used: Mutex<bool>,
 }
 
@@ -61,8 +63,33 @@ impl BeforeConnect {
         Ok(())
     }
 
+    /// Moves the QP to ERR (`modify` to ERR): no connection will be made,
+    /// and the receives kept for one are returned, to be flushed. Waits for
+    /// a connection being brought up (after which there are none).
+    pub(crate) fn fail(&self) -> Vec<RecvWr> {
+        let mut used = self.used.lock().expect("lock");
+        *used = true;
+        std::mem::take(&mut *self.early.lock().expect("lock"))
+    }
+
+    /// [`fail`](Self::fail), with the receives flushed to `cq`.
+    pub(crate) fn fail_and_flush(&self, qpn: u32, cq: &CqInner) {
+        let mut signal = false;
+        for wr in self.fail() {
+            signal |= cq.push(WorkCompletion::new(
+                wr.wr_id,
+                WcStatus::WrFlushErr,
+                WcOpcode::Recv,
+                qpn,
+            ));
+        }
+        if signal {
+            cq.signal();
+        }
+    }
+
     /// Starts bringing the connection up; `None` if the QP was connected
-    /// before. Held until `done` or dropped, so two connects cannot race.
+    /// before or moved to ERR. Held until `done` or dropped, so two connects cannot race.
     pub(crate) fn connecting(&self) -> Option<Connecting<'_>> {
         let used = self.used.lock().expect("lock");
         if *used {

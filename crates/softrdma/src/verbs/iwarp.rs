@@ -36,7 +36,7 @@ pub(crate) struct IwarpSlot {
     recv_cq: Arc<CqInner>,
     /// The connection, once up.
     conn: Mutex<Option<TcpQp>>,
-    before: BeforeConnect,
+    pub(super) before: BeforeConnect,
 }
 
 impl IwarpSlot {
@@ -55,6 +55,15 @@ impl IwarpSlot {
                 terminate_received: q.peer_terminate().copied(),
             }),
             None => IwarpQpStats::default(),
+        }
+    }
+
+    /// `modify` to ERR: a connection is closed (its work flushed, the peer
+    /// sees it go), receives kept for one are flushed.
+    pub(crate) fn to_error(&self) {
+        self.before.fail_and_flush(self.qpn, &self.recv_cq);
+        if let Some(c) = &mut *self.conn.lock().expect("conn lock") {
+            c.shut_down();
         }
     }
 
@@ -110,7 +119,9 @@ impl Qp {
             unreachable!("iWARP QPs live on iWARP devices")
         };
         let mut connecting = slot.before.connecting().ok_or_else(|| {
-            VerbsError::Invalid("this iWARP QP was connected before: create a new one".into())
+            VerbsError::Invalid(
+                "this iWARP QP was connected before or moved to ERR: create a new one".into(),
+            )
         })?;
         let cfg = IwarpConfig {
             max_ulpdu: fpdu_override().unwrap_or_else(|| {

@@ -1118,10 +1118,11 @@ impl Qp {
             QpKind::Roce(s) => Ok(s),
             QpKind::Iwarp(_) => Err(VerbsError::Invalid(format!(
                 "{what}: an iWARP QP is brought up by cm::iwarp (connect or accept), \
-                 which runs the MPA exchange"
+                 which runs the MPA exchange; the one move it takes is to ERR"
             ))),
             QpKind::Shm(_) => Err(VerbsError::Invalid(format!(
-                "{what}: a shm QP is brought up by cm::shm (connect or accept)"
+                "{what}: a shm QP is brought up by cm::shm (connect or accept); \
+                 the one move it takes is to ERR"
             ))),
         }
     }
@@ -1133,7 +1134,35 @@ impl Qp {
     }
 
     /// Modifies the QP (`ibv_modify_qp`); RC's INIT -> RTR needs `av`.
+    /// iWARP and shm QPs are brought up by their connection managers: the
+    /// one move they take is to ERR, which closes the connection.
     pub fn modify(&self, attr: &QpAttr, av: Option<AddressVector>) -> Result<()> {
+        let to_error = QpAttr {
+            state: Some(QpState::Err),
+            cur_state: attr.cur_state,
+            ..QpAttr::default()
+        };
+        if *attr == to_error && av.is_none() && !matches!(self.kind, QpKind::Roce(_)) {
+            if let Some(cur) = attr.cur_state
+                && cur != self.state()
+            {
+                return Err(VerbsError::Invalid(format!(
+                    "modify: the QP is in {:?}, not {cur:?}",
+                    self.state()
+                )));
+            }
+            match &self.kind {
+                QpKind::Iwarp(s) => {
+                    s.to_error();
+                    return Ok(());
+                }
+                QpKind::Shm(s) => {
+                    s.to_error();
+                    return Ok(());
+                }
+                QpKind::Roce(_) => {}
+            }
+        }
         let slot = self.roce("modify")?;
         let mut a = *attr;
         a.has_av = av.is_some();
@@ -1252,6 +1281,23 @@ impl Qp {
     }
 
     /// The iWARP slot, for `cm::iwarp`.
+    /// Before a connection manager's first I/O: a QP connected before or
+    /// moved to ERR can't be connected (a peer would be answered, then
+    /// dropped). The attach checks again.
+    pub(crate) fn check_unconnected(&self) -> Result<()> {
+        let used = match &self.kind {
+            QpKind::Iwarp(s) => s.before.state() != QpState::Init,
+            QpKind::Shm(s) => s.before.state() != QpState::Init,
+            QpKind::Roce(_) => false,
+        };
+        if used {
+            return Err(VerbsError::Invalid(
+                "this QP was connected before or moved to ERR: create a new one".into(),
+            ));
+        }
+        Ok(())
+    }
+
     pub(crate) fn iwarp_slot(&self) -> Option<&Arc<iwarp::IwarpSlot>> {
         match &self.kind {
             QpKind::Iwarp(s) => Some(s),

@@ -23,7 +23,7 @@ pub(crate) struct ShmSlot {
     recv_cq: Arc<CqInner>,
     /// Set once, when connected: read without a lock on every post.
     conn: OnceLock<Arc<ShmQp>>,
-    before: BeforeConnect,
+    pub(super) before: BeforeConnect,
 }
 
 impl ShmSlot {
@@ -36,6 +36,15 @@ impl ShmSlot {
 
     fn conn(&self) -> Option<&Arc<ShmQp>> {
         self.conn.get()
+    }
+
+    /// `modify` to ERR: a connection is closed (its work flushed, the peer
+    /// sees it go), receives kept for one are flushed.
+    pub(crate) fn to_error(&self) {
+        self.before.fail_and_flush(self.qpn, &self.recv_cq);
+        if let Some(c) = self.conn() {
+            c.close();
+        }
     }
 
     #[inline]
@@ -108,7 +117,9 @@ impl Qp {
             unreachable!("shm QPs live on shm devices")
         };
         let mut connecting = slot.before.connecting().ok_or_else(|| {
-            VerbsError::Invalid("this shm QP was connected before: create a new one".into())
+            VerbsError::Invalid(
+                "this shm QP was connected before or moved to ERR: create a new one".into(),
+            )
         })?;
         let parts = QpParts {
             qpn: slot.qpn,

@@ -464,14 +464,22 @@ impl IwarpQp {
 
     /// The QP fails: `head` (a send WQE) completes with `status`, everything
     /// else is flushed.
+    /// Fails with a fatal event (the application didn't ask for it).
     fn fail(&mut self, head_status: Option<WcStatus>) {
+        if self.flush(head_status) {
+            self.events.push_back(QpEvent::Fatal);
+        }
+    }
+
+    /// Moves to ERR and flushes; `false` if that was done already.
+    fn flush(&mut self, head_status: Option<WcStatus>) -> bool {
         // WQEs whose bytes are being written are the transmit side's to
         // settle (`transmitted` or `transmit_failed`), whatever the receive
         // side learns meanwhile: they went out before it.
         let unconfirmed = &self.unconfirmed;
         let open = |p: &Pending| p.done.is_none() && !unconfirmed.contains(&p.seq);
         if self.state == State::Error && !self.pending.iter().any(open) {
-            return;
+            return false;
         }
         self.state = State::Error;
         // The oldest unreported WQE takes the error; everything after it is
@@ -495,7 +503,7 @@ impl IwarpQp {
                 WorkCompletion::new(r.wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.qpn);
             self.completions.push_back((CqKind::Recv, wc));
         }
-        self.events.push_back(QpEvent::Fatal);
+        true
     }
 
     /// Queues a Terminate for the segment whose DDP header is `hdr` and fails.
@@ -525,6 +533,12 @@ impl IwarpQp {
     /// The connection is gone (closed, reset, or a CRC error): fail and flush.
     pub fn connection_lost(&mut self) {
         self.fail(None);
+    }
+
+    /// The application moves the QP to ERR (or destroys it): flush, with
+    /// no fatal event.
+    pub fn to_error(&mut self) {
+        self.flush(None);
     }
 
     /// Whether all there is to send is one work request of at most
