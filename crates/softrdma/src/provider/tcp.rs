@@ -129,6 +129,27 @@ pub(crate) struct ConnOptions {
     pub busy_poll: Arc<AtomicBool>,
     /// The device's connections, which polls of its CQs work for.
     pub connections: Option<Arc<Connections>>,
+    /// How long the peer may leave what was sent unacknowledged (or its
+    /// window shut, or keepalives unanswered) before the QP fails: RC's
+    /// retries running out, where TCP's own would take some 15 minutes.
+    pub peer_timeout: Duration,
+}
+
+/// [`ConnOptions::peer_timeout`] of the verbs' iWARP QPs.
+pub(crate) const PEER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Sets the socket's peer timeout (TCP_USER_TIMEOUT) and keepalives, which
+/// probe an idle connection: a READ then waits no longer than the timeout
+/// for a peer that vanished after taking its request.
+fn watch_peer(sock: &socket2::SockRef<'_>, timeout: Duration) -> io::Result<()> {
+    sock.set_tcp_user_timeout(Some(timeout))?;
+    let idle = (timeout / 3).max(Duration::from_secs(1));
+    sock.set_tcp_keepalive(
+        &socket2::TcpKeepalive::new()
+            .with_time(idle)
+            .with_interval((idle / 2).max(Duration::from_secs(1)))
+            .with_retries(4),
+    )
 }
 
 /// An application thread asleep in a CQ wait (see [`Connections::app_sleeps`]).
@@ -222,6 +243,7 @@ impl TcpQp {
         // lets polling threads receive them (see `poll_now`). The kernel caps
         // it (net.core.rmem_max); the size it took decides.
         let sock = socket2::SockRef::from(&stream);
+        watch_peer(&sock, options.peer_timeout)?;
         if options.busy_poll.load(Ordering::Relaxed) {
             let _ = sock.set_recv_buffer_size(POLL_RCVBUF);
         }

@@ -12,7 +12,7 @@ use crate::cm::mpa::MpaOutcome;
 use crate::engine::iwarp::{IwarpConfig, IwarpQp, IwarpStats, P2p};
 use crate::engine::rc::QpCaps;
 use crate::engine::{PostError, QpState, RecvWr, SendWr};
-use crate::provider::tcp::{ConnOptions, TcpQp, max_ulpdu_for};
+use crate::provider::tcp::{ConnOptions, PEER_TIMEOUT, TcpQp, max_ulpdu_for};
 use softrdma_wire::rdmap::{TermEncoding, TerminateRepr};
 
 /// An iWARP QP's counters and the Terminates of its connection.
@@ -156,6 +156,7 @@ impl Qp {
                 crc: mpa.crc,
                 busy_poll: dev.busy_poll.clone(),
                 connections: Some(dev.connections.clone()),
+                peer_timeout: PEER_TIMEOUT,
             },
             slot.send_cq.clone(),
             slot.recv_cq.clone(),

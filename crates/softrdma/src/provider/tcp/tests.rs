@@ -31,6 +31,17 @@ struct End {
 /// An end; with `busy`, of a device in busy-poll mode (its CQs' polls work
 /// for its connection).
 fn end_with(i: u32, stream: TcpStream, crc: bool, busy: Option<Arc<AtomicBool>>) -> End {
+    end_watching(i, stream, crc, busy, PEER_TIMEOUT)
+}
+
+/// [`end_with`], failing after `peer_timeout` of a silent peer.
+fn end_watching(
+    i: u32,
+    stream: TcpStream,
+    crc: bool,
+    busy: Option<Arc<AtomicBool>>,
+    peer_timeout: Duration,
+) -> End {
     let mem = Arc::new(RegionMemory::zeroed(MEM).unwrap());
     let (lkey, rkey, iova) = (0x100 + i, 0x200 + i, 0x1000_0000 * u64::from(i + 1));
     let mut t = MrTable::new();
@@ -67,6 +78,7 @@ fn end_with(i: u32, stream: TcpStream, crc: bool, busy: Option<Arc<AtomicBool>>)
             crc,
             busy_poll: flag,
             connections: busy.map(|_| connections),
+            peer_timeout,
         },
         scq.inner.clone(),
         rcq.inner.clone(),
@@ -652,4 +664,57 @@ fn a_read_answered_into_a_full_socket_leaves_the_receiving_thread_free() {
         a.mem.read((2 << 20) + k * LEN, &mut got);
         assert!(got == pattern(LEN, k as u8), "READ {k} arrived wrong");
     }
+}
+
+/// A peer that takes the MPA exchange and then neither reads nor closes (a
+/// host gone, a process hung): once what was sent stays unacknowledged for
+/// the peer timeout, the QP fails and flushes instead of waiting for TCP's
+/// retries (some 15 minutes).
+#[test]
+fn a_silent_peer_fails_the_qp_after_the_peer_timeout() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    // Inherited by the accepted socket: its window soon shuts.
+    socket2::SockRef::from(&l)
+        .set_recv_buffer_size(4096)
+        .unwrap();
+    let at = l.local_addr().unwrap();
+    let peer = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        cm_mpa::accept(&mut s, &MpaConfig::default(), |_| Decision::Accept).unwrap();
+        s
+    });
+    let mut c = TcpStream::connect(at).unwrap();
+    let co = cm_mpa::connect(&mut c, &MpaConfig::default()).unwrap();
+    let _silent = peer.join().unwrap();
+    let timeout = Duration::from_secs(1);
+    let a = end_watching(0, c, co.crc, None, timeout);
+    let sock = socket2::SockRef::from(&a.qp.shared.stream);
+    assert_eq!(sock.tcp_user_timeout().unwrap(), Some(timeout));
+    assert!(sock.keepalive().unwrap());
+    a.qp.post_recv(RecvWr::new(50, [sge(&a, 0, 64)])).unwrap();
+    for k in 0..8 {
+        a.qp.post_send(SendWr::new(
+            k,
+            SendOp::Write {
+                remote_addr: 0x1000,
+                rkey: 0x1234,
+            },
+            vec![sge(&a, 0, 4 << 20)],
+        ))
+        .unwrap();
+    }
+    // The window shuts long before 32 MiB are in; TCP's probes of it go
+    // unanswered by any read, and the connection is dropped.
+    let mut statuses = Vec::new();
+    while statuses.len() < 8 {
+        let wc = one(&a.scq);
+        statuses.push((wc.wr_id, wc.status));
+    }
+    assert!(
+        statuses.iter().any(|s| s.1 == WcStatus::WrFlushErr),
+        "{statuses:?}"
+    );
+    let r = one(&a.rcq);
+    assert_eq!((r.wr_id, r.status), (50, WcStatus::WrFlushErr));
+    assert_eq!(a.qp.with_engine(|q| q.state()), crate::engine::QpState::Err);
 }
