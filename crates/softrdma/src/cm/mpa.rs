@@ -10,7 +10,7 @@
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use softrdma_wire::mpa::{
     FLAG_GSO, FLAG_GSO_OWN, IrdOrd, Kind, MAX_PRIVATE_DATA, START_FRAME_HEADER_LEN, StartFrame,
@@ -177,10 +177,34 @@ pub enum Decision {
     Reject(Vec<u8>),
 }
 
-/// Reads the peer's start frame, which must be a `want`; the stream's read
-/// timeout bounds each read.
-fn read_frame(stream: &mut TcpStream, want: Kind) -> Result<(StartFrameRepr, Vec<u8>), MpaError> {
-    let waited = stream.read_timeout()?.unwrap_or_default();
+/// Fills `buf` by `deadline`, however the peer dribbles the bytes (a read
+/// timeout alone bounds each read, and a byte every few seconds would hold
+/// the exchange for an hour).
+fn read_exact_by(stream: &mut TcpStream, mut buf: &mut [u8], deadline: Instant) -> io::Result<()> {
+    while !buf.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        stream.set_read_timeout(Some(left))?;
+        match stream.read(buf) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => buf = &mut buf[n..],
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Reads the peer's start frame, which must be a `want`, whole within
+/// `waited`.
+fn read_frame(
+    stream: &mut TcpStream,
+    want: Kind,
+    waited: Duration,
+) -> Result<(StartFrameRepr, Vec<u8>), MpaError> {
+    let deadline = crate::verbs::deadline_after(waited);
     let silent = |e: io::Error| match e.kind() {
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => MpaError::Silent {
             awaited: match want {
@@ -192,7 +216,7 @@ fn read_frame(stream: &mut TcpStream, want: Kind) -> Result<(StartFrameRepr, Vec
         _ => MpaError::Io(e),
     };
     let mut head = [0u8; START_FRAME_HEADER_LEN];
-    stream.read_exact(&mut head).map_err(silent)?;
+    read_exact_by(stream, &mut head, deadline).map_err(silent)?;
     let len = u16::from_be_bytes([head[18], head[19]]) as usize;
     if len > MAX_PRIVATE_DATA {
         return Err(MpaError::Protocol(format!(
@@ -201,9 +225,7 @@ fn read_frame(stream: &mut TcpStream, want: Kind) -> Result<(StartFrameRepr, Vec
     }
     let mut frame = head.to_vec();
     frame.resize(START_FRAME_HEADER_LEN + len, 0);
-    stream
-        .read_exact(&mut frame[START_FRAME_HEADER_LEN..])
-        .map_err(silent)?;
+    read_exact_by(stream, &mut frame[START_FRAME_HEADER_LEN..], deadline).map_err(silent)?;
     let view =
         StartFrame::new_checked(&frame[..]).map_err(|e| MpaError::Protocol(e.to_string()))?;
     let repr = StartFrameRepr::parse(&view).map_err(|e| MpaError::Protocol(e.to_string()))?;
@@ -255,7 +277,6 @@ fn check_cfg(cfg: &MpaConfig) -> Result<(), MpaError> {
 /// The initiator's side: sends the Request, reads the Reply.
 pub fn connect(stream: &mut TcpStream, cfg: &MpaConfig) -> Result<MpaOutcome, MpaError> {
     check_cfg(cfg)?;
-    stream.set_read_timeout(Some(cfg.timeout))?;
     let request = StartFrameRepr {
         kind: Kind::Request,
         markers: false,
@@ -267,7 +288,7 @@ pub fn connect(stream: &mut TcpStream, cfg: &MpaConfig) -> Result<MpaOutcome, Mp
         ulp_private_data_len: cfg.private_data.len(),
     };
     stream.write_all(&frame_bytes(&request, &cfg.private_data))?;
-    let (reply, pd) = read_frame(stream, Kind::Reply)?;
+    let (reply, pd) = read_frame(stream, Kind::Reply, cfg.timeout)?;
     if reply.reject {
         return Err(MpaError::Rejected { private_data: pd });
     }
@@ -323,10 +344,9 @@ pub fn accept(
     decide: impl FnOnce(&MpaRequest) -> Decision,
 ) -> Result<MpaOutcome, MpaError> {
     check_cfg(cfg)?;
-    stream.set_read_timeout(Some(cfg.timeout))?;
     // A frame that is not an MPA Request (bad key, revision 3) gets no Reply,
     // as from siw: the caller drops the connection.
-    let (req, pd) = read_frame(stream, Kind::Request)?;
+    let (req, pd) = read_frame(stream, Kind::Request, cfg.timeout)?;
     let revision = req.revision.min(cfg.revision);
     let reject = |stream: &mut TcpStream, why: &[u8]| -> io::Result<()> {
         let reply = StartFrameRepr {
@@ -665,6 +685,58 @@ mod tests {
         let (flags, out) = accept_a_request(b"MPA ID Req Frame\x10\x02\x00\x04\x00\x01\x00\x01");
         assert_eq!(flags, 0x10);
         assert!(!out.large_fpdus);
+    }
+
+    #[test]
+    fn a_peer_that_dribbles_its_reply_times_out_all_the_same() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut s, _) = l.accept().unwrap();
+        // A byte every 50 ms: each read comes well within the timeout, the
+        // whole Reply (20 bytes) would not.
+        let dribbler = std::thread::spawn(move || {
+            for b in b"MPA ID Rep Frame\x00\x02\x00\x00" {
+                if s.write_all(&[*b]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        let cfg = MpaConfig {
+            timeout: Duration::from_millis(300),
+            ..MpaConfig::default()
+        };
+        let t = Instant::now();
+        let e = connect(&mut c, &cfg).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                MpaError::Silent {
+                    awaited: "Reply",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert!(
+            t.elapsed() < Duration::from_millis(700),
+            "{:?}",
+            t.elapsed()
+        );
+        drop(c);
+        dribbler.join().unwrap();
+        // Waiting forever is a long timeout, not a panic.
+        let cfg = MpaConfig {
+            timeout: Duration::MAX,
+            ..MpaConfig::default()
+        };
+        let (mut c, mut s) = {
+            let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+            (c, l.accept().unwrap().0)
+        };
+        let server = std::thread::spawn(move || accept(&mut s, &cfg, |_| Decision::Accept));
+        connect(&mut c, &MpaConfig::default()).unwrap();
+        server.join().unwrap().unwrap();
     }
 
     #[test]
