@@ -356,11 +356,83 @@ fn map_region(msg: &[u8], fd: &OwnedFd) -> io::Result<Region> {
     .map_err(|e| bad(e.to_string()))
 }
 
+/// The exchange's end: what is left of it bounds the socket's next send or
+/// receive (a timeout per message alone would let a peer that dribbles its
+/// regions hold the exchange for as long as it likes).
+#[derive(Clone, Copy)]
+struct Deadline {
+    at: Instant,
+    timeout: Duration,
+}
+
+impl Deadline {
+    fn after(timeout: Duration) -> Deadline {
+        Deadline {
+            at: crate::verbs::deadline_after(timeout),
+            timeout,
+        }
+    }
+
+    fn expired(&self) -> io::Error {
+        io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!(
+                "the peer did not finish the exchange within {:.1} s",
+                self.timeout.as_secs_f64()
+            ),
+        )
+    }
+
+    /// Sets the socket's timeouts to what is left.
+    fn bound(&self, sock: BorrowedFd<'_>) -> io::Result<()> {
+        let left = self.at.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(self.expired());
+        }
+        // A zero timeval would mean no timeout at all.
+        let left = left.max(Duration::from_millis(1));
+        for dir in [
+            rustix::net::sockopt::Timeout::Recv,
+            rustix::net::sockopt::Timeout::Send,
+        ] {
+            rustix::net::sockopt::set_socket_timeout(sock, dir, Some(left))?;
+        }
+        Ok(())
+    }
+
+    /// A socket timeout (EAGAIN) as the exchange's.
+    fn explain(&self, e: io::Error) -> io::Error {
+        if e.kind() == io::ErrorKind::WouldBlock {
+            self.expired()
+        } else {
+            e
+        }
+    }
+
+    fn send(&self, sock: BorrowedFd<'_>, msg: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+        self.bound(sock)?;
+        send_msg(sock, msg, fds).map_err(|e| self.explain(e))
+    }
+
+    fn recv(
+        &self,
+        sock: BorrowedFd<'_>,
+        buf: &mut [u8; MSG_MAX],
+    ) -> io::Result<(usize, Vec<OwnedFd>)> {
+        self.bound(sock)?;
+        recv_msg(sock, buf).map_err(|e| self.explain(e))
+    }
+}
+
 /// The peer's half of the exchange: its HELLO (ring size, inbox, eventfd)
 /// and its regions, up to READY.
-fn read_peer(sock: BorrowedFd<'_>) -> io::Result<(u64, OwnedFd, RegionMemory, MrTable)> {
+fn read_peer(
+    sock: BorrowedFd<'_>,
+    deadline: Deadline,
+) -> io::Result<(u64, OwnedFd, RegionMemory, MrTable)> {
     let mut buf = [0u8; MSG_MAX];
-    let (n, mut fds) = recv_msg(sock, &mut buf)
+    let (n, mut fds) = deadline
+        .recv(sock, &mut buf)
         .map_err(|e| io::Error::new(e.kind(), format!("no HELLO from the peer: {e}")))?;
     if n != 16 || buf[0] != HELLO || fds.len() != 2 {
         return Err(bad("the peer is not a softrdma shm QP"));
@@ -378,10 +450,13 @@ fn read_peer(sock: BorrowedFd<'_>) -> io::Result<(u64, OwnedFd, RegionMemory, Mr
         ));
     }
     let peer_event = fds.pop().expect("two descriptors");
+    // Waking the peer must never block this side, whatever it passed (its
+    // own eventfd is non-blocking already: this changes nothing for it).
+    rustix::io::ioctl_fionbio(&peer_event, true)?;
     let peer_inbox = mapping::map(fds[0].as_fd(), inbox_len(peer_slots))?;
     let mut peer_regions = MrTable::new();
     loop {
-        let (n, fds) = recv_msg(sock, &mut buf)?;
+        let (n, fds) = deadline.recv(sock, &mut buf)?;
         match (n, buf[0]) {
             (1, READY) => break,
             (32, REGION) if fds.len() == 1 => {
@@ -413,12 +488,7 @@ pub(crate) fn establish(
     let slots = u64::from(parts.caps.max_recv_wr.max(1)).next_power_of_two();
     let (inbox, inbox_fd) = mapping::create(inbox_len(slots), "softrdma-inbox")?;
     let my_event = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?;
-    for dir in [
-        rustix::net::sockopt::Timeout::Recv,
-        rustix::net::sockopt::Timeout::Send,
-    ] {
-        rustix::net::sockopt::set_socket_timeout(&sock, dir, Some(timeout))?;
-    }
+    let deadline = Deadline::after(timeout);
     let mut hello = [0u8; 16];
     hello[0] = HELLO;
     hello[4..8].copy_from_slice(&VERSION.to_le_bytes());
@@ -430,23 +500,23 @@ pub(crate) fn establish(
     let send_mine = || -> io::Result<Vec<u32>> {
         let announced: Vec<u32> = {
             let regions = device.regions.lock().expect("shm regions lock");
-            send_msg(sock.as_fd(), &hello, &[inbox_fd.as_fd(), my_event.as_fd()])?;
+            deadline.send(sock.as_fd(), &hello, &[inbox_fd.as_fd(), my_event.as_fd()])?;
             let mut sent = Vec::new();
             for r in regions.iter().filter(|r| r.pd == parts.pd && r.shared()) {
-                send_msg(sock.as_fd(), &r.message(), &[r.fd.as_fd()])?;
+                deadline.send(sock.as_fd(), &r.message(), &[r.fd.as_fd()])?;
                 sent.push(r.lkey);
             }
             sent
         };
-        send_msg(sock.as_fd(), &[READY], &[])?;
+        deadline.send(sock.as_fd(), &[READY], &[])?;
         Ok(announced)
     };
     let (announced, (peer_slots, peer_event, peer_inbox, peer_regions)) = if reads_first {
-        let peer = read_peer(sock.as_fd())?;
+        let peer = read_peer(sock.as_fd(), deadline)?;
         (send_mine()?, peer)
     } else {
         let announced = send_mine()?;
-        (announced, read_peer(sock.as_fd())?)
+        (announced, read_peer(sock.as_fd(), deadline)?)
     };
     for dir in [
         rustix::net::sockopt::Timeout::Recv,

@@ -32,3 +32,79 @@ fn a_peer_that_writes_a_wild_completion_count_fails_the_qp_instead_of_looping() 
         std::thread::sleep(Duration::from_millis(1));
     }
 }
+
+/// A made-up peer's HELLO over `sock`: a real inbox, and `event` as its
+/// eventfd.
+fn send_hello(sock: BorrowedFd<'_>, event: BorrowedFd<'_>) -> RegionMemory {
+    let (inbox, inbox_fd) = mapping::create(inbox_len(4), "test-inbox").unwrap();
+    let mut hello = [0u8; 16];
+    hello[0] = HELLO;
+    hello[4..8].copy_from_slice(&VERSION.to_le_bytes());
+    hello[12..16].copy_from_slice(&4u32.to_le_bytes());
+    send_msg(sock, &hello, &[inbox_fd.as_fd(), event]).unwrap();
+    inbox
+}
+
+fn seqpacket_pair() -> (OwnedFd, OwnedFd) {
+    rustix::net::socketpair(
+        rustix::net::AddressFamily::UNIX,
+        rustix::net::SocketType::SEQPACKET,
+        rustix::net::SocketFlags::CLOEXEC,
+        None,
+    )
+    .unwrap()
+}
+
+#[test]
+fn a_peer_that_dribbles_its_regions_times_out_within_the_exchanges_limit() {
+    let (ours, theirs) = seqpacket_pair();
+    let (event, _other_end) = std::os::unix::net::UnixStream::pair().unwrap();
+    let peer = std::thread::spawn(move || {
+        let _inbox = send_hello(theirs.as_fd(), event.as_fd());
+        // A region every 100 ms: each message well within the limit, all
+        // of them (and the READY that never comes) not.
+        let (_mem, fd) = mapping::create(4096, "test-region").unwrap();
+        for k in 0..20u32 {
+            let mut m = [0u8; 32];
+            m[0] = REGION;
+            m[4..8].copy_from_slice(&(0x100 + 2 * k).to_le_bytes());
+            m[8..12].copy_from_slice(&(0x101 + 2 * k).to_le_bytes());
+            m[12..16].copy_from_slice(&Access::ALL.bits().to_le_bytes());
+            m[24..32].copy_from_slice(&4096u64.to_le_bytes());
+            if send_msg(theirs.as_fd(), &m, &[fd.as_fd()]).is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    let t = Instant::now();
+    let Err(e) = read_peer(ours.as_fd(), Deadline::after(Duration::from_millis(300))) else {
+        panic!("the exchange went on past its limit");
+    };
+    assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+    assert!(e.to_string().contains("within 0.3 s"), "{e}");
+    assert!(
+        t.elapsed() < Duration::from_millis(800),
+        "{:?}",
+        t.elapsed()
+    );
+    drop(ours);
+    peer.join().unwrap();
+}
+
+#[test]
+fn the_peers_wake_up_descriptor_is_made_non_blocking() {
+    let (ours, theirs) = seqpacket_pair();
+    // Not an eventfd: a blocking socket, which a full buffer would block
+    // every wake-up on.
+    let (event, _other_end) = std::os::unix::net::UnixStream::pair().unwrap();
+    let flags = || rustix::fs::fcntl_getfl(&event).unwrap();
+    assert!(!flags().contains(rustix::fs::OFlags::NONBLOCK));
+    let _inbox = send_hello(theirs.as_fd(), event.as_fd());
+    send_msg(theirs.as_fd(), &[READY], &[]).unwrap();
+    let (_, peer_event, _, regions) =
+        read_peer(ours.as_fd(), Deadline::after(Duration::from_secs(5))).unwrap();
+    assert!(regions.is_empty());
+    assert!(flags().contains(rustix::fs::OFlags::NONBLOCK));
+    drop(peer_event);
+}
