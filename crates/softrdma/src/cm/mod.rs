@@ -16,9 +16,10 @@ pub mod iwarp;
 pub mod mpa;
 pub mod shm;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{self, Read, Write};
 use std::net::{SocketAddrV4, TcpStream};
 use std::str::FromStr;
+use std::time::{Duration, Instant};
 
 use crate::verbs::{Access, AddressVector, Mr, Mtu, Qp, QpAttr, QpState, Result, VerbsError};
 
@@ -120,8 +121,17 @@ impl FromStr for ConnInfo {
     }
 }
 
+/// How long [`exchange`] waits for the peer's line when the stream has no
+/// read timeout of its own.
+pub const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The longest line [`exchange`] takes.
+const MAX_LINE: usize = 512;
+
 /// Sends `local` and reads the peer's info over `stream` (either side may go
-/// first: both write, then both read).
+/// first: both write, then both read). The stream's read timeout (else
+/// [`EXCHANGE_TIMEOUT`]) bounds the whole line; nothing after it is read,
+/// so the stream can carry on (a "done" message, say).
 pub fn exchange(stream: &mut TcpStream, local: &ConnInfo) -> Result<ConnInfo> {
     let io = |e| VerbsError::Io {
         what: "connection info exchange".into(),
@@ -130,15 +140,51 @@ pub fn exchange(stream: &mut TcpStream, local: &ConnInfo) -> Result<ConnInfo> {
     stream
         .write_all(format!("{}\n", local.to_line()).as_bytes())
         .map_err(io)?;
-    let mut line = String::new();
-    let n = BufReader::new(stream.try_clone().map_err(io)?)
-        .take(512)
-        .read_line(&mut line)
-        .map_err(io)?;
-    if n == 0 {
+    let own_timeout = stream.read_timeout().map_err(io)?;
+    let deadline = crate::verbs::deadline_after(own_timeout.unwrap_or(EXCHANGE_TIMEOUT));
+    let line = read_line_by(stream, deadline);
+    stream.set_read_timeout(own_timeout).map_err(io)?;
+    let line = line.map_err(io)?;
+    if line.is_empty() {
         return Err(bad("the peer closed the connection"));
     }
-    line.trim_end().parse()
+    String::from_utf8_lossy(&line).trim_end().parse()
+}
+
+/// Reads up to and including the first newline (or the end of the stream),
+/// a byte at a time so as not to read past it, by `deadline`.
+fn read_line_by(stream: &mut TcpStream, deadline: Instant) -> io::Result<Vec<u8>> {
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    while line.last() != Some(&b'\n') {
+        if line.len() >= MAX_LINE {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("no end of line in the peer's first {MAX_LINE} bytes"),
+            ));
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the peer did not send its connection info in time",
+            ));
+        }
+        stream.set_read_timeout(Some(left))?;
+        match stream.read(&mut byte) {
+            Ok(0) => break,
+            Ok(_) => line.push(byte[0]),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the peer did not send its connection info in time",
+                ));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(line)
 }
 
 /// Options for bringing an RC QP up.
@@ -243,6 +289,70 @@ pub fn connect(qp: &Qp, local: &ConnInfo, remote: &ConnInfo, o: &RcOptions) -> R
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn info(qpn: u32) -> ConnInfo {
+        ConnInfo {
+            addr: "127.0.0.1:4791".parse().unwrap(),
+            qpn,
+            psn: 1,
+            mtu: Mtu::Mtu1024,
+            rkey: 0,
+            va: 0,
+            len: 0,
+        }
+    }
+
+    fn tcp_pair() -> (TcpStream, TcpStream) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        (c, l.accept().unwrap().0)
+    }
+
+    #[test]
+    fn exchange_reads_no_further_than_the_line() {
+        let (mut a, mut b) = tcp_pair();
+        // The peer's line and what it sends next, in one segment.
+        let mut burst = format!("{}\n", info(0x22).to_line()).into_bytes();
+        burst.extend_from_slice(b"done");
+        b.write_all(&burst).unwrap();
+        assert_eq!(exchange(&mut a, &info(0x11)).unwrap(), info(0x22));
+        let mut next = [0u8; 4];
+        a.read_exact(&mut next).unwrap();
+        assert_eq!(&next, b"done");
+        assert_eq!(a.read_timeout().unwrap(), None, "the stream's own timeout");
+    }
+
+    #[test]
+    fn exchange_with_a_dribbling_or_silent_peer_ends_at_the_streams_timeout() {
+        let (mut a, mut b) = tcp_pair();
+        let limit = Duration::from_millis(300);
+        a.set_read_timeout(Some(limit)).unwrap();
+        let dribbler = std::thread::spawn(move || {
+            let line = format!("{}\n", info(0x22).to_line());
+            for byte in line.bytes() {
+                if b.write_all(&[byte]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        let t = Instant::now();
+        let e = exchange(&mut a, &info(0x11)).unwrap_err();
+        assert!(e.to_string().contains("in time"), "{e}");
+        assert!(
+            t.elapsed() < Duration::from_millis(700),
+            "{:?}",
+            t.elapsed()
+        );
+        assert_eq!(a.read_timeout().unwrap(), Some(limit));
+        drop(a);
+        dribbler.join().unwrap();
+        // A line without an end is refused once it is too long.
+        let (mut a, mut b) = tcp_pair();
+        b.write_all(&[b'x'; 600]).unwrap();
+        let e = exchange(&mut a, &info(0x11)).unwrap_err();
+        assert!(e.to_string().contains("no end of line"), "{e}");
+    }
 
     #[test]
     fn line_round_trips_and_rejects_garbage() {
