@@ -854,7 +854,8 @@ impl ShmQp {
                         Ok(d) if d.iter().map(|s| s.len() as u64).sum::<u64>() >= len => self
                             .gather_into(local, wr, &d)
                             .map_err(|s| (WcStatus::WrFlushErr, s)),
-                        Ok(_) => Err((WcStatus::LocLenErr, WcStatus::RemInvReqErr)),
+                        // The statuses rxe gives (and RoCEv2 and iWARP here).
+                        Ok(_) => Err((WcStatus::LocLenErr, WcStatus::RemOpErr)),
                         Err(_) => Err((WcStatus::LocProtErr, WcStatus::RemOpErr)),
                     }
                 };
