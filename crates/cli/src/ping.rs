@@ -64,6 +64,8 @@ pub struct PingArgs {
     pub pcap: Option<std::path::PathBuf>,
 }
 
+/// How long a ping waits for its next completion before giving up.
+const COMPLETION_WAIT: Duration = Duration::from_secs(30);
 const RECV_WRID: u64 = 1;
 const SEND_WRID: u64 = 2;
 const UD_QKEY: u32 = 0x1111_1111;
@@ -345,12 +347,11 @@ fn run_inner(a: &PingArgs) -> Result<(), String> {
             match cq.poll_one().map_err(|e| e.to_string())? {
                 Some(wc) => wc,
                 None => {
-                    if !cq.wait_event(Duration::from_secs(5)) {
-                        let waiting = cq.poll_one().ok().flatten();
+                    if !cq.wait_event(COMPLETION_WAIT) {
                         return Err(format!(
-                            "no completion event in 30 s (waiting: {waiting:?}, qp {:?}, stats {:?}, scnt {scnt} rcnt {rcnt} pending {pending})",
-                            qp.state(),
-                            qp.stats()
+                            "no completion event in {} s (the QP is in {}; {scnt} sends and {rcnt} receives done)",
+                            COMPLETION_WAIT.as_secs(),
+                            qp.state()
                         ));
                     }
                     cq.req_notify(false);
@@ -358,9 +359,15 @@ fn run_inner(a: &PingArgs) -> Result<(), String> {
                 }
             }
         } else {
-            cq.wait(Duration::from_secs(30))
+            cq.wait(COMPLETION_WAIT)
                 .map_err(|e| e.to_string())?
-                .ok_or("no completion in 30 s")?
+                .ok_or_else(|| {
+                    format!(
+                        "no completion in {} s (the QP is in {})",
+                        COMPLETION_WAIT.as_secs(),
+                        qp.state()
+                    )
+                })?
         };
         if wc.status != WcStatus::Success {
             return Err(format!(

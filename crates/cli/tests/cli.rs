@@ -205,6 +205,16 @@ fn bad_flags_are_refused() {
             "{args:?}: {o:?}"
         );
     }
+    // An address that binds but can't be a GID.
+    let o = Command::new(env!("CARGO_BIN_EXE_softrdma"))
+        .args(["demo", "--addr", "224.0.0.1"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("unicast"),
+        "{o:?}"
+    );
 }
 
 #[test]

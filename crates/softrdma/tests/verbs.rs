@@ -312,4 +312,12 @@ fn port_attributes() {
     );
     assert_eq!(p.udp_port, c.local_addr().port());
     assert!(Device::udp("0.0.0.0:0".parse().unwrap()).open().is_err());
+    // Binding to these works; being a GID does not.
+    for not_unicast in ["224.0.0.1:0", "255.255.255.255:0"] {
+        let e = Device::udp(not_unicast.parse().unwrap())
+            .open()
+            .unwrap_err();
+        assert!(e.to_string().contains("unicast"), "{e}");
+    }
+    assert!(Device::iwarp("239.1.2.3".parse().unwrap()).open().is_err());
 }

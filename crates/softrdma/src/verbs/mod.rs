@@ -217,6 +217,12 @@ impl Device {
                 "a device needs a specific IPv4 address (its GID), not 0.0.0.0".into(),
             ));
         }
+        let ip = self.addr.ip();
+        if ip.is_multicast() || ip.is_broadcast() {
+            return Err(VerbsError::Invalid(format!(
+                "a device needs a unicast IPv4 address (its GID), not {ip}"
+            )));
+        }
         let shared_port = match self.shared_port {
             Some(on) => on,
             None => match std::env::var("SOFTRDMA_PORT_SHARING").as_deref() {
