@@ -271,8 +271,7 @@ fn a_send_longer_than_the_receive_fails_both_ends() {
     b.qp.post_recv(RecvWr::new(5, [b.mr.sge(0, 16)])).unwrap();
     a.qp.post_send(SendWr::new(1, SendOp::Send, vec![a.mr.sge(0, 17)]))
         .unwrap();
-    // As over RoCEv2 and iWARP, and from rxe.
-    assert_eq!(one(&a.scq).status, WcStatus::RemOpErr);
+    assert_eq!(one(&a.scq).status, WcStatus::RemInvReqErr);
     let wc = one(&b.rcq);
     assert_eq!((wc.wr_id, wc.status), (5, WcStatus::LocLenErr));
     wait_state(&b.qp, QpState::Err);

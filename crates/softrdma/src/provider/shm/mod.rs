@@ -854,8 +854,7 @@ impl ShmQp {
                         Ok(d) if d.iter().map(|s| s.len() as u64).sum::<u64>() >= len => self
                             .gather_into(local, wr, &d)
                             .map_err(|s| (WcStatus::WrFlushErr, s)),
-                        // The statuses rxe gives (and RoCEv2 and iWARP here).
-                        Ok(_) => Err((WcStatus::LocLenErr, WcStatus::RemOpErr)),
+                        Ok(_) => Err((WcStatus::LocLenErr, WcStatus::RemInvReqErr)),
                         Err(_) => Err((WcStatus::LocProtErr, WcStatus::RemOpErr)),
                     }
                 };
