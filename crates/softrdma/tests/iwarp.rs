@@ -687,10 +687,8 @@ fn modify_to_err_flushes_and_closes_the_connection() {
     let fatal = |e: &AsyncEvent| matches!(e, AsyncEvent::QpFatal { .. });
     assert!(!std::iter::from_fn(|| a.ctx.poll_async_event()).any(|e| fatal(&e)));
     wait_state(&b.qp, QpState::Err);
-    assert!(
-        std::iter::from_fn(|| b.ctx.poll_async_event())
-            .any(|e| e == AsyncEvent::QpFatal { qpn: b.qp.qpn() })
-    );
+    // The peer's state may read ERR a moment before its event is out.
+    common::wait_event(&b.ctx, AsyncEvent::QpFatal { qpn: b.qp.qpn() });
     // Again: nothing more happens.
     a.qp.modify(&err, None).unwrap();
     assert_eq!(a.rcq.poll_one().unwrap(), None);
@@ -717,4 +715,85 @@ fn modify_to_err_before_connecting_flushes_the_early_receives() {
     let listener = Listener::bind(&b.ctx, 0).unwrap();
     let e = iwarp::connect(&a.qp, listener.local_addr(), &MpaConfig::default()).unwrap_err();
     assert!(e.to_string().contains("moved to ERR"), "{e}");
+}
+
+/// A send posted to a QP with no connection is refused, not a hang (the
+/// connection's lock was taken a second time while held).
+#[test]
+fn a_send_posted_before_connecting_is_refused() {
+    let a = end([127, 0, 0, 1]);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let r =
+            a.qp.post_send(SendWr::new(1, SendOp::Send, vec![a.mr.sge(0, 8)]));
+        let _ = tx.send(r.map_err(|e| e.to_string()));
+    });
+    let r = rx
+        .recv_timeout(Duration::from_secs(5))
+        .expect("post_send hung");
+    let e = r.unwrap_err();
+    assert!(e.contains("INIT") || e.contains("Init"), "{e}");
+}
+
+/// Looking at the state and posting receives while the QP connects: no
+/// deadlock (a connect held the QP's "connected" lock while it set the
+/// connection, `state` the two the other way round), and every receive is
+/// taken, before the connection or by it.
+#[test]
+fn watching_and_posting_while_connecting_do_not_deadlock() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    for round in 0..20 {
+        let server = end([127, 0, 0, 2]);
+        let listener = Listener::bind(&server.ctx, 0).unwrap();
+        let at = listener.local_addr();
+        let client = Arc::new(end([127, 0, 0, 1]));
+        let stop = Arc::new(AtomicBool::new(false));
+        let watcher = {
+            let (c, stop) = (client.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut posted = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    let _ = c.qp.state();
+                    if posted < 32 {
+                        c.qp.post_recv(RecvWr::new(posted, [c.mr.sge(0, 64)]))
+                            .unwrap();
+                        posted += 1;
+                    }
+                }
+                posted
+            })
+        };
+        let acceptor = std::thread::spawn(move || {
+            listener
+                .accept(&server.qp, &MpaConfig::default(), |_| Decision::Accept)
+                .unwrap();
+            server
+        });
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let c = client.clone();
+        std::thread::spawn(move || {
+            let r = iwarp::connect(&c.qp, at, &MpaConfig::default());
+            let _ = done_tx.send(r.map(|_| ()).map_err(|e| e.to_string()));
+        });
+        done_rx
+            .recv_timeout(Duration::from_secs(10))
+            .unwrap_or_else(|_| panic!("round {round}: the connect hung"))
+            .unwrap();
+        stop.store(true, Ordering::Relaxed);
+        let posted = watcher.join().unwrap();
+        let server = acceptor.join().unwrap();
+        assert_eq!(client.qp.state(), QpState::Rts);
+        // Every receive the watcher posted is the connection's: as many
+        // SENDs land, in order.
+        for k in 0..posted {
+            server
+                .qp
+                .post_send(SendWr::new(k, SendOp::Send, vec![server.mr.sge(0, 8)]))
+                .unwrap();
+            assert_eq!(one(&server.scq).status, WcStatus::Success);
+            let w = one(&client.rcq);
+            assert_eq!((w.wr_id, w.status), (k, WcStatus::Success), "round {round}");
+        }
+    }
 }

@@ -22,10 +22,26 @@ pub(crate) struct Connecting<'a> {
     early: MutexGuard<'a, Vec<RecvWr>>,
 }
 
+/// What [`BeforeConnect::post_recv`] did with a receive.
+pub(crate) enum Kept {
+    /// Kept for the connection.
+    Yes,
+    /// Too late: the QP is connected (or in ERR); the receive is the
+    /// connection's.
+    Late(RecvWr),
+}
+
 impl Connecting<'_> {
     /// The receives posted before the connection, oldest first.
-    pub(crate) fn receives(&mut self) -> std::vec::Drain<'_, RecvWr> {
-        self.early.drain(..)
+    pub(crate) fn receives(&mut self) -> Vec<RecvWr> {
+        std::mem::take(&mut *self.early)
+    }
+
+    /// Keeps `receives` (taken by [`receives`](Self::receives)) again: the
+    /// connection failed to start, the QP stays unconnected.
+    pub(crate) fn restore(&mut self, receives: Vec<RecvWr>) {
+        let later = std::mem::replace(&mut *self.early, receives);
+        self.early.extend(later);
     }
 
     pub(crate) fn done(mut self) {
@@ -44,10 +60,16 @@ impl BeforeConnect {
         }
     }
 
-    /// Keeps a receive for the connection.
-    pub(crate) fn post_recv(&self, wr: RecvWr, max_sge: u32, max_wr: u32) -> Result<(), PostError> {
+    /// Keeps a receive for the connection; gives it back if the QP was
+    /// connected (or moved to ERR) since the caller looked.
+    pub(crate) fn post_recv(
+        &self,
+        wr: RecvWr,
+        max_sge: u32,
+        max_wr: u32,
+    ) -> Result<Kept, PostError> {
         if *self.used.lock().expect("lock") {
-            return Err(PostError::BadState(QpState::Err));
+            return Ok(Kept::Late(wr));
         }
         if wr.sgl.len() > max_sge as usize {
             return Err(PostError::TooManySges {
@@ -60,7 +82,7 @@ impl BeforeConnect {
             return Err(PostError::QueueFull(max_wr));
         }
         early.push(wr);
-        Ok(())
+        Ok(Kept::Yes)
     }
 
     /// Moves the QP to ERR (`modify` to ERR): no connection will be made,
@@ -89,7 +111,8 @@ impl BeforeConnect {
     }
 
     /// Starts bringing the connection up; `None` if the QP was connected
-    /// before or moved to ERR. Held until `done` or dropped, so two connects cannot race.
+    /// before or moved to ERR. Held until `done` or dropped, so two connects
+    /// cannot race.
     pub(crate) fn connecting(&self) -> Option<Connecting<'_>> {
         let used = self.used.lock().expect("lock");
         if *used {

@@ -6,7 +6,7 @@ use std::net::TcpStream;
 use std::sync::{Arc, Mutex};
 
 use super::cq::CqInner;
-use super::early::BeforeConnect;
+use super::early::{BeforeConnect, Kept};
 use super::{Pd, Provider, Qp, QpInit, QpKind, QpType, Result, VerbsError};
 use crate::cm::mpa::MpaOutcome;
 use crate::engine::iwarp::{IwarpConfig, IwarpQp, IwarpStats, P2p};
@@ -40,11 +40,23 @@ pub(crate) struct IwarpSlot {
 }
 
 impl IwarpSlot {
+    /// The state. The connection's lock is never held while `before`'s is
+    /// taken (a connect holds `before`'s while it sets the connection).
     pub(crate) fn state(&self) -> QpState {
-        match &*self.conn.lock().expect("conn lock") {
-            Some(c) => c.with_engine(|q| q.state()),
-            None => self.before.state(),
+        if let Some(s) = self.conn_state() {
+            return s;
         }
+        match self.before.state() {
+            // Connected since the look above (the connection is set before
+            // the QP is marked connected).
+            QpState::Err => self.conn_state().unwrap_or(QpState::Err),
+            s => s,
+        }
+    }
+
+    fn conn_state(&self) -> Option<QpState> {
+        let conn = self.conn.lock().expect("conn lock");
+        conn.as_ref().map(|c| c.with_engine(|q| q.state()))
     }
 
     pub(crate) fn stats(&self) -> IwarpQpStats {
@@ -68,18 +80,26 @@ impl IwarpSlot {
     }
 
     pub(crate) fn post_send(&self, wr: SendWr) -> Result<(), PostError> {
-        match &*self.conn.lock().expect("conn lock") {
-            Some(c) => c.post_send(wr),
-            None => Err(PostError::BadState(self.state())),
+        if let Some(c) = &*self.conn.lock().expect("conn lock") {
+            return c.post_send(wr);
         }
+        Err(PostError::BadState(self.state()))
     }
 
     pub(crate) fn post_recv(&self, wr: RecvWr) -> Result<(), PostError> {
         if let Some(c) = &*self.conn.lock().expect("conn lock") {
             return c.post_recv(wr);
         }
-        self.before
-            .post_recv(wr, self.caps.max_recv_sge, self.caps.max_recv_wr)
+        match self
+            .before
+            .post_recv(wr, self.caps.max_recv_sge, self.caps.max_recv_wr)?
+        {
+            Kept::Yes => Ok(()),
+            Kept::Late(wr) => match &*self.conn.lock().expect("conn lock") {
+                Some(c) => c.post_recv(wr),
+                None => Err(PostError::BadState(QpState::Err)),
+            },
+        }
     }
 }
 
@@ -144,11 +164,15 @@ impl Qp {
         };
         let mut engine = IwarpQp::new(slot.qpn, slot.pd, slot.caps, cfg);
         // Receives posted before the connection are in place before its
-        // first byte is read.
-        for wr in connecting.receives() {
-            engine.post_recv(wr)?;
+        // first byte is read. If it fails to start, they stay the QP's.
+        let early = connecting.receives();
+        for wr in &early {
+            if let Err(e) = engine.post_recv(wr.clone()) {
+                connecting.restore(early);
+                return Err(e.into());
+            }
         }
-        let conn = TcpQp::start(
+        let started = TcpQp::start(
             stream,
             engine,
             dev.mrs.clone(),
@@ -161,11 +185,17 @@ impl Qp {
             slot.send_cq.clone(),
             slot.recv_cq.clone(),
             dev.events.clone(),
-        )
-        .map_err(|e| VerbsError::Io {
-            what: "cannot start the iWARP connection".into(),
-            source: e,
-        })?;
+        );
+        let conn = match started {
+            Ok(c) => c,
+            Err(e) => {
+                connecting.restore(early);
+                return Err(VerbsError::Io {
+                    what: "cannot start the iWARP connection".into(),
+                    source: e,
+                });
+            }
+        };
         *slot.conn.lock().expect("conn lock") = Some(conn);
         connecting.done();
         Ok(())

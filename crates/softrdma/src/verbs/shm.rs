@@ -7,7 +7,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use super::cq::CqInner;
-use super::early::BeforeConnect;
+use super::early::{BeforeConnect, Kept};
 use super::{Pd, Provider, Qp, QpInit, QpKind, QpType, Result, VerbsError};
 use crate::engine::rc::QpCaps;
 use crate::engine::{PostError, QpState, RecvWr, SendWr};
@@ -60,7 +60,13 @@ impl ShmSlot {
             return c.post_recv(wr);
         }
         let max_sge = self.caps.max_recv_sge.min(MAX_RECV_SGE as u32);
-        self.before.post_recv(wr, max_sge, self.caps.max_recv_wr)
+        match self.before.post_recv(wr, max_sge, self.caps.max_recv_wr)? {
+            Kept::Yes => Ok(()),
+            Kept::Late(wr) => match self.conn() {
+                Some(c) => c.post_recv(wr),
+                None => Err(PostError::BadState(QpState::Err)),
+            },
+        }
     }
 }
 
@@ -116,11 +122,6 @@ impl Qp {
         let Provider::Shm(dev) = &self.ctx.inner.dev else {
             unreachable!("shm QPs live on shm devices")
         };
-        let mut connecting = slot.before.connecting().ok_or_else(|| {
-            VerbsError::Invalid(
-                "this shm QP was connected before or moved to ERR: create a new one".into(),
-            )
-        })?;
         let parts = QpParts {
             qpn: slot.qpn,
             pd: slot.pd,
@@ -130,17 +131,34 @@ impl Qp {
             recv_cq: slot.recv_cq.clone(),
             events: self.ctx.inner.events().clone(),
         };
+        // The exchange runs before the QP is claimed, so that its state and
+        // posts don't wait on it; a QP claimed meanwhile (another connect,
+        // a modify to ERR) closes this connection.
         let conn = shm::establish(&dev.shm, sock, parts, timeout, reads_first).map_err(|e| {
             VerbsError::Io {
                 what: "the shared-memory connection".into(),
                 source: e,
             }
         })?;
-        for wr in connecting.receives() {
-            conn.post_recv(wr)?;
+        let Some(mut connecting) = slot.before.connecting() else {
+            conn.close();
+            return Err(VerbsError::Invalid(
+                "this shm QP was connected before or moved to ERR: create a new one".into(),
+            ));
+        };
+        let mut early = connecting.receives().into_iter();
+        while let Some(wr) = early.next() {
+            if let Err(e) = conn.post_recv(wr) {
+                // Those taken are flushed by the close; the rest stay.
+                conn.close();
+                connecting.restore(early.collect());
+                return Err(e.into());
+            }
         }
-        connecting.done();
+        // Set before the QP is marked connected: whoever sees it marked
+        // finds the connection.
         let _ = slot.conn.set(conn);
+        connecting.done();
         Ok(())
     }
 }

@@ -86,6 +86,19 @@ pub fn wait_state(qp: &Qp, want: QpState) {
     }
 }
 
+/// Waits for `want` among `ctx`'s async events, skipping others (a test
+/// failure after [`T`]).
+pub fn wait_event(ctx: &Context, want: AsyncEvent) {
+    let t = Instant::now();
+    loop {
+        let left = T.saturating_sub(t.elapsed());
+        assert!(!left.is_zero(), "no {want:?} event");
+        if ctx.wait_async_event(left) == Some(want) {
+            return;
+        }
+    }
+}
+
 /// An iWARP end at `ip` (a region of 8 MiB, CQs of 256, 64 WRs and 4 SGEs a
 /// queue).
 pub fn iwarp_end(ip: [u8; 4]) -> End {

@@ -462,16 +462,16 @@ impl IwarpQp {
         self.events.pop_front()
     }
 
-    /// The QP fails: `head` (a send WQE) completes with `status`, everything
-    /// else is flushed.
-    /// Fails with a fatal event (the application didn't ask for it).
+    /// The QP fails, with a fatal event (the application didn't ask for
+    /// it): see [`flush`](Self::flush).
     fn fail(&mut self, head_status: Option<WcStatus>) {
         if self.flush(head_status) {
             self.events.push_back(QpEvent::Fatal);
         }
     }
 
-    /// Moves to ERR and flushes; `false` if that was done already.
+    /// Moves to ERR: `head` (a send WQE) completes with `status`, everything
+    /// else is flushed. `false` if that was done already.
     fn flush(&mut self, head_status: Option<WcStatus>) -> bool {
         // WQEs whose bytes are being written are the transmit side's to
         // settle (`transmitted` or `transmit_failed`), whatever the receive
