@@ -287,9 +287,19 @@ impl TcpQp {
         let rx = std::thread::Builder::new()
             .name("softrdma-iwarp-rx".into())
             .spawn(move || receive_loop(&a))?;
-        let tx = std::thread::Builder::new()
+        let tx = match std::thread::Builder::new()
             .name(TX_NAME.into())
-            .spawn(move || transmit_loop(&b))?;
+            .spawn(move || transmit_loop(&b))
+        {
+            Ok(t) => t,
+            Err(e) => {
+                // The receive thread must not go on placing the peer's data.
+                shared.close();
+                let _ = shared.stream.shutdown(Shutdown::Both);
+                let _ = rx.join();
+                return Err(e);
+            }
+        };
         // A peer-to-peer initiator's RTR message goes first, unasked.
         if shared.engine.lock().expect("QP lock").wants_transmit() {
             shared.kick();
