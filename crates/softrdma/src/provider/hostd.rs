@@ -364,25 +364,27 @@ pub(crate) fn join(addr: SocketAddrV4) -> io::Result<(OwnedFd, u8)> {
                 std::thread::spawn(move || child.wait());
                 return Ok(j);
             }
-            Err(e) if e.kind() != io::ErrorKind::ConnectionRefused => return Err(e),
+            Err(e) if e.kind() != io::ErrorKind::ConnectionRefused => {
+                // A daemon that failed right after it began to listen says
+                // why itself; one still running is reaped when it leaves.
+                if let Ok(Some(status)) = child.try_wait() {
+                    return Err(exited(addr, &mut child, status));
+                }
+                std::thread::spawn(move || child.wait());
+                return Err(e);
+            }
             Err(_) => {}
         }
         if let Some(status) = child.try_wait()? {
-            let mut msg = String::new();
-            if let Some(mut err) = child.stderr.take() {
-                let _ = io::Read::read_to_string(&mut err, &mut msg);
-            }
             // Another process's daemon may have won the race for the name.
             if let Ok(j) = connect(addr) {
                 return Ok(j);
             }
-            return Err(io::Error::other(format!(
-                "hostd for {addr} exited ({status}): {}",
-                msg.trim()
-            )));
+            return Err(exited(addr, &mut child, status));
         }
         if Instant::now() > deadline {
             let _ = child.kill();
+            let _ = child.wait();
             return Err(io::Error::new(
                 io::ErrorKind::TimedOut,
                 format!("hostd for {addr} did not start"),
@@ -390,6 +392,23 @@ pub(crate) fn join(addr: SocketAddrV4) -> io::Result<(OwnedFd, u8)> {
         }
         std::thread::sleep(Duration::from_millis(5));
     }
+}
+
+/// The error for a daemon this process started that exited: its status and
+/// what it wrote to stderr.
+fn exited(
+    addr: SocketAddrV4,
+    child: &mut std::process::Child,
+    status: std::process::ExitStatus,
+) -> io::Error {
+    let mut msg = String::new();
+    if let Some(mut err) = child.stderr.take() {
+        let _ = io::Read::read_to_string(&mut err, &mut msg);
+    }
+    io::Error::other(format!(
+        "hostd for {addr} exited ({status}): {}",
+        msg.trim()
+    ))
 }
 
 /// The program run as `PROGRAM hostd`: `$SOFTRDMA_HOSTD`, this program if it
