@@ -83,7 +83,13 @@ impl IwarpSlot {
         if let Some(c) = &*self.conn.lock().expect("conn lock") {
             return c.post_send(wr);
         }
-        Err(PostError::BadState(self.state()))
+        // `state` waits for a connect under way: after it, a connection is
+        // there if the connect succeeded.
+        let state = self.state();
+        if let Some(c) = &*self.conn.lock().expect("conn lock") {
+            return c.post_send(wr);
+        }
+        Err(PostError::BadState(state))
     }
 
     pub(crate) fn post_recv(&self, wr: RecvWr) -> Result<(), PostError> {
