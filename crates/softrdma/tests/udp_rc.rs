@@ -675,3 +675,56 @@ fn zero_length_immediates_and_scattered_buffers_over_sockets() {
     assert_eq!(one(&a.cq).wr_id, 7);
     assert_eq!(a.ctx.stats().bad_icrc + b.ctx.stats().bad_icrc, 0);
 }
+
+/// Spins on `end`'s CQ for `d` without taking completions (an application
+/// busy-polling something else): its progress thread stands by.
+fn spin_progress(end: &RoceEnd, d: Duration) {
+    let t = Instant::now();
+    while t.elapsed() < d {
+        end.cq.progress();
+    }
+}
+
+/// Busy-poll mode: an RNR NAK taken by the polling thread sets a retry
+/// timer of 0.6 ms; the progress thread, standing by, must wake for it (it
+/// slept until the send's ACK timer, some 4 s here).
+#[test]
+fn an_rnr_retry_taken_by_a_polling_thread_is_not_late() {
+    let (a, b) = busy_pair();
+    spin_progress(&a, Duration::from_millis(20));
+    a.qp.post_send(SendWr::new(1, SendOp::Send, [a.mr.sge(0, 8)]))
+        .unwrap();
+    // a's thread polls while b has no receive: the RNR NAK is its to take.
+    spin_progress(&a, Duration::from_millis(5));
+    b.qp.post_recv(RecvWr::new(9, [b.mr.sge(0, 64)])).unwrap();
+    let t = Instant::now();
+    let wc = loop {
+        if let Some(wc) = a.cq.poll_one().unwrap() {
+            break wc;
+        }
+        assert!(t.elapsed() < T, "no completion");
+    };
+    assert_eq!((wc.wr_id, wc.status), (1, WcStatus::Success));
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    assert!(a.qp.stats().unwrap().rnr_naks_received >= 1);
+}
+
+/// An answer a polling thread deferred still leaves when busy-poll mode is
+/// then turned off (the progress thread took deferred answers only in
+/// busy-poll mode).
+#[test]
+fn a_deferred_ack_leaves_when_busy_polling_is_turned_off() {
+    let (a, b) = busy_pair();
+    spin_progress(&b, Duration::from_millis(20));
+    a.mr.write(0, &[5; 64]).unwrap();
+    let t = Instant::now();
+    write(&a, &b, 1, 64);
+    while b.mr.read_vec(0, 64).unwrap() != [5; 64] {
+        b.cq.progress();
+        assert!(t.elapsed() < T, "the WRITE never landed");
+    }
+    b.ctx.set_busy_poll(false);
+    let wc = a.cq.wait(T).unwrap().expect("a completion");
+    assert_eq!(wc.status, WcStatus::Success);
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+}

@@ -565,8 +565,11 @@ pub(crate) fn poll_now(shared: &Shared) {
     // What the last look received answers now, unless a post sent it
     // already: deferred so that an answer (an ACK) can leave with the
     // application's next request in one GSO send.
+    let mut earliest = u64::MAX;
     for slot in receiving.deferred.drain(..) {
-        transmit_deferred(shared, &slot);
+        if let Some(t) = transmit_deferred(shared, &slot) {
+            earliest = earliest.min(t.0);
+        }
     }
     APP_RX.with_borrow_mut(|b| {
         let which = b.sockets_to_look_at();
@@ -593,7 +596,11 @@ pub(crate) fn poll_now(shared: &Shared) {
     // was deferred if this thread stopped polling: wake it into standby.
     // (It clears the flag before it takes the deferred list: one of the two
     // sees the other.)
-    if waiting && !shared.standing_by.load(Ordering::SeqCst) {
+    // A timer set here (an RNR retry, a retransmission) earlier than the
+    // progress thread's sleep must wake it, as a post's does (`kick`).
+    if (waiting && !shared.standing_by.load(Ordering::SeqCst))
+        || earliest < shared.sleep_until.load(Ordering::SeqCst)
+    {
         shared.wake();
     }
 }
@@ -821,9 +828,11 @@ fn signal_cqs(slot: &QpSlot, signal: [bool; 2]) {
 /// [`transmit`] for a QP whose answers a polling thread deferred, unless a
 /// transmit (a post's) has found nothing left to send since its packets were
 /// handled.
-fn transmit_deferred(shared: &Shared, slot: &QpSlot) {
+fn transmit_deferred(shared: &Shared, slot: &QpSlot) -> Option<Time> {
     if slot.answers_pending.load(Ordering::Relaxed) {
-        transmit(shared, slot);
+        transmit(shared, slot)
+    } else {
+        None
     }
 }
 
@@ -1176,9 +1185,10 @@ fn progress(shared: &Arc<Shared>) {
         let standby =
             shared.busy_poll.load(Ordering::Relaxed) && now.saturating_sub(app_since) < STANDBY_NS;
         shared.standing_by.store(standby, Ordering::SeqCst);
-        if !standby && shared.busy_poll.load(Ordering::Relaxed) {
-            // No thread polls (any more): send what one deferred (see
-            // `poll_now`), which woke this thread if it was not standing by.
+        if !standby {
+            // No thread polls (any more, or busy-poll mode was turned off):
+            // send what one deferred (see `poll_now`), which woke this
+            // thread if it was not standing by.
             let deferred = std::mem::take(&mut shared.rx_lock.lock().deferred);
             for slot in &deferred {
                 transmit_deferred(shared, slot);
