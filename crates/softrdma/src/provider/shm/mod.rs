@@ -1174,8 +1174,13 @@ impl ShmQp {
     /// The connection ended: ERR, everything outstanding flushed, the peer's
     /// memory unmapped.
     fn lost(&self) {
-        self.failed.store(true, Ordering::Release);
-        self.acked.notify_all();
+        {
+            // Under the lock `wait_ack` checks the flag under: its waiter
+            // can't miss the notification between its check and its wait.
+            let _acks = self.acks.lock().expect("acks lock");
+            self.failed.store(true, Ordering::Release);
+            self.acked.notify_all();
+        }
         // Receives: claim those the peer has not taken (it may be taking
         // one right now: the claim is a compare-and-swap), give the peer a
         // moment to complete what it took, then flush the rest.
