@@ -56,6 +56,9 @@ use crate::verbs::events::{AsyncEvent, EventQueue};
 pub(crate) const MAX_RECV_SGE: usize = 7;
 const VERSION: u32 = 1;
 
+/// How long a peer has to take and acknowledge a region message.
+const ACK_WAIT: Duration = Duration::from_secs(1);
+
 // The inbox: counters on their own cache lines, then the receive ring (the
 // owner posts, the peer takes), then the completion ring (the peer puts, the
 // owner drains). Counters only grow; a slot is `count % slots`.
@@ -183,7 +186,11 @@ impl ShmDevice {
     pub(crate) fn registered(&self, r: SharedRegion) {
         let mut regions = self.regions.lock().expect("shm regions lock");
         for qp in self.live_qps(r.pd).into_iter().filter(|_| r.shared()) {
-            if qp.send_region(&r).is_ok() {
+            // A peer that can't be told of it would refuse its key: the
+            // connection ends. One slow to map it learns of it all the same.
+            if qp.send_region(&r).is_err() {
+                qp.fail();
+            } else {
                 qp.wait_ack(REGION, r.lkey);
             }
         }
@@ -518,12 +525,14 @@ pub(crate) fn establish(
         let announced = send_mine()?;
         (announced, read_peer(sock.as_fd(), deadline)?)
     };
-    for dir in [
-        rustix::net::sockopt::Timeout::Recv,
+    rustix::net::sockopt::set_socket_timeout(&sock, rustix::net::sockopt::Timeout::Recv, None)?;
+    // Region messages go out with the device's region list locked: a peer
+    // that stops reading must not hold every register on the device.
+    rustix::net::sockopt::set_socket_timeout(
+        &sock,
         rustix::net::sockopt::Timeout::Send,
-    ] {
-        rustix::net::sockopt::set_socket_timeout(&sock, dir, None)?;
-    }
+        Some(ACK_WAIT),
+    )?;
     let qp = Arc::new(ShmQp {
         qpn: parts.qpn,
         pd: parts.pd,
@@ -1054,10 +1063,12 @@ impl ShmQp {
         send_msg(self.sock.as_fd(), &r.message(), &[r.fd.as_fd()])
     }
 
-    /// Asks the peer to unmap a region and waits (at most a second) for it.
+    /// Asks the peer to unmap a region and waits (at most [`ACK_WAIT`]) for
+    /// it. A peer that doesn't answer may still reach the region: the
+    /// connection ends (its QP fails and lets go of every region).
     fn revoke(&self, lkey: u32, rkey: u32) {
-        if self.send_revoke(lkey, rkey).is_ok() {
-            self.wait_ack(REVOKE, lkey);
+        if !(self.send_revoke(lkey, rkey).is_ok() && self.wait_ack(REVOKE, lkey)) {
+            self.fail();
         }
     }
 
@@ -1071,17 +1082,20 @@ impl ShmQp {
 
     /// Waits (at most a second, or until the connection fails) for the
     /// peer's acknowledgement of `what` for `lkey`.
-    fn wait_ack(&self, what: u8, lkey: u32) {
-        let deadline = Instant::now() + Duration::from_secs(1);
+    /// Waits (at most [`ACK_WAIT`]) for the peer's acknowledgement; whether
+    /// it came.
+    fn wait_ack(&self, what: u8, lkey: u32) -> bool {
+        let deadline = Instant::now() + ACK_WAIT;
         let mut acks = self.acks.lock().expect("acks lock");
-        while !acks.contains(&(what, lkey)) && !self.failed.load(Ordering::Acquire) {
+        while !acks.contains(&(what, lkey)) {
             let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return;
+            if left.is_zero() || self.failed.load(Ordering::Acquire) {
+                return false;
             }
             acks = self.acked.wait_timeout(acks, left).expect("acks lock").0;
         }
         acks.retain(|&a| a != (what, lkey));
+        true
     }
 
     fn send_ack(&self, what: u8, lkey: u32) -> io::Result<()> {

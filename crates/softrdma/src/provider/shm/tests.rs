@@ -108,3 +108,48 @@ fn the_peers_wake_up_descriptor_is_made_non_blocking() {
     assert!(flags().contains(rustix::fs::OFlags::NONBLOCK));
     drop(peer_event);
 }
+
+/// A peer that stops reading after the exchange (a process stopped, hung):
+/// a deregistration it can't acknowledge ends the connection, since the
+/// peer might still reach the region; registers never block on it.
+#[test]
+fn a_peer_that_stops_answering_is_dropped_when_a_region_is_revoked() {
+    let ctx = Device::shm().open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let qp = pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
+    let name = format!("unit-{}-mute", std::process::id());
+    let l = Listener::bind(&ctx, &name).unwrap();
+    // The made-up peer: HELLO, READY, then silence (it never reads).
+    let peer = crate::provider::unix_seqpacket(rustix::net::SocketFlags::empty()).unwrap();
+    rustix::net::connect(
+        &peer,
+        &rustix::net::SocketAddrUnix::new_abstract_name(format!("softrdma-shm/{name}").as_bytes())
+            .unwrap(),
+    )
+    .unwrap();
+    let (event, _other_end) = std::os::unix::net::UnixStream::pair().unwrap();
+    let _inbox = send_hello(peer.as_fd(), event.as_fd());
+    send_msg(peer.as_fd(), &[READY], &[]).unwrap();
+    l.accept(&qp).unwrap();
+    assert_eq!(qp.state(), QpState::Rts);
+    // Unacknowledged, a registration waits its second and goes on.
+    let t = Instant::now();
+    let mr = pd.register(4096, crate::memory::Access::ALL).unwrap();
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    assert_eq!(qp.state(), QpState::Rts);
+    drop(mr);
+    let t = Instant::now();
+    while qp.state() != QpState::Err {
+        assert!(t.elapsed() < Duration::from_secs(5), "the QP never failed");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // And registering goes on without it.
+    let t = Instant::now();
+    let _mr = pd.register(4096, crate::memory::Access::ALL).unwrap();
+    assert!(
+        t.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        t.elapsed()
+    );
+}
