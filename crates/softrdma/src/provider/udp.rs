@@ -597,9 +597,12 @@ pub(crate) fn poll_now(shared: &Shared) {
     // (It clears the flag before it takes the deferred list: one of the two
     // sees the other.)
     // A timer set here (an RNR retry, a retransmission) earlier than the
-    // progress thread's sleep must wake it, as a post's does (`kick`).
+    // progress thread's sleep must wake it, as a post's does (`kick`),
+    // unless a wake-up is pending (the thread looks at the timers after it
+    // clears the flag).
     if (waiting && !shared.standing_by.load(Ordering::SeqCst))
-        || earliest < shared.sleep_until.load(Ordering::SeqCst)
+        || (earliest < shared.sleep_until.load(Ordering::SeqCst)
+            && !shared.woken.load(Ordering::SeqCst))
     {
         shared.wake();
     }

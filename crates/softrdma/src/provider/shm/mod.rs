@@ -1080,10 +1080,8 @@ impl ShmQp {
         send_msg(self.sock.as_fd(), &m, &[])
     }
 
-    /// Waits (at most a second, or until the connection fails) for the
-    /// peer's acknowledgement of `what` for `lkey`.
-    /// Waits (at most [`ACK_WAIT`]) for the peer's acknowledgement; whether
-    /// it came.
+    /// Waits (at most [`ACK_WAIT`], or until the connection fails) for the
+    /// peer's acknowledgement of `what` for `lkey`; whether it came.
     fn wait_ack(&self, what: u8, lkey: u32) -> bool {
         let deadline = Instant::now() + ACK_WAIT;
         let mut acks = self.acks.lock().expect("acks lock");
