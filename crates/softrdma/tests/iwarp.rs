@@ -648,50 +648,7 @@ fn posting_to_a_peer_that_stops_reading_does_not_block() {
 #[test]
 fn modify_to_err_flushes_and_closes_the_connection() {
     let (a, b) = pair(MpaConfig::default(), |_| {});
-    for k in 0..3 {
-        a.qp.post_recv(RecvWr::new(10 + k, [a.mr.sge(0, 64)]))
-            .unwrap();
-    }
-    let rts = QpAttr {
-        state: Some(QpState::Rts),
-        ..QpAttr::default()
-    };
-    let e = a.qp.modify(&rts, None).unwrap_err();
-    assert!(e.to_string().contains("to ERR"), "{e}");
-    let wrong_now = QpAttr {
-        state: Some(QpState::Err),
-        cur_state: Some(QpState::Init),
-        ..QpAttr::default()
-    };
-    assert!(a.qp.modify(&wrong_now, None).is_err());
-    assert_eq!(a.qp.state(), QpState::Rts);
-    let err = QpAttr {
-        state: Some(QpState::Err),
-        ..QpAttr::default()
-    };
-    a.qp.modify(&err, None).unwrap();
-    assert_eq!(a.qp.state(), QpState::Err);
-    // Flushed by the time modify returns, in posting order.
-    let flushed: Vec<(u64, WcStatus)> = std::iter::from_fn(|| a.rcq.poll_one().unwrap())
-        .map(|w| (w.wr_id, w.status))
-        .collect();
-    assert_eq!(
-        flushed,
-        [10, 11, 12].map(|k| (k, WcStatus::WrFlushErr)).to_vec()
-    );
-    a.qp.post_send(SendWr::new(5, SendOp::Send, vec![a.mr.sge(0, 8)]))
-        .unwrap();
-    let w = one(&a.scq);
-    assert_eq!((w.wr_id, w.status), (5, WcStatus::WrFlushErr));
-    // The application's own move is no fatal event; the peer's loss is.
-    let fatal = |e: &AsyncEvent| matches!(e, AsyncEvent::QpFatal { .. });
-    assert!(!std::iter::from_fn(|| a.ctx.poll_async_event()).any(|e| fatal(&e)));
-    wait_state(&b.qp, QpState::Err);
-    // The peer's state may read ERR a moment before its event is out.
-    common::wait_event(&b.ctx, AsyncEvent::QpFatal { qpn: b.qp.qpn() });
-    // Again: nothing more happens.
-    a.qp.modify(&err, None).unwrap();
-    assert_eq!(a.rcq.poll_one().unwrap(), None);
+    common::modify_to_err_flushes_and_closes(&a, &b);
 }
 
 #[test]

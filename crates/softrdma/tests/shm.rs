@@ -512,42 +512,7 @@ fn ends_with_many_regions_each_connect() {
 #[test]
 fn modify_to_err_flushes_and_closes_the_connection() {
     let (a, b) = pair(&pid_name("to-err"));
-    for k in 0..3 {
-        a.qp.post_recv(RecvWr::new(10 + k, [a.mr.sge(0, 64)]))
-            .unwrap();
-    }
-    let rts = QpAttr {
-        state: Some(QpState::Rts),
-        ..QpAttr::default()
-    };
-    let e = a.qp.modify(&rts, None).unwrap_err();
-    assert!(e.to_string().contains("to ERR"), "{e}");
-    let err = QpAttr {
-        state: Some(QpState::Err),
-        ..QpAttr::default()
-    };
-    a.qp.modify(&err, None).unwrap();
-    assert_eq!(a.qp.state(), QpState::Err);
-    let flushed: Vec<(u64, WcStatus)> = std::iter::from_fn(|| a.rcq.poll_one().unwrap())
-        .map(|w| (w.wr_id, w.status))
-        .collect();
-    assert_eq!(
-        flushed,
-        [10, 11, 12].map(|k| (k, WcStatus::WrFlushErr)).to_vec()
-    );
-    a.qp.post_recv(RecvWr::new(13, [a.mr.sge(0, 64)])).unwrap();
-    let w = one(&a.rcq);
-    assert_eq!((w.wr_id, w.status), (13, WcStatus::WrFlushErr));
-    a.qp.post_send(SendWr::new(5, SendOp::Send, vec![a.mr.sge(0, 8)]))
-        .unwrap();
-    let w = one(&a.scq);
-    assert_eq!((w.wr_id, w.status), (5, WcStatus::WrFlushErr));
-    // The application's own move is no fatal event; the peer's loss is.
-    let fatal = |e: &AsyncEvent| matches!(e, AsyncEvent::QpFatal { .. });
-    assert!(!std::iter::from_fn(|| a.ctx.poll_async_event()).any(|e| fatal(&e)));
-    wait_state(&b.qp, QpState::Err);
-    // The peer's state may read ERR a moment before its event is out.
-    common::wait_event(&b.ctx, AsyncEvent::QpFatal { qpn: b.qp.qpn() });
+    common::modify_to_err_flushes_and_closes(&a, &b);
 }
 
 #[test]

@@ -363,6 +363,19 @@ fn write(from: &RoceEnd, to: &RoceEnd, wr_id: u64, len: u32) {
         .unwrap();
 }
 
+/// `a` WRITEs 64 bytes of `byte` to `b`, whose thread polls until they
+/// land (the ACK deferred to its next look); returns when `a` posted.
+fn write_polled_by_target(a: &RoceEnd, b: &RoceEnd, byte: u8) -> Instant {
+    a.mr.write(0, &[byte; 64]).unwrap();
+    let t = Instant::now();
+    write(a, b, 1, 64);
+    while b.mr.read_vec(0, 64).unwrap() != [byte; 64] {
+        b.cq.progress();
+        assert!(t.elapsed() < T, "the WRITE never landed");
+    }
+    t
+}
+
 /// Busy-poll mode: the polling threads do the receiving (a ping-pong of
 /// WRITEs, each side spinning on its memory as perftest's write_lat), and a
 /// target whose application never polls is still served by its progress
@@ -417,14 +430,8 @@ fn busy_poll_pingpong_and_a_target_that_does_not_poll() {
 #[test]
 fn a_deferred_ack_is_sent_when_the_poller_goes_away() {
     let (a, b) = busy_pair();
-    a.mr.write(0, &[7; 64]).unwrap();
-    let t = Instant::now();
-    write(&a, &b, 1, 64);
     // b's thread receives the WRITE (its ACK deferred), then stops polling.
-    while b.mr.read_vec(0, 64).unwrap() != [7; 64] {
-        b.cq.progress();
-        assert!(t.elapsed() < T, "the WRITE never landed");
-    }
+    let t = write_polled_by_target(&a, &b, 7);
     // a waits without polling b: only b's progress thread can answer.
     let wc = a.cq.wait(T).unwrap().expect("a completion");
     assert_eq!(wc.status, WcStatus::Success);
@@ -716,13 +723,7 @@ fn an_rnr_retry_taken_by_a_polling_thread_is_not_late() {
 fn a_deferred_ack_leaves_when_busy_polling_is_turned_off() {
     let (a, b) = busy_pair();
     spin_progress(&b, Duration::from_millis(20));
-    a.mr.write(0, &[5; 64]).unwrap();
-    let t = Instant::now();
-    write(&a, &b, 1, 64);
-    while b.mr.read_vec(0, 64).unwrap() != [5; 64] {
-        b.cq.progress();
-        assert!(t.elapsed() < T, "the WRITE never landed");
-    }
+    let t = write_polled_by_target(&a, &b, 5);
     b.ctx.set_busy_poll(false);
     let wc = a.cq.wait(T).unwrap().expect("a completion");
     assert_eq!(wc.status, WcStatus::Success);

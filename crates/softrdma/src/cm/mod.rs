@@ -163,19 +163,10 @@ fn read_line_by(stream: &mut TcpStream, deadline: Instant) -> io::Result<Vec<u8>
                 format!("no end of line in the peer's first {MAX_LINE} bytes"),
             ));
         }
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "the peer did not send its connection info in time",
-            ));
-        }
-        stream.set_read_timeout(Some(left))?;
-        match stream.read(&mut byte) {
+        match read_by(stream, &mut byte, deadline) {
             Ok(0) => break,
             Ok(_) => line.push(byte[0]),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => {
                 return Err(io::Error::new(
                     io::ErrorKind::TimedOut,
                     "the peer did not send its connection info in time",
@@ -185,6 +176,30 @@ fn read_line_by(stream: &mut TcpStream, deadline: Instant) -> io::Result<Vec<u8>
         }
     }
     Ok(line)
+}
+
+/// One read from `stream` by `deadline` (TimedOut after it): a read
+/// timeout alone bounds each read, and a peer that dribbles its bytes would
+/// hold an exchange for as long as it liked.
+pub(crate) fn read_by(
+    stream: &mut TcpStream,
+    buf: &mut [u8],
+    deadline: Instant,
+) -> io::Result<usize> {
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        stream.set_read_timeout(Some(left))?;
+        match stream.read(buf) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                return Err(io::ErrorKind::TimedOut.into());
+            }
+            r => return r,
+        }
+    }
 }
 
 /// Options for bringing an RC QP up.

@@ -8,7 +8,7 @@
 //! initiator sends first; that message itself is the first FPDU of the
 //! stream, sent and awaited by the iWARP transport, not here.
 
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
@@ -177,21 +177,12 @@ pub enum Decision {
     Reject(Vec<u8>),
 }
 
-/// Fills `buf` by `deadline`, however the peer dribbles the bytes (a read
-/// timeout alone bounds each read, and a byte every few seconds would hold
-/// the exchange for an hour).
+/// Fills `buf` by `deadline`, however the peer dribbles the bytes.
 fn read_exact_by(stream: &mut TcpStream, mut buf: &mut [u8], deadline: Instant) -> io::Result<()> {
     while !buf.is_empty() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(io::ErrorKind::TimedOut.into());
-        }
-        stream.set_read_timeout(Some(left))?;
-        match stream.read(buf) {
-            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => buf = &mut buf[n..],
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
+        match super::read_by(stream, buf, deadline)? {
+            0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+            n => buf = &mut buf[n..],
         }
     }
     Ok(())
@@ -438,6 +429,7 @@ pub fn accept(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Read;
     use std::net::TcpListener;
 
     /// Runs `connect` and `accept` over loopback.

@@ -1119,18 +1119,36 @@ impl Qp {
         &self.ctx
     }
 
-    fn roce(&self, what: &str) -> Result<&Arc<QpSlot>> {
-        match &self.kind {
-            QpKind::Roce(s) => Ok(s),
-            QpKind::Iwarp(_) => Err(VerbsError::Invalid(format!(
-                "{what}: an iWARP QP is brought up by cm::iwarp (connect or accept), \
-                 which runs the MPA exchange; the one move it takes is to ERR"
-            ))),
-            QpKind::Shm(_) => Err(VerbsError::Invalid(format!(
+    /// The error for a verb an iWARP or shm QP doesn't take.
+    fn brought_up_by_cm(&self, what: &str) -> VerbsError {
+        VerbsError::Invalid(match &self.kind {
+            QpKind::Shm(_) => format!(
                 "{what}: a shm QP is brought up by cm::shm (connect or accept); \
                  the one move it takes is to ERR"
-            ))),
+            ),
+            _ => format!(
+                "{what}: an iWARP QP is brought up by cm::iwarp (connect or accept), \
+                 which runs the MPA exchange; the one move it takes is to ERR"
+            ),
+        })
+    }
+
+    /// `modify` to ERR of an iWARP or shm QP: the connection closes.
+    fn cm_qp_to_error(&self, cur_state: Option<QpState>) -> Result<()> {
+        if let Some(cur) = cur_state
+            && cur != self.state()
+        {
+            return Err(VerbsError::Invalid(format!(
+                "modify: the QP is in {:?}, not {cur:?}",
+                self.state()
+            )));
         }
+        match &self.kind {
+            QpKind::Iwarp(s) => s.to_error(),
+            QpKind::Shm(s) => s.to_error(),
+            QpKind::Roce(_) => unreachable!("RoCEv2 QPs move through their engine"),
+        }
+        Ok(())
     }
 
     fn kick(&self, slot: &QpSlot) {
@@ -1148,28 +1166,11 @@ impl Qp {
             cur_state: attr.cur_state,
             ..QpAttr::default()
         };
-        if *attr == to_error && av.is_none() && !matches!(self.kind, QpKind::Roce(_)) {
-            if let Some(cur) = attr.cur_state
-                && cur != self.state()
-            {
-                return Err(VerbsError::Invalid(format!(
-                    "modify: the QP is in {:?}, not {cur:?}",
-                    self.state()
-                )));
-            }
-            match &self.kind {
-                QpKind::Iwarp(s) => {
-                    s.to_error();
-                    return Ok(());
-                }
-                QpKind::Shm(s) => {
-                    s.to_error();
-                    return Ok(());
-                }
-                QpKind::Roce(_) => {}
-            }
-        }
-        let slot = self.roce("modify")?;
+        let slot = match &self.kind {
+            QpKind::Roce(s) => s,
+            _ if *attr == to_error && av.is_none() => return self.cm_qp_to_error(attr.cur_state),
+            _ => return Err(self.brought_up_by_cm("modify")),
+        };
         let mut a = *attr;
         a.has_av = av.is_some();
         if let Some(m) = a.path_mtu
@@ -1286,7 +1287,6 @@ impl Qp {
         Ok(())
     }
 
-    /// The iWARP slot, for `cm::iwarp`.
     /// Before a connection manager's first I/O: a QP connected before or
     /// moved to ERR can't be connected (a peer would be answered, then
     /// dropped). The attach checks again.
@@ -1304,6 +1304,7 @@ impl Qp {
         Ok(())
     }
 
+    /// The iWARP slot, for `cm::iwarp`.
     pub(crate) fn iwarp_slot(&self) -> Option<&Arc<iwarp::IwarpSlot>> {
         match &self.kind {
             QpKind::Iwarp(s) => Some(s),

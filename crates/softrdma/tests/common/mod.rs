@@ -159,3 +159,55 @@ pub fn threads_cpu(prefix: &str) -> u64 {
     }
     ticks
 }
+
+/// `modify` to ERR on `a`, an iWARP or shm QP connected to `b`: only that
+/// move is taken; `a`'s work is flushed by the time it returns, in posting
+/// order, and what is posted later is flushed at once; `a` raises no fatal
+/// event, `b` fails with one; a second move changes nothing.
+pub fn modify_to_err_flushes_and_closes(a: &End, b: &End) {
+    for k in 0..3 {
+        a.qp.post_recv(RecvWr::new(10 + k, [a.mr.sge(0, 64)]))
+            .unwrap();
+    }
+    let rts = QpAttr {
+        state: Some(QpState::Rts),
+        ..QpAttr::default()
+    };
+    let e = a.qp.modify(&rts, None).unwrap_err();
+    assert!(e.to_string().contains("to ERR"), "{e}");
+    let wrong_now = QpAttr {
+        state: Some(QpState::Err),
+        cur_state: Some(QpState::Init),
+        ..QpAttr::default()
+    };
+    assert!(a.qp.modify(&wrong_now, None).is_err());
+    assert_eq!(a.qp.state(), QpState::Rts);
+    let err = QpAttr {
+        state: Some(QpState::Err),
+        ..QpAttr::default()
+    };
+    a.qp.modify(&err, None).unwrap();
+    assert_eq!(a.qp.state(), QpState::Err);
+    let flushed: Vec<(u64, WcStatus)> = std::iter::from_fn(|| a.rcq.poll_one().unwrap())
+        .map(|w| (w.wr_id, w.status))
+        .collect();
+    assert_eq!(
+        flushed,
+        [10, 11, 12].map(|k| (k, WcStatus::WrFlushErr)).to_vec()
+    );
+    a.qp.post_recv(RecvWr::new(13, [a.mr.sge(0, 64)])).unwrap();
+    let w = one(&a.rcq);
+    assert_eq!((w.wr_id, w.status), (13, WcStatus::WrFlushErr));
+    a.qp.post_send(SendWr::new(5, SendOp::Send, vec![a.mr.sge(0, 8)]))
+        .unwrap();
+    let w = one(&a.scq);
+    assert_eq!((w.wr_id, w.status), (5, WcStatus::WrFlushErr));
+    // The application's own move is no fatal event; the peer's loss is.
+    let fatal = |e: &AsyncEvent| matches!(e, AsyncEvent::QpFatal { .. });
+    assert!(!std::iter::from_fn(|| a.ctx.poll_async_event()).any(|e| fatal(&e)));
+    wait_state(&b.qp, QpState::Err);
+    // The peer's state may read ERR a moment before its event is out.
+    wait_event(&b.ctx, AsyncEvent::QpFatal { qpn: b.qp.qpn() });
+    a.qp.modify(&err, None).unwrap();
+    assert_eq!(a.rcq.poll_one().unwrap(), None);
+}
