@@ -540,3 +540,76 @@ fn receive_too_short(t: Transport, make: &dyn Fn() -> (End, End)) {
 fn a_receive_too_short_over_every_provider() {
     over_every_provider(receive_too_short);
 }
+
+/// Work requests that break `ibv_post_send`'s rules are refused when posted,
+/// whatever the provider, and the QP carries on: inline data on a READ or
+/// beyond max_inline_data, too many SGEs, a message over 2 GiB.
+fn refused_posts(t: Transport, make: &dyn Fn() -> (End, End)) {
+    let (a, b) = make();
+    let read = SendOp::Read {
+        remote_addr: b.mr.addr(),
+        rkey: b.mr.rkey(),
+    };
+    let write = SendOp::Write {
+        remote_addr: b.mr.addr() + TARGET as u64,
+        rkey: b.mr.rkey(),
+    };
+    let e =
+        a.qp.post_send(SendWr::new(1, read, []).inline(&[1; 8]))
+            .unwrap_err();
+    assert!(
+        matches!(e, VerbsError::Post(PostError::Unsupported(_))),
+        "{t:?}: {e}"
+    );
+    let e =
+        a.qp.post_send(SendWr::new(2, write, []).inline(&vec![1; INLINE as usize + 1]))
+            .unwrap_err();
+    assert!(
+        matches!(e, VerbsError::Post(PostError::InlineTooLarge { .. })),
+        "{t:?}: {e}"
+    );
+    let e =
+        a.qp.post_send(SendWr::new(3, write, vec![a.mr.sge(0, 8); 5]))
+            .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            VerbsError::Post(PostError::TooManySges { given: 5, max: 4 })
+        ),
+        "{t:?}: {e}"
+    );
+    // Checked before the keys: the SGEs need not lie in a region.
+    let huge = Sge {
+        len: 1 << 31,
+        ..a.mr.sge(0, 8)
+    };
+    let e =
+        a.qp.post_send(SendWr::new(4, write, [huge, a.mr.sge(0, 8)]))
+            .unwrap_err();
+    assert!(
+        matches!(e, VerbsError::Post(PostError::TooLong(0x8000_0008))),
+        "{t:?}: {e}"
+    );
+    // None of them was posted, and the QP still works.
+    a.mr.write(SRC, b"after the refusals").unwrap();
+    a.qp.post_send(SendWr::new(5, write, [a.mr.sge(SRC, 18)]))
+        .unwrap();
+    // A READ of it back: on iWARP a WRITE completes once sent; the READ's
+    // answer comes after it is placed.
+    let back = SendOp::Read {
+        remote_addr: b.mr.addr() + TARGET as u64,
+        rkey: b.mr.rkey(),
+    };
+    a.qp.post_send(SendWr::new(6, back, [a.mr.sge(SINK, 18)]))
+        .unwrap();
+    for wr_id in [5, 6] {
+        let wc = one(&a.scq);
+        assert_eq!((wc.wr_id, wc.status), (wr_id, WcStatus::Success), "{t:?}");
+    }
+    check_area(&a.mr, SINK, b"after the refusals", 0, &format!("{t:?}"));
+}
+
+#[test]
+fn posts_that_break_the_send_rules_are_refused_over_every_provider() {
+    over_every_provider(refused_posts);
+}

@@ -479,9 +479,10 @@ pub enum PostError {
     BadAtomicSge,
 }
 
-/// The checks of `ibv_post_send` that RC QPs share (RoCEv2 and shared
-/// memory): SGEs within the QP's capacity, inline data only on SEND and
-/// WRITE and within its limit. Returns the message's length.
+/// The checks of `ibv_post_send` that connected QPs share (RoCEv2 RC,
+/// iWARP and shared memory): SGEs within the QP's capacity, inline data
+/// only on SEND and WRITE and within its limit, a message of at most
+/// [`rc::MAX_MESSAGE_LEN`]. Returns the message's length.
 pub(crate) fn check_post_send(wr: &SendWr, caps: &rc::QpCaps) -> Result<u64, PostError> {
     if wr.sgl.len() > caps.max_send_sge as usize {
         return Err(PostError::TooManySges {
@@ -490,7 +491,11 @@ pub(crate) fn check_post_send(wr: &SendWr, caps: &rc::QpCaps) -> Result<u64, Pos
         });
     }
     if !wr.flags.inline {
-        return Ok(wr.sgl.iter().map(|s| u64::from(s.len)).sum());
+        let len = wr.sgl.iter().map(|s| u64::from(s.len)).sum();
+        if len > rc::MAX_MESSAGE_LEN {
+            return Err(PostError::TooLong(len));
+        }
+        return Ok(len);
     }
     if wr.op.is_read_or_atomic() {
         return Err(PostError::Unsupported(

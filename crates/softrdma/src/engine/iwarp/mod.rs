@@ -368,22 +368,10 @@ impl IwarpQp {
                 ));
             }
         }
-        if wr.sgl.len() > self.caps.max_send_sge as usize {
-            return Err(PostError::TooManySges {
-                given: wr.sgl.len(),
-                max: self.caps.max_send_sge,
-            });
-        }
+        // At most 2 GiB: `len` fits in `usize` and the u32 fields below.
+        let len = crate::engine::check_post_send(&wr, &self.caps)? as usize;
         if self.sq.len() + self.reads_out.len() >= self.caps.max_send_wr as usize {
             return Err(PostError::QueueFull(self.caps.max_send_wr));
-        }
-        let len = if wr.flags.inline {
-            wr.inline_data.len()
-        } else {
-            wr.sgl.iter().map(|s| s.len as usize).sum()
-        };
-        if len > u32::MAX as usize / 2 {
-            return Err(PostError::TooLong(len as u64));
         }
         let seq = self.next_seq;
         self.next_seq += 1;

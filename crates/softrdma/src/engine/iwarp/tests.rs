@@ -310,6 +310,54 @@ fn inline_and_zero_length_operations() {
 }
 
 #[test]
+fn posts_that_break_the_send_rules_are_refused() {
+    let mut p = Pair::new();
+    let read = SendOp::Read {
+        remote_addr: IOVA[1],
+        rkey: RKEY[1],
+    };
+    let write = SendOp::Write {
+        remote_addr: IOVA[1],
+        rkey: RKEY[1],
+    };
+    // Inline data is for SEND and WRITE, and within max_inline_data.
+    let e = p.s[0]
+        .qp
+        .post_send(SendWr::new(1, read, vec![]).inline(&[7; 8]))
+        .unwrap_err();
+    assert!(matches!(e, PostError::Unsupported(_)), "{e}");
+    let e = p.s[0]
+        .qp
+        .post_send(SendWr::new(2, write, vec![]).inline(&[7; 257]))
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            PostError::InlineTooLarge {
+                given: 257,
+                max: 256
+            }
+        ),
+        "{e}"
+    );
+    // At most 2 GiB, the IB and iWARP message limit (rxe's and siw's too).
+    let e = p.s[0]
+        .qp
+        .post_send(SendWr::new(
+            3,
+            write,
+            vec![sge(0, 0, 1 << 31), sge(0, 0, 1)],
+        ))
+        .unwrap_err();
+    assert!(matches!(e, PostError::TooLong(0x8000_0001)), "{e}");
+    p.s[0]
+        .qp
+        .post_send(SendWr::new(4, write, vec![sge(0, 0, 1 << 31)]))
+        .expect("2 GiB is allowed (its keys are checked when it starts)");
+    assert!(p.s[0].wcs.is_empty(), "nothing refused was posted");
+}
+
+#[test]
 fn atomics_and_immediate_data_are_refused_on_post() {
     let mut p = Pair::new();
     for op in [

@@ -154,9 +154,6 @@ impl RcQp {
             ));
         }
         let len = crate::engine::check_post_send(&wr, &self.caps)?;
-        if len > super::MAX_MESSAGE_LEN {
-            return Err(PostError::TooLong(len));
-        }
         if wr.op.is_atomic() && (wr.sgl.len() != 1 || wr.sgl[0].len != 8) {
             return Err(PostError::BadAtomicSge);
         }
