@@ -578,6 +578,36 @@ fn refused_posts(t: Transport, make: &dyn Fn() -> (End, End)) {
         ),
         "{t:?}: {e}"
     );
+    let e =
+        a.qp.post_send(SendWr {
+            sgl: vec![a.mr.sge(0, 8)].into(),
+            ..SendWr::new(8, write, []).inline(&[1; 8])
+        })
+        .unwrap_err();
+    assert!(
+        matches!(e, VerbsError::Post(PostError::Unsupported(_))),
+        "{t:?}: {e}"
+    );
+    // Atomics (refused as such on iWARP): one 8-byte buffer, an aligned word.
+    for (wr_id, remote_addr, len) in [(9, b.mr.addr() + WORD as u64 + 4, 8), (10, b.mr.addr(), 4)] {
+        let add = SendOp::FetchAdd {
+            remote_addr,
+            rkey: b.mr.rkey(),
+            add: 1,
+        };
+        let e =
+            a.qp.post_send(SendWr::new(wr_id, add, [a.mr.sge(RESULT, len)]))
+                .unwrap_err();
+        let VerbsError::Post(e) = e else {
+            panic!("{t:?}: {e}")
+        };
+        let want = match (t, len) {
+            (Transport::Iwarp, _) => matches!(e, PostError::Unsupported(_)),
+            (_, 8) => e == PostError::MisalignedAtomic(remote_addr),
+            _ => e == PostError::BadAtomicSge,
+        };
+        assert!(want, "{t:?}: {e}");
+    }
     // Checked before the keys: the SGEs need not lie in a region.
     let huge = Sge {
         len: 1 << 31,
@@ -612,4 +642,79 @@ fn refused_posts(t: Transport, make: &dyn Fn() -> (End, End)) {
 #[test]
 fn posts_that_break_the_send_rules_are_refused_over_every_provider() {
     over_every_provider(refused_posts);
+}
+
+/// Zero bytes name no memory: a zero-length WRITE or READ with rkey 0 and
+/// address 0, and an empty SGE with lkey 0 among real ones, succeed without
+/// a key check (rxe's `check_rkey`, siw's `siw_check_sgl_tx`), and the QP
+/// stays up.
+fn zero_length_names_no_memory(t: Transport, make: &dyn Fn() -> (End, End)) {
+    let (a, b) = make();
+    let nowhere = |write| write_or_read(write, 0, 0);
+    a.qp.post_send(SendWr::new(1, nowhere(true), [])).unwrap();
+    a.qp.post_send(SendWr::new(2, nowhere(false), [])).unwrap();
+    let empty = Sge {
+        addr: 0,
+        len: 0,
+        lkey: 0,
+    };
+    b.qp.post_recv(RecvWr::new(
+        7,
+        [b.mr.sge(RECV, 4), empty, b.mr.sge(RECV + 4, 60)],
+    ))
+    .unwrap();
+    a.mr.write(SRC, b"eight by").unwrap();
+    a.qp.post_send(SendWr::new(
+        3,
+        SendOp::Send,
+        [a.mr.sge(SRC, 3), empty, a.mr.sge(SRC + 3, 5)],
+    ))
+    .unwrap();
+    for wr_id in 1..=3 {
+        let wc = one(&a.scq);
+        assert_eq!((wc.wr_id, wc.status), (wr_id, WcStatus::Success), "{t:?}");
+    }
+    let wc = one(&b.rcq);
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.byte_len),
+        (7, WcStatus::Success, 8),
+        "{t:?}"
+    );
+    check_area(&b.mr, RECV, b"eight by", 0, &format!("{t:?}"));
+    assert_eq!(a.qp.state(), QpState::Rts, "{t:?}");
+    assert_eq!(b.qp.state(), QpState::Rts, "{t:?}");
+}
+
+#[test]
+fn zero_length_names_no_memory_over_every_provider() {
+    over_every_provider(zero_length_names_no_memory);
+}
+
+/// A solicited SEND fires a CQ armed for solicited completions only, and
+/// its completion says it was solicited; an unsolicited one does neither.
+fn solicited_events(t: Transport, make: &dyn Fn() -> (End, End)) {
+    let (a, b) = make();
+    let _fd = std::os::fd::AsFd::as_fd(&b.rcq);
+    b.rcq.req_notify(true);
+    for (wr_id, solicited) in [(1, false), (2, true)] {
+        b.qp.post_recv(RecvWr::new(wr_id, [b.mr.sge(RECV, 16)]))
+            .unwrap();
+        let send = SendWr::new(wr_id, SendOp::Send, [a.mr.sge(SRC, 16)]);
+        let send = if solicited { send.solicited() } else { send };
+        a.qp.post_send(send).unwrap();
+        let fired = b.rcq.wait_event(std::time::Duration::from_millis(500));
+        assert_eq!(fired, solicited, "{t:?}: solicited={solicited}");
+        let wc = one(&b.rcq);
+        assert_eq!(
+            (wc.wr_id, wc.status, wc.solicited),
+            (wr_id, WcStatus::Success, solicited),
+            "{t:?}"
+        );
+        assert_eq!(one(&a.scq).status, WcStatus::Success, "{t:?}");
+    }
+}
+
+#[test]
+fn solicited_events_over_every_provider() {
+    over_every_provider(solicited_events);
 }

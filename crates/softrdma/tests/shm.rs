@@ -576,3 +576,27 @@ fn looking_and_posting_while_the_exchange_runs_do_not_wait_for_it() {
     let w = one(&client.rcq);
     assert_eq!((w.wr_id, w.status, w.byte_len), (7, WcStatus::Success, 8));
 }
+
+/// A receive's SGEs live in a fixed slot of the shared ring: a QP asking for
+/// more than it holds is refused when created, not on its first receive.
+#[test]
+fn more_receive_sges_than_the_ring_holds_are_refused_at_create() {
+    let ctx = Device::shm().open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let caps = |max_recv_sge| QpCaps {
+        max_send_wr: 16,
+        max_recv_wr: 16,
+        max_send_sge: 4,
+        max_recv_sge,
+        max_inline_data: 0,
+    };
+    let e = pd
+        .create_qp(&QpInit::rc(&cq, &cq).caps(caps(8)))
+        .unwrap_err();
+    assert!(
+        matches!(&e, VerbsError::Invalid(m) if m.contains("at most 7")),
+        "{e}"
+    );
+    pd.create_qp(&QpInit::rc(&cq, &cq).caps(caps(7))).unwrap();
+}

@@ -477,11 +477,16 @@ pub enum PostError {
     /// An atomic whose local buffer is not 8 bytes.
     #[error("atomic operations need exactly one 8-byte local buffer")]
     BadAtomicSge,
+    /// An atomic whose remote address is not 8-byte aligned.
+    #[error("atomic operations need an 8-byte-aligned remote address, not {0:#x}")]
+    MisalignedAtomic(u64),
 }
 
-/// The checks of `ibv_post_send` that connected QPs share (RoCEv2 RC,
-/// iWARP and shared memory): SGEs within the QP's capacity, inline data
-/// only on SEND and WRITE and within its limit, a message of at most
+/// The checks of `ibv_post_send` that every QP shares (RoCEv2 RC and UD,
+/// iWARP, shared memory), as rxe's `validate_send_wr` makes them: SGEs
+/// within the QP's capacity; inline data only on SEND and WRITE, within
+/// its limit and with no SGEs beside it; an atomic's one 8-byte buffer and
+/// 8-byte-aligned remote address; a message of at most
 /// [`rc::MAX_MESSAGE_LEN`]. Returns the message's length.
 pub(crate) fn check_post_send(wr: &SendWr, caps: &rc::QpCaps) -> Result<u64, PostError> {
     if wr.sgl.len() > caps.max_send_sge as usize {
@@ -490,26 +495,42 @@ pub(crate) fn check_post_send(wr: &SendWr, caps: &rc::QpCaps) -> Result<u64, Pos
             max: caps.max_send_sge,
         });
     }
-    if !wr.flags.inline {
-        let len = wr.sgl.iter().map(|s| u64::from(s.len)).sum();
-        if len > rc::MAX_MESSAGE_LEN {
-            return Err(PostError::TooLong(len));
+    if wr.flags.inline {
+        if wr.op.is_read_or_atomic() {
+            return Err(PostError::Unsupported(
+                "inline data is for SEND and RDMA WRITE only",
+            ));
         }
-        return Ok(len);
+        if !wr.sgl.is_empty() {
+            // libibverbs copies the SGEs' bytes for IBV_SEND_INLINE; here
+            // they go in `inline_data`, and SGEs beside them would be lost.
+            return Err(PostError::Unsupported(
+                "an inline work request carries its bytes in inline_data \
+                 (SendWr::inline), not in SGEs",
+            ));
+        }
+        let max = caps.max_inline_data.min(MAX_INLINE_DATA);
+        if wr.inline_data.len() > max as usize {
+            return Err(PostError::InlineTooLarge {
+                given: wr.inline_data.len(),
+                max,
+            });
+        }
+        return Ok(wr.inline_data.len() as u64);
     }
-    if wr.op.is_read_or_atomic() {
-        return Err(PostError::Unsupported(
-            "inline data is for SEND and RDMA WRITE only",
-        ));
+    if let SendOp::CompareSwap { remote_addr, .. } | SendOp::FetchAdd { remote_addr, .. } = wr.op {
+        if wr.sgl.len() != 1 || wr.sgl[0].len != 8 {
+            return Err(PostError::BadAtomicSge);
+        }
+        if !remote_addr.is_multiple_of(8) {
+            return Err(PostError::MisalignedAtomic(remote_addr));
+        }
     }
-    let max = caps.max_inline_data.min(MAX_INLINE_DATA);
-    if wr.inline_data.len() > max as usize {
-        return Err(PostError::InlineTooLarge {
-            given: wr.inline_data.len(),
-            max,
-        });
+    let len = wr.sgl.iter().map(|s| u64::from(s.len)).sum();
+    if len > rc::MAX_MESSAGE_LEN {
+        return Err(PostError::TooLong(len));
     }
-    Ok(wr.inline_data.len() as u64)
+    Ok(len)
 }
 
 /// The checks of `ibv_post_recv` that RC and UD QPs share: not on an SRQ, not

@@ -244,23 +244,7 @@ impl UdQp {
                 "a UD send needs an address handle, remote QPN and Q_Key",
             ));
         }
-        if wr.sgl.len() > self.caps.max_send_sge as usize {
-            return Err(PostError::TooManySges {
-                given: wr.sgl.len(),
-                max: self.caps.max_send_sge,
-            });
-        }
-        let len = if wr.flags.inline {
-            if wr.inline_data.len() > self.caps.max_inline_data as usize {
-                return Err(PostError::InlineTooLarge {
-                    given: wr.inline_data.len(),
-                    max: self.caps.max_inline_data,
-                });
-            }
-            wr.inline_data.len()
-        } else {
-            wr.sgl.iter().map(|s| s.len as usize).sum()
-        };
+        let len = crate::engine::check_post_send(&wr, &self.caps)? as usize;
         if len > self.mtu {
             return Err(PostError::LongerThanMtu { len, mtu: self.mtu });
         }

@@ -90,6 +90,12 @@ impl Pd {
                 "shared receive queues are not supported on shm devices yet".into(),
             ));
         }
+        if init.caps.max_recv_sge as usize > MAX_RECV_SGE {
+            // A receive's SGEs live in a fixed slot of the shared ring.
+            return Err(VerbsError::Invalid(format!(
+                "shared-memory receives take at most {MAX_RECV_SGE} scatter/gather elements"
+            )));
+        }
         let qpn = self.ctx.inner.next_qpn();
         Ok(Qp {
             ctx: self.ctx.clone(),

@@ -34,7 +34,7 @@ use softrdma_wire::rdmap::{
     TerminateRepr,
 };
 
-use super::rc::QpCaps;
+use super::rc::{MAX_MESSAGE_LEN, QpCaps};
 use super::{
     CqKind, PostError, QpEvent, RecvWr, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
     check_post_recv, push_pieces,
@@ -750,7 +750,8 @@ impl IwarpQp {
                 _ => Access::NONE,
             };
             let mut segs = SegList::with_capacity(e.wr.sgl.len());
-            for s in &e.wr.sgl {
+            // An empty SGE's key is not checked (siw, rxe).
+            for s in e.wr.sgl.iter().filter(|s| s.len > 0) {
                 match mrs.local(pd, s.lkey, s.addr, s.len, need) {
                     Ok(seg) => segs.push(seg),
                     Err(_) => {
@@ -1029,7 +1030,8 @@ impl IwarpQp {
                 };
                 if r.segs.is_none() {
                     let mut segs = SegList::with_capacity(r.wr.sgl.len());
-                    for s in &r.wr.sgl {
+                    // An empty SGE's key is not checked (siw, rxe).
+                    for s in r.wr.sgl.iter().filter(|s| s.len > 0) {
                         match mrs.local(pd, s.lkey, s.addr, s.len, Access::LOCAL_WRITE) {
                             Ok(seg) => segs.push(seg),
                             Err(_) => {
@@ -1056,7 +1058,8 @@ impl IwarpQp {
                     return Placement::Discard;
                 }
                 let end = message_offset as usize + payload_len;
-                if end > r.len {
+                // No message is longer than 2 GiB, whatever the receive holds.
+                if end > r.len.min(MAX_MESSAGE_LEN as usize) {
                     let r = self.rq.pop_front().expect("front");
                     let wc = WorkCompletion::new(
                         r.wr.wr_id,

@@ -154,9 +154,6 @@ impl RcQp {
             ));
         }
         let len = crate::engine::check_post_send(&wr, &self.caps)?;
-        if wr.op.is_atomic() && (wr.sgl.len() != 1 || wr.sgl[0].len != 8) {
-            return Err(PostError::BadAtomicSge);
-        }
         if self.req.sq.len() >= self.caps.max_send_wr as usize {
             return Err(PostError::QueueFull(self.caps.max_send_wr));
         }

@@ -304,7 +304,8 @@ impl RcQp {
                 }
             }
         }
-        Ok(Some((wqe, segs, room)))
+        // No message is longer than 2 GiB, whatever the receive holds.
+        Ok(Some((wqe, segs, room.min(MAX_MESSAGE_LEN))))
     }
 
     fn finish_recv(&mut self, wqe: &RecvWr, opcode: WcOpcode, byte_len: u64, p: &Packet<&[u8]>) {
@@ -499,6 +500,19 @@ impl RcQp {
                     self.stats.dropped += 1;
                     return;
                 };
+                let from = psn.distance(first_psn) as u32;
+                // One stream per READ: asked again while its responses are
+                // queued (the requester's retry, or a peer flooding one
+                // request), the queued stream goes back to the PSN asked
+                // for instead of a second one queueing behind it.
+                if let Some(Pending::Read { next, .. }) =
+                    self.resp.out.iter_mut().find(
+                        |p| matches!(p, Pending::Read { first_psn: f, .. } if *f == first_psn),
+                    )
+                {
+                    *next = (*next).min(from);
+                    return;
+                }
                 // Re-execute from memory, from the PSN asked for.
                 let seg = if len == 0 {
                     None
@@ -515,7 +529,7 @@ impl RcQp {
                     seg,
                     first_psn,
                     npsn,
-                    next: psn.distance(first_psn) as u32,
+                    next: from,
                     len,
                     msn,
                 });
@@ -554,7 +568,7 @@ impl RcQp {
                 Pending::Read { npsn, next, .. } => npsn - next,
                 Pending::Ack { .. } | Pending::AtomicAck { .. } => 1,
             })
-            .sum()
+            .fold(0, u32::saturating_add)
     }
 
     pub(super) fn resp_transmit(

@@ -610,6 +610,39 @@ fn the_responder_counts_the_responses_it_has_queued() {
     assert_eq!(p.sim.ends[1].qp.responses_queued(), 0);
 }
 
+/// A READ asked for again while its responses are still queued does not
+/// queue a second stream: a retransmitting requester, or a peer that floods
+/// one request, gets the one stream, moved back to the PSN it asked from.
+#[test]
+fn a_repeated_read_request_does_not_queue_another_response_stream() {
+    let mut p = Pair::new(Setup::default());
+    p.send(
+        0,
+        SendOp::Read {
+            remote_addr: IOVA[1],
+            rkey: RKEY[1],
+        },
+        vec![Pair::sge(0, 0, 3000)],
+    );
+    let request = take_packets(&mut p, 0, 1);
+    p.deliver(1, &request);
+    assert_eq!(p.sim.ends[1].qp.responses_queued(), 3);
+    for _ in 0..1000 {
+        p.deliver(1, &request);
+    }
+    assert_eq!(p.sim.ends[1].qp.responses_queued(), 3);
+    // Two of the three sent, then asked again: all three go again.
+    assert_eq!(take_packets(&mut p, 1, 2).len(), 2);
+    assert_eq!(p.sim.ends[1].qp.responses_queued(), 1);
+    p.deliver(1, &request);
+    assert_eq!(p.sim.ends[1].qp.responses_queued(), 3);
+    let responses = take_packets(&mut p, 1, 3);
+    p.deliver(0, &responses);
+    p.run([1, 0]);
+    let wc = p.wcs(0)[0].1;
+    assert_eq!((wc.status, wc.byte_len), (WcStatus::Success, 3000));
+}
+
 /// No more READs in flight than max_rd_atomic (4 here), however many are
 /// queued; each answered one lets the next go, and all land.
 #[test]
@@ -855,19 +888,35 @@ fn forbidden_by_the_remote_qp_is_rem_inv_req_err() {
     p.run([1, 0]);
     assert_eq!(statuses(&p, 0), [(w, WcStatus::RemInvReqErr)]);
     assert_eq!(p.sim.ends[1].qp.state(), QpState::Err);
-    // An unaligned atomic, too.
+    // An unaligned atomic, too: refused on post, and NAKed by a responder
+    // that gets one anyway (from another stack), the word untouched.
     let mut p = Pair::new(Setup::default());
+    let unaligned = SendOp::FetchAdd {
+        remote_addr: IOVA[1] + 4,
+        rkey: RKEY[1],
+        add: 1,
+    };
+    let e = p.sim.ends[0]
+        .qp
+        .post_send(SendWr::new(7, unaligned, vec![Pair::sge(0, 0, 8)]))
+        .unwrap_err();
+    assert_eq!(e, PostError::MisalignedAtomic(IOVA[1] + 4));
     let a = p.send(
         0,
         SendOp::FetchAdd {
-            remote_addr: IOVA[1] + 4,
+            remote_addr: IOVA[1],
             rkey: RKEY[1],
             add: 1,
         },
         vec![Pair::sge(0, 0, 8)],
     );
+    let mut request = take_packets(&mut p, 0, 1);
+    // The AtomicETH's VA follows the 12-byte BTH.
+    request[0][12..20].copy_from_slice(&(IOVA[1] + 4).to_be_bytes());
+    p.deliver(1, &request);
     p.run([1, 0]);
     assert_eq!(statuses(&p, 0), [(a, WcStatus::RemInvReqErr)]);
+    assert_eq!(p.read_mem(1, 0, 16), [0; 16]);
 }
 
 #[test]

@@ -718,7 +718,8 @@ impl ShmQp {
         need: Access,
         mut f: impl FnMut(&SegmentRef<'_>),
     ) -> Result<(), WcStatus> {
-        for s in &wr.sgl {
+        // An empty SGE's key is not checked (rxe, siw).
+        for s in wr.sgl.iter().filter(|s| s.len > 0) {
             // Key or bounds: an L_Key violation (LOC_LEN_ERR is for
             // messages too long for their receive).
             let seg = local
@@ -784,10 +785,15 @@ impl ShmQp {
                     },
                     None => None,
                 };
-                let moved =
+                // A zero-byte WRITE names no memory: its key is not
+                // checked (rxe's `check_rkey`, and the other providers).
+                let moved = if len == 0 {
+                    Ok(())
+                } else {
                     Self::with_remote(peer, rkey, remote_addr, len, Access::REMOTE_WRITE, |dst| {
                         self.gather_into(local, wr, std::slice::from_ref(dst))
-                    });
+                    })
+                };
                 if let Some(t) = taken {
                     // The receive is taken already: it completes either way
                     // (flushed if this side's own buffers failed, as this QP
@@ -798,10 +804,11 @@ impl ShmQp {
                         Err(_) => WcStatus::WrFlushErr,
                     };
                     let byte_len = if moved.is_ok() { len as u32 } else { 0 };
-                    self.put_completion(&t, byte_len, true, status, imm);
+                    self.put_completion(&t, byte_len, true, status, imm, wr.flags.solicited);
                 }
                 moved.map(Some)
             }
+            SendOp::Read { .. } if len == 0 => Ok(Some(())),
             SendOp::Read { remote_addr, rkey } => {
                 Self::with_remote(peer, rkey, remote_addr, len, Access::REMOTE_READ, |src| {
                     let mut at = 0;
@@ -852,6 +859,7 @@ impl ShmQp {
                 let moved = {
                     let dst = t
                         .sges()
+                        .filter(|&(_, _, len)| len > 0)
                         .map(|(lkey, addr, len)| {
                             peer.local_ref(PEER_PD, lkey, addr, len, Access::LOCAL_WRITE)
                         })
@@ -869,11 +877,18 @@ impl ShmQp {
                 };
                 match moved {
                     Ok(()) => {
-                        self.put_completion(&t, len as u32, false, WcStatus::Success, imm);
+                        self.put_completion(
+                            &t,
+                            len as u32,
+                            false,
+                            WcStatus::Success,
+                            imm,
+                            wr.flags.solicited,
+                        );
                         Ok(Some(()))
                     }
                     Err((theirs, mine)) => {
-                        self.put_completion(&t, 0, false, theirs, None);
+                        self.put_completion(&t, 0, false, theirs, None, false);
                         Err(mine)
                     }
                 }
@@ -952,6 +967,7 @@ impl ShmQp {
         by_write: bool,
         status: WcStatus,
         imm: Option<u32>,
+        solicited: bool,
     ) {
         let m = &self.peer.mem;
         let head = m.load(CQ_HEAD);
@@ -961,6 +977,7 @@ impl ShmQp {
         slot[12] = u8::from(by_write);
         slot[13] = status as u8;
         slot[14] = u8::from(imm.is_some());
+        slot[15] = u8::from(solicited);
         slot[16..20].copy_from_slice(&imm.unwrap_or(0).to_le_bytes());
         m.write(self.peer.cq_slot(head), &slot);
         m.store(CQ_HEAD, head.wrapping_add(1));
@@ -1050,6 +1067,7 @@ impl ShmQp {
             );
             wc.byte_len = le32(&slot, 8);
             wc.imm = (slot[14] != 0).then(|| le32(&slot, 16));
+            wc.solicited = slot[15] != 0;
             signal |= self.recv_cq.push(wc);
         }
         m.store(CQ_TAIL, tail);
