@@ -31,17 +31,24 @@ fn line(out: &mut impl Write, rec: &Record<'_>, t0: f64, quiet: bool, counts: &m
         0.0
     };
     let addrs = rec.endpoints().map_or_else(String::new, |e| e.to_string());
-    let mut s = format!(
-        "{:6} {:11.6}  {addrs:<45}  {}",
-        rec.frame(),
-        time,
-        rec.describe()
-    );
-    for e in &errors {
-        s.push_str(&format!("  !! {e}"));
+    let mut s = format!("{:6} {:11.6}  {addrs:<45}  ", rec.frame(), time);
+    if !matches!(rec, Record::Problem(_)) {
+        // A problem's description is its one error: said once, after "!!".
+        s.push_str(&rec.describe());
+        s.push_str("  ");
     }
-    // A closed pipe (decode ... | head) is not an error worth a panic.
-    let _ = writeln!(out, "{s}");
+    for e in &errors {
+        s.push_str(&format!("!! {e}  "));
+    }
+    put(out, s.trim_end());
+}
+
+/// One line of output; a failed write ends the tool (quietly if the reader
+/// went away, as `decode ... | head` does).
+fn put(out: &mut impl Write, s: &str) {
+    if let Err(e) = writeln!(out, "{s}") {
+        crate::output_failed(e);
+    }
 }
 
 pub fn run(path: &Path, roce_ports: &[u16], quiet: bool) -> ExitCode {
@@ -86,19 +93,23 @@ pub fn run(path: &Path, roce_ports: &[u16], quiet: bool) -> ExitCode {
     });
     if let Some(e) = &capture_error {
         counts.errors += 1;
-        let _ = writeln!(out, "!! {e}");
+        put(&mut out, &format!("!! {e}"));
     }
-    let _ = writeln!(
-        out,
-        "{}: {} frames, {} RoCEv2 packets, {} iWARP units decoded; {} error{}",
-        path.display(),
-        counts.frames,
-        counts.roce,
-        counts.iwarp,
-        counts.errors,
-        if counts.errors == 1 { "" } else { "s" }
+    put(
+        &mut out,
+        &format!(
+            "{}: {} frames, {} RoCEv2 packets, {} iWARP units decoded; {} error{}",
+            path.display(),
+            counts.frames,
+            counts.roce,
+            counts.iwarp,
+            counts.errors,
+            if counts.errors == 1 { "" } else { "s" }
+        ),
     );
-    let _ = out.flush();
+    if let Err(e) = out.flush() {
+        crate::output_failed(e);
+    }
     if counts.errors == 0 {
         ExitCode::SUCCESS
     } else {

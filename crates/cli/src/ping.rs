@@ -15,7 +15,8 @@ pub struct PingArgs {
     /// The server to connect to; without it, be the server.
     pub host: Option<String>,
     /// TCP port of the out-of-band exchange.
-    #[arg(short = 'p', long, default_value_t = 18515)]
+    #[arg(short = 'p', long, default_value_t = 18515,
+          value_parser = clap::value_parser!(u16).range(1..))]
     pub port: u16,
     /// Message size in bytes (default 4096, or 2048 with --ud).
     #[arg(short = 's', long)]
@@ -53,7 +54,8 @@ pub struct PingArgs {
     #[arg(long)]
     pub bind: Option<Ipv4Addr>,
     /// UDP port of both devices (RoCEv2: 4791).
-    #[arg(long, default_value_t = 4791)]
+    #[arg(long, default_value_t = 4791,
+          value_parser = clap::value_parser!(u16).range(1..))]
     pub udp_port: u16,
     /// Share the device's address with other processes through
     /// `softrdma hostd` (started if none runs) instead of binding it alone.
@@ -66,6 +68,9 @@ pub struct PingArgs {
 
 /// How long a ping waits for its next completion before giving up.
 const COMPLETION_WAIT: Duration = Duration::from_secs(30);
+
+/// How long each message of the out-of-band exchange may take to come.
+const EXCHANGE_WAIT: Duration = Duration::from_secs(60);
 const RECV_WRID: u64 = 1;
 const SEND_WRID: u64 = 2;
 const UD_QKEY: u32 = 0x1111_1111;
@@ -255,7 +260,17 @@ fn run_inner(a: &PingArgs) -> Result<(), String> {
         psn,
         gid,
     };
-    let io = |e: std::io::Error| format!("out-of-band exchange: {e}");
+    // A peer that connects and says nothing is an error, not a hang.
+    tcp.set_read_timeout(Some(EXCHANGE_WAIT))
+        .and_then(|()| tcp.set_write_timeout(Some(EXCHANGE_WAIT)))
+        .map_err(|e| format!("out-of-band exchange: {e}"))?;
+    let io = |e: std::io::Error| match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => format!(
+            "out-of-band exchange: the peer sent nothing for {} s (is it a pingpong peer?)",
+            EXCHANGE_WAIT.as_secs()
+        ),
+        _ => format!("out-of-band exchange: {e}"),
+    };
     let mut buf = [0u8; MSG_LEN];
     let connect = |rem: &Dest| -> Result<Option<Ah>, String> {
         let peer = SocketAddrV4::new(rem.ipv4()?, a.udp_port);

@@ -35,7 +35,8 @@ pub struct RpingArgs {
     #[arg(short = 'I', value_name = "ADDR")]
     pub source: Option<Ipv4Addr>,
     /// Port (rdma_cm's TCP port space).
-    #[arg(short = 'p', default_value_t = 7174)]
+    #[arg(short = 'p', default_value_t = 7174,
+          value_parser = clap::value_parser!(u16).range(1..))]
     pub port: u16,
     /// Iterations (0: until interrupted).
     #[arg(short = 'C', default_value_t = 0)]

@@ -160,6 +160,36 @@ fn a_truncated_capture_decodes_what_is_there_then_fails() {
     assert!(out.contains("RDMA_WRITE_FIRST"), "{out}");
 }
 
+/// A link type the decoder can't read fails the run, said once, not per frame;
+/// output that can't be written fails it too.
+#[test]
+fn an_unreadable_link_type_or_output_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut bytes = std::fs::read(data("rxe_write_bw.pcap")).unwrap();
+    // The pcap header's link type: 105, 802.11.
+    bytes[20..24].copy_from_slice(&105u32.to_le_bytes());
+    let p = write_temp(&dir, "wifi.pcap", &bytes);
+    let o = decode(&[], &p);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    let out = stdout(&o);
+    assert_eq!(out.matches("link type 105").count(), 1, "{out}");
+    assert_eq!(errors(&o), 1, "{out}");
+    let full = std::fs::File::options()
+        .write(true)
+        .open("/dev/full")
+        .unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_softrdma"))
+        .args(["decode", data("rxe_write_bw.pcap").to_str().unwrap()])
+        .stdout(full)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("No space left"),
+        "{o:?}"
+    );
+}
+
 #[test]
 fn not_a_capture() {
     let dir = tempfile::tempdir().unwrap();
@@ -745,6 +775,48 @@ fn perf_refuses_bad_flags_as_perftest_does() {
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(2));
+    // Out of perftest's ranges, or a port no peer can reach: refused by the
+    // parser, before anything listens.
+    for args in [
+        ["perf", "write-bw", "-t", "0"],
+        ["perf", "write-bw", "-t", "15001"],
+        ["perf", "write-bw", "-Q", "0"],
+        ["perf", "write-bw", "-Q", "1025"],
+        ["perf", "write-bw", "-q", "0"],
+        ["perf", "write-bw", "-q", "16385"],
+        ["perf", "send-bw", "-r", "0"],
+        ["perf", "write-bw", "-p", "0"],
+        ["ping", "--udp-port", "0", "127.0.0.1"],
+    ] {
+        let o = Command::new(bin).args(args).output().unwrap();
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {o:?}");
+        assert!(
+            String::from_utf8_lossy(&o.stderr).contains("invalid value"),
+            "{args:?}: {o:?}"
+        );
+    }
+}
+
+/// Two sides that disagree on the number of QPs find out in the handshake,
+/// both fail with a message, and neither reads the other's key as a report.
+#[test]
+fn perf_sides_with_different_numbers_of_qps_fail_in_the_handshake() {
+    for (k, (server_qps, client_qps)) in [("1", "2"), ("2", "1")].into_iter().enumerate() {
+        let tcp = (19390 + k).to_string();
+        let (s, c) = tool_pair(
+            &["perf"],
+            &["write-bw", "-n", "50", "-s", "4096", "-q", server_qps],
+            &["write-bw", "-n", "50", "-s", "4096", "-q", client_qps],
+            "127.0.1.71",
+            "127.0.1.72",
+            &tcp,
+        );
+        assert_eq!(s.status.code(), Some(1), "server: {s:?}");
+        assert_eq!(c.status.code(), Some(1), "client: {c:?}");
+        let said = [&s, &c].map(|o| String::from_utf8_lossy(&o.stderr).into_owned());
+        assert!(said.iter().any(|e| e.contains("the same -q")), "{said:?}");
+        assert!(perf_rows(&s).is_empty() && perf_rows(&c).is_empty());
+    }
 }
 
 #[test]

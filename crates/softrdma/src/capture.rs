@@ -670,6 +670,8 @@ pub struct Decoder {
     streams: HashMap<Endpoints, Stream>,
     negotiations: HashMap<Endpoints, Negotiation>,
     scratch: Vec<u8>,
+    /// Link types met that this decoder cannot read, each reported once.
+    unknown_linktypes: Vec<i32>,
 }
 
 impl Default for Decoder {
@@ -686,6 +688,7 @@ impl Decoder {
             streams: HashMap::new(),
             negotiations: HashMap::new(),
             scratch: Vec::new(),
+            unknown_linktypes: Vec::new(),
         }
     }
 
@@ -710,7 +713,23 @@ impl Decoder {
             // BSD loopback: a 4-byte address family, then IP.
             0 if data.len() >= 4 => SlicedPacket::from_ip(&data[4..]),
             12 | 14 | 101 | 228 | 229 => SlicedPacket::from_ip(data),
-            _ => return,
+            0 | 276 => return,
+            other => {
+                // Said once, not per frame: the whole capture is unreadable.
+                if !self.unknown_linktypes.contains(&other) {
+                    self.unknown_linktypes.push(other);
+                    emit(Record::Problem(Problem {
+                        frame: frame.number,
+                        time: frame.time,
+                        endpoints: None,
+                        message: format!(
+                            "link type {other} is not decoded (Ethernet, Linux cooked \
+                             capture, BSD loopback and raw IP are): its frames are skipped"
+                        ),
+                    }));
+                }
+                return;
+            }
         };
         let Ok(sliced) = sliced else {
             if (frame.original_len as usize) > data.len() {

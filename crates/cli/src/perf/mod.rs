@@ -80,7 +80,8 @@ pub struct PerfArgs {
     /// The server to connect to; without it, be the server.
     pub host: Option<String>,
     /// TCP port of the out-of-band exchange.
-    #[arg(short = 'p', long, default_value_t = 18515)]
+    #[arg(short = 'p', long, default_value_t = 18515,
+          value_parser = clap::value_parser!(u16).range(1..))]
     pub port: u16,
     /// Device (see `softrdma devices`; default: the route to the server, or
     /// the first non-loopback device, or --bind).
@@ -106,17 +107,21 @@ pub struct PerfArgs {
     /// (write-bw, read-bw, atomic-bw).
     #[arg(short = 'D', long = "duration")]
     pub duration: Option<u64>,
-    /// Number of QPs (BW tests).
-    #[arg(short = 'q', long = "qp", default_value_t = 1)]
+    /// Number of QPs (BW tests; perftest's limits).
+    #[arg(short = 'q', long = "qp", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..=16384))]
     pub qps: u32,
     /// Send queue depth: work requests outstanding per QP.
-    #[arg(short = 't', long = "tx-depth")]
+    #[arg(short = 't', long = "tx-depth",
+          value_parser = clap::value_parser!(u32).range(1..=15000))]
     pub tx_depth: Option<u32>,
     /// Receive queue depth (SEND tests).
-    #[arg(short = 'r', long = "rx-depth")]
+    #[arg(short = 'r', long = "rx-depth",
+          value_parser = clap::value_parser!(u32).range(1..=16384))]
     pub rx_depth: Option<u32>,
     /// Signal one send completion in this many.
-    #[arg(short = 'Q', long = "cq-mod")]
+    #[arg(short = 'Q', long = "cq-mod",
+          value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub cq_mod: Option<u32>,
     /// Path MTU (256 .. 4096; default: the port's active MTU).
     #[arg(short = 'm', long = "mtu")]
@@ -257,7 +262,7 @@ fn config(a: &PerfArgs) -> Result<Config, String> {
     if a.bidir && t.is_lat() {
         return Err(" Bidirectional is only available in BW test".into());
     }
-    if a.qps == 0 || (t.is_lat() && a.qps > 1) {
+    if t.is_lat() && a.qps > 1 {
         return Err(" Multiple QPs only available on bw tests".into());
     }
     if a.atomic.is_some() && verb != Verb::Atomic {
@@ -619,6 +624,8 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
         for z in &mut cfg.sizes {
             *z = (*z).min(mtu.bytes() as u64);
         }
+        // -a runs each size once: it stops at the MTU, as perftest's does.
+        cfg.sizes.dedup();
     }
     let dev_name = if cfg.shm {
         "shm"
@@ -791,36 +798,46 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
     };
     let keys_round =
         |oob: &mut Oob| -> Result<Vec<Key>, String> { mine.iter().map(|k| oob.key(k)).collect() };
+    // Each later message repeats the first: one that doesn't is a peer with
+    // another -q (or test), caught here instead of read as a report later.
+    let again = |oob: &mut Oob, r: &[Key]| -> Result<(), String> {
+        mine.iter()
+            .zip(r)
+            .try_for_each(|(k, before)| oob.key_again(k, before))
+    };
     // The handshakes before traffic, in each test's order.
     let (rem, ahs) = match cfg.test {
         Test::WriteBw | Test::ReadBw | Test::AtomicBw => {
             let r = keys_round(&mut oob)?;
             let ahs = connect(&r)?;
-            let r = keys_round(&mut oob)?;
-            oob.key(&mine[0])?;
+            again(&mut oob, &r)?;
+            oob.key_again(&mine[0], &r[0])?;
             (r, ahs)
         }
-        Test::SendBw => {
+        Test::SendBw | Test::SendLat => {
             let r = keys_round(&mut oob)?;
             let ahs = connect(&r)?;
-            oob.key(&mine[0])?;
-            (keys_round(&mut oob)?, ahs)
+            oob.key_again(&mine[0], &r[0])?;
+            again(&mut oob, &r)?;
+            (r, ahs)
         }
         Test::WriteLat | Test::ReadLat | Test::AtomicLat => {
-            oob.key(&mine[0])?;
+            let first = oob.key(&mine[0])?;
             let r = keys_round(&mut oob)?;
+            if r[0] != first {
+                return Err(
+                    "out-of-band exchange: the peer's second message is not its first: \
+                            do both sides run the same test?"
+                        .into(),
+                );
+            }
             let ahs = connect(&r)?;
-            let r = keys_round(&mut oob)?;
-            oob.key(&mine[0])?;
+            again(&mut oob, &r)?;
+            oob.key_again(&mine[0], &r[0])?;
             (r, ahs)
         }
-        Test::SendLat => {
-            let r = keys_round(&mut oob)?;
-            let ahs = connect(&r)?;
-            oob.key(&mine[0])?;
-            (keys_round(&mut oob)?, ahs)
-        }
     };
+    oob.setup_done();
     for k in &rem {
         print_addr("remote", k, verb);
     }
@@ -880,7 +897,7 @@ fn traffic(s: &Setup, mut oob: Oob, my0: Key) -> Result<(), String> {
                 if verb == Verb::Send {
                     post_recvs(s, size, cfg.rx_depth as u64)?;
                 }
-                oob.key(&my0)?;
+                oob.key_again(&my0, &s.rem[0])?;
                 let ours = if verb == Verb::Send {
                     // Both send and receive; the server sends once the client's
                     // first message is in.
@@ -902,7 +919,7 @@ fn traffic(s: &Setup, mut oob: Oob, my0: Key) -> Result<(), String> {
                     bw_client(s, size)?
                 };
                 if cfg.sizes.len() > 1 {
-                    oob.key(&my0)?;
+                    oob.key_again(&my0, &s.rem[0])?;
                 }
                 let theirs = oob.report(&ours)?;
                 print_bw(
@@ -935,14 +952,14 @@ fn traffic(s: &Setup, mut oob: Oob, my0: Key) -> Result<(), String> {
             if cfg.verify && verb == Verb::Read {
                 check_read(s)?;
             }
-            oob.key(&my0)?;
+            oob.key_again(&my0, &s.rem[0])?;
             oob.report(&last)?;
             oob.close(&my0)
         }
         (Test::WriteBw | Test::ReadBw | Test::AtomicBw, false) => {
             outln!("{RESULT_LINE}\n{}", bw_header(cfg.gbits));
             // The end barrier: the client comes when it is done.
-            oob.key(&my0)?;
+            oob.key_again(&my0, &s.rem[0])?;
             let theirs = oob.report(&Report::default())?;
             print_bw(&theirs, cfg.gbits);
             oob.close(&my0)?;
@@ -959,7 +976,7 @@ fn traffic(s: &Setup, mut oob: Oob, my0: Key) -> Result<(), String> {
                 if !client {
                     post_recvs(s, size, cfg.rx_depth as u64)?;
                 }
-                oob.key(&my0)?;
+                oob.key_again(&my0, &s.rem[0])?;
                 let r = if client {
                     bw_client(s, size)?
                 } else {
@@ -967,7 +984,7 @@ fn traffic(s: &Setup, mut oob: Oob, my0: Key) -> Result<(), String> {
                 };
                 print_bw(&r, cfg.gbits);
                 if cfg.sizes.len() > 1 {
-                    oob.key(&my0)?;
+                    oob.key_again(&my0, &s.rem[0])?;
                 }
             }
             outln!("{RESULT_LINE}");
@@ -1013,7 +1030,7 @@ fn traffic(s: &Setup, mut oob: Oob, my0: Key) -> Result<(), String> {
             for &size in &cfg.sizes {
                 let posts = (cfg.rx_depth as u64).min(cfg.iters);
                 post_recvs_at(s, size, posts, true)?;
-                oob.key(&my0)?;
+                oob.key_again(&my0, &s.rem[0])?;
                 let clock = Window::new(cfg);
                 let posted = send_lat(s, size, clock)?;
                 print_lat(size, cfg.iters, &posted, true, clock, cfg.list)?;

@@ -271,13 +271,27 @@ impl Control {
     }
 }
 
+/// How long a setup message may take to come: a peer that connects and
+/// then says nothing (another tool on the port, a stuck peer) is an error,
+/// not a hang. The end-of-test barrier waits as long as the run takes.
+pub const SETUP_TIMEOUT: Duration = Duration::from_secs(60);
+
 fn ctx(what: &'static str) -> impl Fn(io::Error) -> String {
-    move |e| format!("out-of-band exchange ({what}): {e}")
+    move |e| match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => format!(
+            "out-of-band exchange ({what}): the peer sent nothing for {} s (is it running \
+             a matching test?)",
+            SETUP_TIMEOUT.as_secs()
+        ),
+        _ => format!("out-of-band exchange ({what}): {e}"),
+    }
 }
 
 impl Oob {
     pub fn new(stream: TcpStream, client: bool) -> Oob {
         let _ = stream.set_nodelay(true);
+        let _ = stream.set_read_timeout(Some(SETUP_TIMEOUT));
+        let _ = stream.set_write_timeout(Some(SETUP_TIMEOUT));
         Oob {
             link: Link::Tcp(stream),
             client,
@@ -315,6 +329,29 @@ impl Oob {
         }
     }
 
+    /// The handshakes before traffic are done: from here the peer may take
+    /// as long as its run does.
+    pub fn setup_done(&mut self) {
+        if let Link::Tcp(stream) = &self.link {
+            let _ = stream.set_read_timeout(None);
+        }
+    }
+
+    /// A key handshake that must bring the same message as `before`: perftest
+    /// sends each QP's message unchanged every time (`rxe_*.pcap`), so another
+    /// one means the two sides run different tests or numbers of QPs.
+    pub fn key_again(&mut self, mine: &Key, before: &Key) -> Result<(), String> {
+        let theirs = self.key(mine)?;
+        if theirs != *before {
+            return Err(format!(
+                "out-of-band exchange: the peer's message (QP 0x{:06x}) is not the one it \
+                 sent before (QP 0x{:06x}): do both sides run the same test with the same -q?",
+                theirs.qpn, before.qpn
+            ));
+        }
+        Ok(())
+    }
+
     /// Version, page ("cycle buffer") size, cache line size and MTU: returns
     /// the cycle buffer, the cache line and the MTU enum both use.
     pub fn preamble(
@@ -327,6 +364,13 @@ impl Oob {
         v[..VERSION.len()].copy_from_slice(VERSION.as_bytes());
         let mut rv = [0u8; 16];
         self.xchg(&v, &mut rv).map_err(ctx("version"))?;
+        if rv.starts_with(b"MPA ID Req Frame") {
+            return Err(
+                "the peer opened an iWARP (MPA) connection: it runs with -R, so run this \
+                 side with -R too"
+                    .into(),
+            );
+        }
         let end = rv.iter().position(|&b| b == 0).unwrap_or(16);
         let remote = String::from_utf8_lossy(&rv[..end]).to_string();
         let num: f64 = remote

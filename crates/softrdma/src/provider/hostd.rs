@@ -88,6 +88,14 @@ impl Hostd {
     /// Claims `addr` for sharing: binds the daemon's name, then the UDP
     /// socket. `AddrInUse` from the name means a daemon already serves it.
     pub fn bind(addr: SocketAddrV4) -> io::Result<Hostd> {
+        // What a shared device can open (`Device::open`'s rules).
+        let ip = addr.ip();
+        if ip.is_unspecified() || ip.is_multicast() || ip.is_broadcast() || addr.port() == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{addr}: a hostd serves one unicast IPv4 address and a nonzero port"),
+            ));
+        }
         // Non-blocking: the loop accepts until there is no one left.
         let listener = unix_seqpacket(SocketFlags::NONBLOCK)?;
         rustix::net::bind(
@@ -472,5 +480,20 @@ mod tests {
         };
         let h = forward_header(&meta);
         assert_eq!(h, [10, 1, 2, 3, 0xc0, 0x00, 63, 0x88]);
+    }
+
+    #[test]
+    fn an_address_no_device_can_open_is_refused() {
+        for addr in [
+            "0.0.0.0:4791",
+            "224.0.0.1:4791",
+            "255.255.255.255:4791",
+            "127.0.0.1:0",
+        ] {
+            let Err(e) = Hostd::bind(addr.parse().unwrap()) else {
+                panic!("{addr}: bound");
+            };
+            assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{addr}: {e}");
+        }
     }
 }
