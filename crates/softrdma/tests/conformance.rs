@@ -718,3 +718,39 @@ fn solicited_events(t: Transport, make: &dyn Fn() -> (End, End)) {
 fn solicited_events_over_every_provider() {
     over_every_provider(solicited_events);
 }
+
+/// A QP moved to ERR before it was ever connected takes what is posted and
+/// flushes it, as a connected one does, on every provider (siw and rxe do:
+/// it is how `ib_drain_qp` drains a QP).
+#[test]
+fn a_qp_moved_to_err_before_connecting_flushes_what_is_posted() {
+    for (t, dev) in [
+        (Transport::Roce, Device::udp("127.0.0.1:0".parse().unwrap())),
+        (Transport::Iwarp, Device::iwarp([127, 0, 0, 1].into())),
+        (Transport::Shm, Device::shm()),
+    ] {
+        let a = end(dev);
+        let err = QpAttr {
+            state: Some(QpState::Err),
+            ..QpAttr::default()
+        };
+        a.qp.modify(&err, None).unwrap();
+        assert_eq!(a.qp.state(), QpState::Err, "{t:?}");
+        a.qp.post_recv(RecvWr::new(1, [a.mr.sge(RECV, 64)]))
+            .unwrap();
+        a.qp.post_send(SendWr::new(2, SendOp::Send, [a.mr.sge(SRC, 8)]))
+            .unwrap();
+        let wc = one(&a.rcq);
+        assert_eq!((wc.wr_id, wc.status), (1, WcStatus::WrFlushErr), "{t:?}");
+        let wc = one(&a.scq);
+        assert_eq!((wc.wr_id, wc.status), (2, WcStatus::WrFlushErr), "{t:?}");
+        // A broken WR is still refused, not flushed.
+        let e =
+            a.qp.post_send(SendWr::new(3, SendOp::Send, vec![a.mr.sge(SRC, 8); 5]))
+                .unwrap_err();
+        assert!(
+            matches!(e, VerbsError::Post(PostError::TooManySges { .. })),
+            "{t:?}: {e}"
+        );
+    }
+}

@@ -280,3 +280,42 @@ fn inline_ud_sends_arrive_whole() {
     }
     assert_eq!(ctx.stats().bad_icrc, 0);
 }
+
+/// A send through an address handle that was destroyed, or that another
+/// protection domain made, is refused on the call; before, it completed
+/// with success and nothing went out.
+#[test]
+fn a_destroyed_or_foreign_address_handle_is_refused() {
+    let ctx = Device::udp("127.0.0.1:0".parse().unwrap()).open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let other_pd = ctx.alloc_pd().unwrap();
+    let mr = pd.register(4096, Access::LOCAL_WRITE).unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let a = ud_qp(&pd, &cq, QKEY);
+    let to = AhAttr {
+        addr: ctx.local_addr(),
+    };
+    let foreign = other_pd.create_ah(to).unwrap();
+    let gone = pd.create_ah(to).unwrap().dest(a.qpn(), QKEY);
+    for (wr_id, dest) in [(1, foreign.dest(a.qpn(), QKEY)), (2, gone)] {
+        let e = a
+            .post_send(SendWr::new(wr_id, SendOp::Send, vec![mr.sge(0, 4)]).to(dest))
+            .unwrap_err();
+        assert!(
+            matches!(e, VerbsError::Post(PostError::BadAh(_))),
+            "{wr_id}: {e}"
+        );
+    }
+    assert!(cq.poll_one().unwrap().is_none(), "nothing was posted");
+    // The QP's own AH still works.
+    let ah = pd.create_ah(to).unwrap();
+    a.post_recv(RecvWr::new(5, [mr.sge(100, 48)])).unwrap();
+    a.post_send(SendWr::new(3, SendOp::Send, vec![mr.sge(0, 4)]).to(ah.dest(a.qpn(), QKEY)))
+        .unwrap();
+    let mut got: Vec<_> = (0..2)
+        .map(|_| cq.wait(T).unwrap().unwrap())
+        .map(|wc| (wc.wr_id, wc.status))
+        .collect();
+    got.sort_unstable_by_key(|g| g.0);
+    assert_eq!(got, [(3, WcStatus::Success), (5, WcStatus::Success)]);
+}

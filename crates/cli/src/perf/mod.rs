@@ -1409,7 +1409,8 @@ fn spin_one(cq: &Cq, end: Option<Instant>, side: &str) -> Result<Option<WorkComp
 fn send_op(s: &Setup, i: usize, size: u64, k: u64, signaled: bool) -> SendWr {
     let step = s.step(s.span(size), k);
     let sge = s.mr.sge(s.local(i) + step, size as u32);
-    let remote_addr = s.rem[i].vaddr + step as u64;
+    // A peer's absurd address wraps here, and the peer refuses the access.
+    let remote_addr = s.rem[i].vaddr.wrapping_add(step as u64);
     let rkey = s.rem[i].rkey;
     let op = match s.cfg.test.verb() {
         Verb::Write => SendOp::Write { remote_addr, rkey },

@@ -477,6 +477,12 @@ pub enum PostError {
     /// An atomic whose local buffer is not 8 bytes.
     #[error("atomic operations need exactly one 8-byte local buffer")]
     BadAtomicSge,
+    /// A UD send through an address handle that is not of the QP's
+    /// protection domain (destroyed, or another domain's).
+    #[error(
+        "address handle {0} is not one of this QP's protection domain (destroyed, or another's)"
+    )]
+    BadAh(u32),
     /// An atomic whose remote address is not 8-byte aligned.
     #[error("atomic operations need an 8-byte-aligned remote address, not {0:#x}")]
     MisalignedAtomic(u64),
@@ -622,6 +628,14 @@ pub enum QpEngine {
 }
 
 impl QpEngine {
+    /// The QP's protection domain.
+    pub fn pd(&self) -> crate::memory::PdId {
+        match self {
+            QpEngine::Rc(q) => q.pd(),
+            QpEngine::Ud(q) => q.pd(),
+        }
+    }
+
     /// RC packets sent and not yet acknowledged (0 on UD).
     pub fn packets_in_flight(&self) -> u32 {
         match self {

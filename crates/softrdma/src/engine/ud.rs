@@ -109,6 +109,11 @@ pub struct UdQp {
 }
 
 impl UdQp {
+    /// The QP's protection domain.
+    pub fn pd(&self) -> PdId {
+        self.pd
+    }
+
     /// A UD QP in RESET; messages are limited to `mtu` (the port's active MTU).
     pub fn new(qpn: u32, pd: PdId, caps: QpCaps, mtu: Mtu) -> UdQp {
         UdQp {

@@ -37,7 +37,7 @@ use crate::engine::rc::MAX_HEADER_LEN;
 use crate::engine::srq::Srq;
 use crate::engine::ud::RecvMeta;
 use crate::engine::{AhId, CqKind, MAX_INLINE_DATA, QpEngine, Time, Transmit};
-use crate::memory::{KeyHash, MrTable, Segment};
+use crate::memory::{KeyHash, MrTable, PdId, Segment};
 use crate::verbs::cq::CqInner;
 use crate::verbs::events::{AsyncEvent, EventQueue};
 
@@ -190,7 +190,8 @@ pub(crate) struct Shared {
     pub mrs: Arc<RwLock<MrTable>>,
     pub qps: RwLock<HashMap<u32, Arc<QpSlot>, KeyHash>>,
     /// Address handles: where UD sends go.
-    pub ahs: RwLock<HashMap<u32, SocketAddrV4>>,
+    /// Address handles: where each sends, and its protection domain.
+    pub ahs: RwLock<HashMap<u32, (SocketAddrV4, PdId)>>,
     /// Asynchronous events.
     pub events: Arc<EventQueue>,
     port_up: AtomicBool,
@@ -906,7 +907,7 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
                             .read()
                             .expect("AH table lock")
                             .get(&ah.0)
-                            .copied(),
+                            .map(|&(addr, _)| addr),
                         None => peer,
                     };
                     let Some(d) = dest else {

@@ -357,7 +357,8 @@ impl Cq {
     /// A blocking wait sleeps until all `n` are there: one wake-up, not `n`.
     pub fn wait_for(&self, n: usize, timeout: Duration) -> Result<Vec<WorkCompletion>, CqError> {
         let deadline = super::deadline_after(timeout);
-        let mut got = Vec::with_capacity(n);
+        // More than the CQ holds may come over time, but needn't be reserved.
+        let mut got = Vec::with_capacity(n.min(self.capacity()));
         let busy = self.busy();
         while got.len() < n {
             if busy {

@@ -6,12 +6,12 @@ use std::net::TcpStream;
 use std::sync::{Arc, Mutex};
 
 use super::cq::CqInner;
-use super::early::{BeforeConnect, Kept};
+use super::early::{BeforeConnect, Kept, flush_posted};
 use super::{Pd, Provider, Qp, QpInit, QpKind, QpType, Result, VerbsError};
 use crate::cm::mpa::MpaOutcome;
 use crate::engine::iwarp::{IwarpConfig, IwarpQp, IwarpStats, P2p};
 use crate::engine::rc::QpCaps;
-use crate::engine::{PostError, QpState, RecvWr, SendWr};
+use crate::engine::{PostError, QpState, RecvWr, SendWr, WcOpcode};
 use crate::provider::tcp::{ConnOptions, PEER_TIMEOUT, TcpQp, max_ulpdu_for};
 use softrdma_wire::rdmap::{TermEncoding, TerminateRepr};
 
@@ -89,7 +89,12 @@ impl IwarpSlot {
         if let Some(c) = &*self.conn.lock().expect("conn lock") {
             return c.post_send(wr);
         }
-        Err(PostError::BadState(state))
+        if state != QpState::Err {
+            return Err(PostError::BadState(state));
+        }
+        crate::engine::check_post_send(&wr, &self.caps)?;
+        flush_posted(&self.send_cq, wr.wr_id, wr.op.wc_opcode(), self.qpn);
+        Ok(())
     }
 
     pub(crate) fn post_recv(&self, wr: RecvWr) -> Result<(), PostError> {
@@ -103,7 +108,10 @@ impl IwarpSlot {
             Kept::Yes => Ok(()),
             Kept::Late(wr) => match &*self.conn.lock().expect("conn lock") {
                 Some(c) => c.post_recv(wr),
-                None => Err(PostError::BadState(QpState::Err)),
+                None => {
+                    flush_posted(&self.recv_cq, wr.wr_id, WcOpcode::Recv, self.qpn);
+                    Ok(())
+                }
             },
         }
     }

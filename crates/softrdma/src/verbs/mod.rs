@@ -704,7 +704,7 @@ impl Pd {
             .ahs
             .write()
             .expect("AH table lock")
-            .insert(id.0, attr.addr);
+            .insert(id.0, (attr.addr, self.id));
         Ok(Ah {
             ctx: self.ctx.clone(),
             id,
@@ -1258,6 +1258,13 @@ impl Qp {
             QpKind::Roce(slot) => {
                 let in_flight = {
                     let mut qp = slot.engine.lock().expect("QP lock");
+                    if let (Some(dest), Provider::Udp(d)) = (&wr.ud, &self.ctx.inner.dev) {
+                        // As rxe's AH lookup: a destroyed AH or another PD's.
+                        let ahs = d.shared.ahs.read().expect("AH table lock");
+                        if ahs.get(&dest.ah.0).is_none_or(|&(_, pd)| pd != qp.pd()) {
+                            return Err(PostError::BadAh(dest.ah.0).into());
+                        }
+                    }
                     qp.post_send(wr)?;
                     qp.packets_in_flight()
                 };

@@ -7,10 +7,10 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use super::cq::CqInner;
-use super::early::{BeforeConnect, Kept};
+use super::early::{BeforeConnect, Kept, flush_posted};
 use super::{Pd, Provider, Qp, QpInit, QpKind, QpType, Result, VerbsError};
 use crate::engine::rc::QpCaps;
-use crate::engine::{PostError, QpState, RecvWr, SendWr};
+use crate::engine::{PostError, QpState, RecvWr, SendWr, WcOpcode};
 use crate::provider::shm::{self, MAX_RECV_SGE, QpParts, ShmQp};
 
 /// What the verbs keep of a shm QP.
@@ -51,6 +51,11 @@ impl ShmSlot {
     pub(crate) fn post_send(&self, wr: &SendWr) -> Result<(), PostError> {
         match self.conn() {
             Some(c) => c.post_send(wr),
+            None if self.state() == QpState::Err => {
+                crate::engine::check_post_send(wr, &self.caps)?;
+                flush_posted(&self.send_cq, wr.wr_id, wr.op.wc_opcode(), self.qpn);
+                Ok(())
+            }
             None => Err(PostError::BadState(self.state())),
         }
     }
@@ -64,7 +69,10 @@ impl ShmSlot {
             Kept::Yes => Ok(()),
             Kept::Late(wr) => match self.conn() {
                 Some(c) => c.post_recv(wr),
-                None => Err(PostError::BadState(QpState::Err)),
+                None => {
+                    flush_posted(&self.recv_cq, wr.wr_id, WcOpcode::Recv, self.qpn);
+                    Ok(())
+                }
             },
         }
     }

@@ -6,6 +6,9 @@ use softrdma_wire::packet::Repr;
 use softrdma_wire::{Opcode, Psn, atomic, bth, reth};
 
 use super::{MAX_PKTS_PER_ACK, MAX_UNACKED_PSNS, MIN_UNACKED_PSNS, RcQp};
+
+/// Half the 24-bit PSN space.
+const HALF_PSN_SPACE: u32 = 1 << 23;
 use crate::engine::{CqKind, PostError, QpState, SendOp, SendWr, Time, Transmit, WcStatus};
 use crate::engine::{SegList, gather, push_pieces};
 use crate::memory::{Access, MrTable, Segment};
@@ -266,20 +269,28 @@ impl RcQp {
                         return None;
                     }
                 }
-                if self.req.psn.distance(oldest) >= self.req.window.limit() as i32 {
+                let in_flight = self.req.psn.distance(oldest);
+                if in_flight >= self.req.window.limit() as i32 {
+                    return None;
+                }
+                // The PSNs in flight stay within half the 24-bit space, where
+                // a response's PSN still tells old from new: a READ of 2 GiB
+                // at a 256-byte MTU fills that half alone, and what follows
+                // it waits for its answer.
+                let npsn = if w.wr.op.is_atomic() {
+                    1
+                } else {
+                    packets_for(w.len, self.pmtu)
+                };
+                if in_flight < 0 || (in_flight > 0 && in_flight as u32 + npsn > HALF_PSN_SPACE) {
                     return None;
                 }
                 if !self.resolve(idx, mrs) {
                     return None;
                 }
-                let pmtu = self.pmtu;
                 let psn = self.req.psn;
                 let w = &mut self.req.sq[idx];
-                w.npsn = if w.wr.op.is_atomic() {
-                    1
-                } else {
-                    packets_for(w.len, pmtu)
-                };
+                w.npsn = npsn;
                 w.first_psn = psn;
                 w.started = true;
                 w.next_pkt = 0;

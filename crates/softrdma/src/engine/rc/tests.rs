@@ -1455,3 +1455,35 @@ fn after_a_loss_the_window_grows_by_one_psn_per_window_and_never_below_128() {
     w.acknowledged(1);
     assert_eq!(w.limit(), MIN_UNACKED_PSNS + 1);
 }
+
+/// A 2 GiB READ at a 256-byte MTU spans half the PSN space by itself: what
+/// is posted after it waits for its answer instead of going out, where its
+/// PSNs and the READ's responses could no longer be told apart.
+#[test]
+fn nothing_follows_a_read_that_spans_half_the_psn_space() {
+    let mut p = Pair::new(Setup {
+        pmtu: Mtu::Mtu256,
+        ..Setup::default()
+    });
+    // Mapped, never touched: the READ is only posted and sent.
+    let big = Arc::new(RegionMemory::zeroed(1 << 31).unwrap());
+    let (lkey, iova) = (0x0c0c_0001, 0x4000_0000_0000);
+    p.sim.ends[0]
+        .mrs
+        .insert(Region::new(1, (lkey, 0x0c0c_0002), big, 0, 1 << 31, iova, Access::ALL).unwrap());
+    p.send(
+        0,
+        SendOp::Read {
+            remote_addr: IOVA[1],
+            rkey: RKEY[1],
+        },
+        vec![Sge {
+            addr: iova,
+            len: 1 << 31,
+            lkey,
+        }],
+    );
+    p.send(0, SendOp::Send, vec![Pair::sge(0, 0, 8)]);
+    let sent = take_packets(&mut p, 0, 2);
+    assert_eq!(sent.len(), 1, "only the READ request goes out");
+}
