@@ -73,6 +73,10 @@ enum Pending {
     },
 }
 
+/// Answers (ACKs, NAKs, READ response streams, atomic ACKs) queued at most:
+/// an honest requester keeps a few READs and one coalesced ACK waiting.
+pub(crate) const MAX_QUEUED_ANSWERS: usize = 1024;
+
 #[derive(Debug, Default)]
 pub(super) struct Responder {
     /// Expected PSN.
@@ -125,7 +129,13 @@ impl RcQp {
 
     fn queue_nak(&mut self, psn: Psn, syndrome: Syndrome) {
         let msn = self.resp.msn;
-        self.resp.out.push_back(Pending::Ack { psn, syndrome, msn });
+        // The same NAK again (a SEND retried into an empty receive queue)
+        // is said once: the one queued says it.
+        if !matches!(self.resp.out.back(),
+            Some(Pending::Ack { psn: p, syndrome: s, .. }) if *p == psn && *s == syndrome)
+        {
+            self.resp.out.push_back(Pending::Ack { psn, syndrome, msn });
+        }
     }
 
     fn save_resource(&mut self, r: Resource) {
@@ -138,6 +148,13 @@ impl RcQp {
 
     pub(super) fn respond_packet(&mut self, p: &Packet<&[u8]>, mrs: &MrTable) {
         if !matches!(self.state, QpState::Rtr | QpState::Rts | QpState::Sqd) {
+            self.stats.dropped += 1;
+            return;
+        }
+        // Answers wait here until the provider sends them: a peer that asks
+        // faster than they leave is held off, its request dropped as if lost
+        // (the requester retries), instead of queued without bound.
+        if self.resp.out.len() >= MAX_QUEUED_ANSWERS {
             self.stats.dropped += 1;
             return;
         }

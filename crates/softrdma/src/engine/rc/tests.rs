@@ -1487,3 +1487,51 @@ fn nothing_follows_a_read_that_spans_half_the_psn_space() {
     let sent = take_packets(&mut p, 0, 2);
     assert_eq!(sent.len(), 1, "only the READ request goes out");
 }
+
+/// A peer that floods requests while nothing is sent back: the same RNR NAK
+/// is queued once however often its SEND comes, and new READs past the cap
+/// are dropped as if lost (the responder's queue stays bounded), then
+/// answered once the queue drains and the requester retries.
+#[test]
+fn a_flood_of_requests_is_held_off_not_queued_without_bound() {
+    use softrdma_wire::Opcode as O;
+    use softrdma_wire::Psn;
+    use softrdma_wire::packet::Repr;
+    let mut p = Pair::new(Setup::default());
+    let epsn = Setup::default().psn[0];
+    let packet = |r: Repr, payload: &[u8]| {
+        let mut b = vec![0u8; r.buffer_len().unwrap()];
+        r.emit(&mut b, payload).unwrap();
+        b
+    };
+    // SENDs with no receive posted.
+    let send = packet(
+        Repr::new(O::RC_SEND_ONLY, QPN[1], Psn::new(epsn), 8),
+        &[1; 8],
+    );
+    for _ in 0..5000 {
+        p.deliver(1, [&send]);
+    }
+    assert_eq!(p.sim.ends[1].qp.responses_queued(), 1, "one RNR NAK");
+    // READs at consecutive PSNs, none of their answers sent.
+    let read = |k: u32| {
+        let mut r = Repr::new(O::RC_RDMA_READ_REQUEST, QPN[1], Psn::new(epsn).add(k), 0);
+        r.reth = Some(softrdma_wire::reth::Repr {
+            va: IOVA[1],
+            rkey: RKEY[1],
+            dma_len: 8,
+        });
+        packet(r, &[])
+    };
+    for k in 0..5000 {
+        p.deliver(1, [&read(k)]);
+    }
+    let queued = p.sim.ends[1].qp.responses_queued() as usize;
+    assert_eq!(queued, responder::MAX_QUEUED_ANSWERS, "held at the cap");
+    assert!(p.sim.ends[1].qp.stats().dropped >= 5000 - 1023);
+    // Once the answers leave, the next READ is taken again.
+    let answers = take_packets(&mut p, 1, queued);
+    assert_eq!(answers.len(), queued);
+    p.deliver(1, [&read(1023)]);
+    assert_eq!(p.sim.ends[1].qp.responses_queued(), 1);
+}
