@@ -152,6 +152,55 @@ fn shm_tests_between_processes() {
     remote_errors_between_processes();
     a_killed_peer_flushes_the_survivor();
     eight_processes_add_and_lock_on_one_word();
+    a_process_of_another_user_is_refused();
+}
+
+/// The other user's side: connects to the listener it is named and prints
+/// what came of it.
+#[test]
+#[ignore = "a child process of shm_tests_between_processes"]
+fn other_user_client() {
+    let Ok(name) = std::env::var(NAME) else {
+        return;
+    };
+    if std::env::var(ROLE).as_deref() != Ok("other-user") {
+        return;
+    }
+    let s = side();
+    match shm::connect(&s.qp, &name) {
+        Ok(()) => println!("CONNECTED"),
+        Err(e) => println!("REFUSED {e}"),
+    }
+    std::process::exit(0);
+}
+
+/// A PD's regions are mapped into its peers: a process of another user is
+/// refused by both sides, whoever reaches the listener's abstract name.
+fn a_process_of_another_user_is_refused() {
+    use std::os::unix::process::CommandExt;
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("not root: can't start a process of another user; skipped");
+        return;
+    }
+    let name = format!("shm-proc-{}-other-user", std::process::id());
+    let s = side();
+    let listener = Listener::bind(&s.ctx, &name).unwrap();
+    let child = Command::new(std::env::current_exe().unwrap())
+        .args(["other_user_client", "--exact", "--ignored", "--nocapture"])
+        .env(ROLE, "other-user")
+        .env(NAME, &name)
+        .uid(65534)
+        .gid(65534)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let e = listener.accept(&s.qp).unwrap_err();
+    assert!(e.to_string().contains("one user"), "{e}");
+    let out = child.wait_with_output().unwrap();
+    let out = String::from_utf8_lossy(&out.stdout);
+    assert!(out.contains("REFUSED"), "the child: {out}");
+    assert!(out.contains("one user"), "the child: {out}");
+    assert_eq!(s.qp.state(), QpState::Init, "the QP stays unconnected");
 }
 
 fn every_operation_into_a_sleeping_process_and_a_deregistration() {

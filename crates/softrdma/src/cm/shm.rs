@@ -32,6 +32,25 @@ fn socket() -> Result<OwnedFd> {
         .map_err(|e| io_err("a Unix socket".into(), e))
 }
 
+/// A PD's regions are mapped into its peers, so a peer must be a process of
+/// this user: any user can reach an abstract socket, whose name is no
+/// secret.
+fn same_user(sock: &OwnedFd) -> Result<()> {
+    let peer = rustix::net::sockopt::socket_peercred(sock)
+        .map_err(|e| io_err("the shm peer's credentials".into(), e.into()))?;
+    let me = rustix::process::geteuid();
+    if peer.uid != me {
+        return Err(VerbsError::Invalid(format!(
+            "the shm peer (process {}) runs as user {}, this process as {}: shared \
+             memory connects processes of one user",
+            peer.pid.as_raw_nonzero(),
+            peer.uid.as_raw(),
+            me.as_raw()
+        )));
+    }
+    Ok(())
+}
+
 /// Connects `qp` (of a shm device, not yet connected) to the listener
 /// `name` on this host.
 pub fn connect(qp: &Qp, name: &str) -> Result<()> {
@@ -40,6 +59,7 @@ pub fn connect(qp: &Qp, name: &str) -> Result<()> {
     let sock = socket()?;
     rustix::net::connect(&sock, &addr)
         .map_err(|e| io_err(format!("no shm listener {name:?} on this host"), e.into()))?;
+    same_user(&sock)?;
     qp.attach_shm(sock, TIMEOUT, false)
 }
 
@@ -80,6 +100,7 @@ impl Listener {
         qp.check_unconnected()?;
         let sock = rustix::net::accept_with(&self.sock, SocketFlags::CLOEXEC)
             .map_err(|e| io_err(format!("accepting on {:?}", self.name), e.into()))?;
+        same_user(&sock)?;
         qp.attach_shm(sock, TIMEOUT, true)
     }
 }

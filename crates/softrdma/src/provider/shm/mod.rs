@@ -332,6 +332,16 @@ fn recv_msg(sock: BorrowedFd<'_>, buf: &mut [u8; MSG_MAX]) -> io::Result<(usize,
     Ok((m.bytes, fds))
 }
 
+/// Regions a peer may have mapped here at once: each is a mapping of this
+/// process (the kernel allows some 65 000), so a peer can't use them all up.
+const MAX_PEER_REGIONS: usize = 4096;
+
+fn too_many_regions() -> io::Error {
+    bad(format!(
+        "the peer announced more than {MAX_PEER_REGIONS} regions at once"
+    ))
+}
+
 fn le32(b: &[u8], at: usize) -> u32 {
     u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
 }
@@ -462,11 +472,16 @@ fn read_peer(
     rustix::io::ioctl_fionbio(&peer_event, true)?;
     let peer_inbox = mapping::map(fds[0].as_fd(), inbox_len(peer_slots))?;
     let mut peer_regions = MrTable::new();
+    let mut announced = 0;
     loop {
         let (n, fds) = deadline.recv(sock, &mut buf)?;
         match (n, buf[0]) {
             (1, READY) => break,
             (32, REGION) if fds.len() == 1 => {
+                announced += 1;
+                if announced > MAX_PEER_REGIONS {
+                    return Err(too_many_regions());
+                }
                 let r = map_region(&buf[..32], &fds[0])?;
                 if peer_regions.key_in_use(r.lkey) || peer_regions.key_in_use(r.rkey) {
                     return Err(bad("the peer announced a key twice"));
@@ -696,11 +711,13 @@ impl ShmQp {
     /// if they are not there yet (a key the table lacks fails later, in
     /// [`ShmQp::each_local`]).
     fn learn_local(&self, local: &mut MrTable, wr: &SendWr) {
-        if wr.flags.inline || wr.sgl.iter().all(|s| local.key_in_use(s.lkey)) {
+        // Empty SGEs name no region (their keys are not checked).
+        let named = || wr.sgl.iter().filter(|s| s.len > 0);
+        if wr.flags.inline || named().all(|s| local.key_in_use(s.lkey)) {
             return;
         }
         let mrs = self.mrs.read().expect("MR table lock");
-        for s in &wr.sgl {
+        for s in named() {
             if !local.key_in_use(s.lkey)
                 && let Some(r) = mrs.by_lkey(s.lkey)
             {
@@ -1170,6 +1187,9 @@ impl ShmQp {
     fn message(&self, m: &[u8], fds: &[OwnedFd]) -> io::Result<()> {
         match (m.len(), m.first()) {
             (32, Some(&REGION)) if fds.len() == 1 => {
+                if self.sq.lock().peer.len() >= MAX_PEER_REGIONS {
+                    return Err(too_many_regions());
+                }
                 let r = map_region(m, &fds[0])?;
                 let lkey = r.lkey;
                 let mut sq = self.sq.lock();

@@ -153,3 +153,34 @@ fn a_peer_that_stops_answering_is_dropped_when_a_region_is_revoked() {
         t.elapsed()
     );
 }
+
+/// Each region a peer announces is a mapping here: a peer announcing one
+/// memfd over and over (which costs it nothing) is refused past the cap,
+/// before the process runs out of mappings.
+#[test]
+fn a_peer_that_announces_too_many_regions_is_refused() {
+    let (ours, theirs) = seqpacket_pair();
+    let (event, _other_end) = std::os::unix::net::UnixStream::pair().unwrap();
+    let peer = std::thread::spawn(move || {
+        let _inbox = send_hello(theirs.as_fd(), event.as_fd());
+        let (_mem, fd) = mapping::create(4096, "test-region").unwrap();
+        for k in 0..=MAX_PEER_REGIONS as u32 {
+            let mut m = [0u8; 32];
+            m[0] = REGION;
+            m[4..8].copy_from_slice(&(0x100 + 2 * k).to_le_bytes());
+            m[8..12].copy_from_slice(&(0x101 + 2 * k).to_le_bytes());
+            m[12..16].copy_from_slice(&Access::ALL.bits().to_le_bytes());
+            m[24..32].copy_from_slice(&4096u64.to_le_bytes());
+            if send_msg(theirs.as_fd(), &m, &[fd.as_fd()]).is_err() {
+                return;
+            }
+        }
+        let _ = send_msg(theirs.as_fd(), &[READY], &[]);
+    });
+    let Err(e) = read_peer(ours.as_fd(), Deadline::after(Duration::from_secs(20))) else {
+        panic!("the peer's regions were all taken");
+    };
+    assert!(e.to_string().contains("more than 4096 regions"), "{e}");
+    drop(ours);
+    peer.join().unwrap();
+}
