@@ -190,8 +190,11 @@ impl ShmDevice {
             // connection ends. One slow to map it learns of it all the same.
             if qp.send_region(&r).is_err() {
                 qp.fail();
-            } else {
-                qp.wait_ack(REGION, r.lkey);
+            } else if !qp.slow_to_ack.load(Ordering::Acquire) && !qp.wait_ack(REGION, r.lkey) {
+                // It learns of the region all the same, when it reads; but
+                // a peer that never answers would cost every register here
+                // its second.
+                qp.slow_to_ack.store(true, Ordering::Release);
             }
         }
         regions.push(r);
@@ -259,6 +262,9 @@ pub(crate) struct ShmQp {
     /// (message, lkey) the peer has acknowledged.
     acks: Mutex<Vec<(u8, u32)>>,
     acked: Condvar,
+    /// The peer let a new region's acknowledgement wait out [`ACK_WAIT`]:
+    /// registrations stop waiting for it until it acknowledges something.
+    slow_to_ack: AtomicBool,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -577,6 +583,7 @@ pub(crate) fn establish(
         closing: AtomicBool::new(false),
         acks: Mutex::new(Vec::new()),
         acked: Condvar::new(),
+        slow_to_ack: AtomicBool::new(false),
         thread: Mutex::new(None),
     });
     {
@@ -1214,6 +1221,7 @@ impl ShmQp {
                     acks.remove(0);
                 }
                 drop(acks);
+                self.slow_to_ack.store(false, Ordering::Release);
                 self.acked.notify_all();
             }
             _ => return Err(bad("an unexpected message from the peer")),

@@ -138,6 +138,15 @@ fn a_peer_that_stops_answering_is_dropped_when_a_region_is_revoked() {
     let mr = pd.register(4096, crate::memory::Access::ALL).unwrap();
     assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
     assert_eq!(qp.state(), QpState::Rts);
+    // The next doesn't wait for it again: a peer that never answers costs
+    // one second, not one per registration.
+    let t = Instant::now();
+    let _second = pd.register(4096, crate::memory::Access::ALL).unwrap();
+    assert!(
+        t.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        t.elapsed()
+    );
     drop(mr);
     let t = Instant::now();
     while qp.state() != QpState::Err {
