@@ -92,7 +92,7 @@ impl IwarpSlot {
         if state != QpState::Err {
             return Err(PostError::BadState(state));
         }
-        crate::engine::check_post_send(&wr, &self.caps)?;
+        IwarpQp::check_send(&wr, &self.caps)?;
         flush_posted(&self.send_cq, wr.wr_id, wr.op.wc_opcode(), self.qpn);
         Ok(())
     }

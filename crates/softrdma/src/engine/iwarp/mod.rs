@@ -349,8 +349,10 @@ impl IwarpQp {
         self.invalidated.pop_front()
     }
 
-    /// Posts a send WR.
-    pub fn post_send(&mut self, wr: SendWr) -> Result<(), PostError> {
+    /// The checks a send WR passes before it is posted (with or without a
+    /// connection): an operation iWARP has, and `check_post_send`'s. Returns
+    /// its length.
+    pub fn check_send(wr: &SendWr, caps: &QpCaps) -> Result<u64, PostError> {
         match wr.op {
             SendOp::Send
             | SendOp::SendWithInv(_)
@@ -368,8 +370,13 @@ impl IwarpQp {
                 ));
             }
         }
+        crate::engine::check_post_send(wr, caps)
+    }
+
+    /// Posts a send WR.
+    pub fn post_send(&mut self, wr: SendWr) -> Result<(), PostError> {
         // At most 2 GiB: `len` fits in `usize` and the u32 fields below.
-        let len = crate::engine::check_post_send(&wr, &self.caps)? as usize;
+        let len = Self::check_send(&wr, &self.caps)? as usize;
         if self.sq.len() + self.reads_out.len() >= self.caps.max_send_wr as usize {
             return Err(PostError::QueueFull(self.caps.max_send_wr));
         }

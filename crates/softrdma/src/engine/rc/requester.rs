@@ -6,12 +6,12 @@ use softrdma_wire::packet::Repr;
 use softrdma_wire::{Opcode, Psn, atomic, bth, reth};
 
 use super::{MAX_PKTS_PER_ACK, MAX_UNACKED_PSNS, MIN_UNACKED_PSNS, RcQp};
-
-/// Half the 24-bit PSN space.
-const HALF_PSN_SPACE: u32 = 1 << 23;
 use crate::engine::{CqKind, PostError, QpState, SendOp, SendWr, Time, Transmit, WcStatus};
 use crate::engine::{SegList, gather, push_pieces};
 use crate::memory::{Access, MrTable, Segment};
+
+/// Half the 24-bit PSN space.
+const HALF_PSN_SPACE: u32 = 1 << 23;
 
 /// Payloads up to this long are copied into the packet buffer when the
 /// packet is built, not sent from region pieces.
