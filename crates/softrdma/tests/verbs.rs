@@ -95,7 +95,79 @@ fn cq_capacity_and_overrun_is_an_error() {
         solicited: false,
         invalidated_rkey: None,
     }; 8];
+    // The two queued before the overrun are polled, then the CQ says it
+    // overran, and keeps saying so: nothing after it was taken.
+    assert_eq!(small.poll(&mut wcs), Ok(2));
+    assert_eq!(wcs[..2].iter().map(|w| w.wr_id).collect::<Vec<_>>(), [0, 1]);
     assert_eq!(small.poll(&mut wcs), Err(CqError::Overrun(2)));
+    assert_eq!(small.poll_one(), Err(CqError::Overrun(2)));
+    assert_eq!(
+        small.wait(Duration::from_millis(10)),
+        Err(CqError::Overrun(2))
+    );
+}
+
+/// A CQ armed for any completion stays so when a solicited-only arm
+/// follows (rdmavt keeps NEXT_COMP), and a thread that loses the event to
+/// another waits on for its own time instead of returning at once.
+#[test]
+fn an_arm_is_not_narrowed_and_a_lost_event_race_keeps_waiting() {
+    let c = ctx();
+    let pd = c.alloc_pd().unwrap();
+    let mr = pd.register(4096, Access::ALL).unwrap();
+    let cq = c.create_cq(16).unwrap();
+    let a = pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
+    let peer_cq = c.create_cq(16).unwrap();
+    let b = pd.create_qp(&QpInit::rc(&peer_cq, &peer_cq)).unwrap();
+    let (ia, ib) = (
+        ConnInfo::local(&a, Some(&mr)).unwrap(),
+        ConnInfo::local(&b, Some(&mr)).unwrap(),
+    );
+    cm::connect(&a, &ia, &ib, &RcOptions::default()).unwrap();
+    cm::connect(&b, &ib, &ia, &RcOptions::default()).unwrap();
+    let _fd = cq.as_fd();
+    cq.req_notify(false);
+    cq.req_notify(true);
+    // An unsolicited WRITE: its send completion fires the arm.
+    a.post_send(SendWr::new(
+        1,
+        SendOp::Write {
+            remote_addr: mr.addr(),
+            rkey: mr.rkey(),
+        },
+        [mr.sge(0, 8)],
+    ))
+    .unwrap();
+    assert!(cq.wait_event(Duration::from_secs(5)), "the first arm held");
+    assert_eq!(cq.wait(Duration::from_secs(5)).unwrap().unwrap().wr_id, 1);
+    // Two waiters, one event: the other keeps waiting until its timeout.
+    cq.req_notify(false);
+    let t = std::time::Instant::now();
+    let got = std::thread::scope(|s| {
+        let waiters: Vec<_> = (0..2)
+            .map(|_| s.spawn(|| cq.wait_event(Duration::from_millis(600))))
+            .collect();
+        std::thread::sleep(Duration::from_millis(50));
+        a.post_send(SendWr::new(
+            2,
+            SendOp::Write {
+                remote_addr: mr.addr(),
+                rkey: mr.rkey(),
+            },
+            [mr.sge(0, 8)],
+        ))
+        .unwrap();
+        waiters
+            .into_iter()
+            .map(|w| w.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    assert_eq!(got.iter().filter(|&&f| f).count(), 1, "{got:?}");
+    assert!(
+        t.elapsed() >= Duration::from_millis(550),
+        "the loser returned early: {:?}",
+        t.elapsed()
+    );
 }
 
 #[test]

@@ -89,7 +89,9 @@ impl CqInner {
     /// signalled (call [`CqInner::signal`] after dropping other locks).
     pub(crate) fn push(&self, wc: WorkCompletion) -> bool {
         let mut s = self.state.lock();
-        if s.queue.len() >= self.capacity {
+        // Past an overrun nothing more is taken: what was queued before it
+        // is polled, then every poll says the CQ overran.
+        if s.queue.len() >= self.capacity || self.overrun.load(Ordering::Acquire) {
             if !self.overrun.swap(true, Ordering::AcqRel)
                 && let Some(e) = &self.events
             {
@@ -256,12 +258,9 @@ impl Cq {
 
     /// Takes up to `out.len()` completions (`ibv_poll_cq`); returns how many.
     pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize, CqError> {
-        if self.inner.overrun.load(Ordering::Acquire) {
-            return Err(CqError::Overrun(self.inner.capacity));
-        }
         self.poll_device_if_empty();
         if self.inner.is_empty() {
-            return Ok(0);
+            return self.overran().map(|()| 0);
         }
         let mut s = self.inner.state.lock();
         let n = out.len().min(s.queue.len());
@@ -278,11 +277,21 @@ impl Cq {
     // 8-byte post and poll took 66 ns, inline 51).
     #[inline]
     pub fn poll_one(&self) -> Result<Option<WorkCompletion>, CqError> {
+        self.poll_device_if_empty();
+        match self.inner.pop() {
+            Some(wc) => Ok(Some(wc)),
+            None => self.overran().map(|()| None),
+        }
+    }
+
+    /// `Err` once the CQ overran (asked when its queue is empty: the
+    /// completions queued before the overrun are polled first).
+    #[inline]
+    fn overran(&self) -> Result<(), CqError> {
         if self.inner.overrun.load(Ordering::Acquire) {
             return Err(CqError::Overrun(self.inner.capacity));
         }
-        self.poll_device_if_empty();
-        Ok(self.inner.pop())
+        Ok(())
     }
 
     fn is_empty(&self) -> bool {
@@ -327,14 +336,19 @@ impl Cq {
         let need = need.clamp(1, self.inner.capacity.max(1));
         let mut asleep = self.inner.sleep.lock().expect("CQ sleep lock");
         loop {
-            if self.inner.overrun.load(Ordering::Acquire) {
-                return Err(CqError::Overrun(self.inner.capacity));
-            }
             let now = Instant::now();
             {
                 let mut s = self.inner.state.lock();
                 if s.queue.len() >= need || now >= deadline {
                     return Ok(());
+                }
+                // Overrun: no more will come; what is queued is taken first.
+                if self.inner.overrun.load(Ordering::Acquire) {
+                    return if s.queue.is_empty() {
+                        Err(CqError::Overrun(self.inner.capacity))
+                    } else {
+                        Ok(())
+                    };
                 }
                 s.waiters += 1;
                 s.wake_at = s.wake_at.min(need);
@@ -370,7 +384,13 @@ impl Cq {
                 continue;
             }
             let _sleeping = self.busy_connections().map(|c| c.app_sleeps());
-            self.sleep_until(deadline, n - got.len())?;
+            if let Err(e) = self.sleep_until(deadline, n - got.len()) {
+                // Those taken are returned; the next call gets the error.
+                if got.is_empty() {
+                    return Err(e);
+                }
+                break;
+            }
             self.inner.take_into(n - got.len(), &mut got);
             if Instant::now() >= deadline {
                 break;
@@ -382,8 +402,11 @@ impl Cq {
     /// Asks for one event on the completion channel at the next completion
     /// (`ibv_req_notify_cq`); with `solicited_only`, only at a solicited one
     /// or an error. If completions are already waiting, the event fires now.
+    /// An arm for any completion is not narrowed by a later solicited-only
+    /// one (as rdmavt's `req_notify_cq` keeps NEXT_COMP).
     pub fn req_notify(&self, solicited_only: bool) {
         let mut s = self.inner.state.lock();
+        let solicited_only = solicited_only && s.armed != Some(false);
         let pending = s.queue.iter().any(|wc| {
             !solicited_only || wc.solicited || wc.status != crate::engine::WcStatus::Success
         });
@@ -414,7 +437,7 @@ impl Cq {
             rustix::event::PollFlags::IN,
         )];
         // A timeout beyond what a timespec holds waits without one.
-        let ts = i64::try_from(timeout.as_secs())
+        let mut ts = i64::try_from(timeout.as_secs())
             .ok()
             .map(|tv_sec| rustix::time::Timespec {
                 tv_sec,
@@ -423,9 +446,23 @@ impl Cq {
         // iWARP in busy-poll mode: the receiving is the connections' threads'
         // while this one sleeps.
         let _sleeping = self.busy_connections().map(|c| c.app_sleeps());
+        let deadline = super::deadline_after(timeout);
         loop {
             match rustix::event::poll(&mut fds, ts.as_ref()) {
-                Ok(n) => return n > 0 && self.take_events() > 0,
+                Ok(0) => return false,
+                Ok(_) if self.take_events() > 0 => return true,
+                // Another thread took the event first: this one waits on,
+                // as `ibv_get_cq_event` does, for what is left of its time.
+                Ok(_) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return false;
+                    }
+                    ts = ts.map(|_| rustix::time::Timespec {
+                        tv_sec: left.as_secs() as i64,
+                        tv_nsec: i64::from(left.subsec_nanos()),
+                    });
+                }
                 // A signal is not the channel firing, nor the timeout: the
                 // wait goes on (with its full timeout, as poll(2) callers
                 // restarting on EINTR do).
