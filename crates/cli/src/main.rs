@@ -71,8 +71,8 @@ enum Command {
     /// compatible with perftest 4.5 in both roles: same flags, same TCP
     /// exchange on port 18515, same output.
     ///
-    /// Without HOST, wait for a client. Blocking completion waits (no busy
-    /// polling). --verify (both sides softrdma) checks the payload.
+    /// Without HOST, wait for a client. Completion waits block unless
+    /// --busy-poll. --verify (both sides softrdma) checks the payload.
     Perf(perf::PerfArgs),
     /// rdma-core's rping over iWARP (TCP, MPA): the client SENDs its buffer's
     /// address, the server READs it, then WRITEs it back; compatible with

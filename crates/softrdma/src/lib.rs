@@ -1,5 +1,5 @@
-//! softrdma: the RDMA verbs model over RoCEv2, iWARP, shared memory and
-//! libibverbs. The layers, bottom up: [`wire`] (byte formats), [`memory`]
+//! softrdma: the RDMA verbs model over RoCEv2, iWARP and shared memory (a
+//! libibverbs provider for RDMA NICs is not written yet). The layers, bottom up: [`wire`] (byte formats), [`memory`]
 //! (registered regions), [`engine`] (sans-I/O transports), [`provider`]
 //! (sockets and progress threads), [`verbs`] (the public API), [`cm`]
 //! (connection set-up). [`capture`] reads and decodes packet captures.

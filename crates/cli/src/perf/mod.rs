@@ -103,8 +103,8 @@ pub struct PerfArgs {
     /// Iterations (default 5000 for write-bw, 1000 for the others).
     #[arg(short = 'n', long = "iters")]
     pub iters: Option<u64>,
-    /// Run for this many seconds instead of a number of iterations
-    /// (write-bw, read-bw, atomic-bw).
+    /// Run for this many seconds instead of a number of iterations (every
+    /// test; not with -a).
     #[arg(short = 'D', long = "duration")]
     pub duration: Option<u64>,
     /// Number of QPs (BW tests; perftest's limits).
