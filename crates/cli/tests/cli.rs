@@ -765,10 +765,7 @@ fn perf_refuses_bad_flags_as_perftest_does() {
         (vec!["perf", "write-bw", "-H"], "bandwidth tests have none"),
         (vec!["perf", "write-lat", "-U", "-D", "2"], "not a duration"),
     ] {
-        let o = Command::new(bin).args(&args).output().unwrap();
-        assert_eq!(o.status.code(), Some(1), "{args:?}");
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert!(err.contains(msg), "{args:?}: {err}");
+        assert_refused(&args, 1, msg);
     }
     let o = Command::new(bin)
         .args(["perf", "write-bw", "-s", "0"])
@@ -788,13 +785,19 @@ fn perf_refuses_bad_flags_as_perftest_does() {
         ["perf", "write-bw", "-p", "0"],
         ["ping", "--udp-port", "0", "127.0.0.1"],
     ] {
-        let o = Command::new(bin).args(args).output().unwrap();
-        assert_eq!(o.status.code(), Some(2), "{args:?}: {o:?}");
-        assert!(
-            String::from_utf8_lossy(&o.stderr).contains("invalid value"),
-            "{args:?}: {o:?}"
-        );
+        assert_refused(&args, 2, "invalid value");
     }
+}
+
+/// `softrdma ARGS...` exits with `code` and says `says` on stderr.
+fn assert_refused(args: &[&str], code: i32, says: &str) {
+    let o = Command::new(env!("CARGO_BIN_EXE_softrdma"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(code), "{args:?}: {o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains(says), "{args:?}: {err}");
 }
 
 /// Two sides that disagree on the number of QPs find out in the handshake,

@@ -41,6 +41,13 @@ fn line_with(child: &mut Child, tag: &str) -> Vec<u64> {
     }
 }
 
+/// The listener's name, in a child process started for `role`; `None`
+/// when the test runs otherwise (as a plain test, or another role's child).
+fn child_of_role(role: &str) -> Option<String> {
+    let name = std::env::var(NAME).ok()?;
+    (std::env::var(ROLE).as_deref() == Ok(role)).then_some(name)
+}
+
 fn side() -> End {
     End::new(Device::shm(), 4 << 20, 64, QpCaps::default())
 }
@@ -52,12 +59,9 @@ fn side() -> End {
 #[test]
 #[ignore = "a child process of shm_tests_between_processes"]
 fn sleeping_target() {
-    let Ok(name) = std::env::var(NAME) else {
+    let Some(name) = child_of_role("target") else {
         return;
     };
-    if std::env::var(ROLE).as_deref() != Ok("target") {
-        return;
-    }
     let s = side();
     let second = s.pd.register(4096, Access::ALL).unwrap();
     let read_only = s.pd.register(4096, Access::REMOTE_READ).unwrap();
@@ -160,12 +164,9 @@ fn shm_tests_between_processes() {
 #[test]
 #[ignore = "a child process of shm_tests_between_processes"]
 fn other_user_client() {
-    let Ok(name) = std::env::var(NAME) else {
+    let Some(name) = child_of_role("other-user") else {
         return;
     };
-    if std::env::var(ROLE).as_deref() != Ok("other-user") {
-        return;
-    }
     let s = side();
     match shm::connect(&s.qp, &name) {
         Ok(()) => println!("CONNECTED"),
@@ -356,12 +357,9 @@ const VIOLATIONS: u64 = 256;
 #[test]
 #[ignore = "a child process of shm_tests_between_processes"]
 fn atomic_worker() {
-    let Ok(name) = std::env::var(NAME) else {
+    let Some(name) = child_of_role("worker") else {
         return;
     };
-    if std::env::var(ROLE).as_deref() != Ok("worker") {
-        return;
-    }
     let s = side();
     shm::connect(&s.qp, &name).unwrap();
     let mut lines = BufReader::new(std::io::stdin()).lines();

@@ -2,8 +2,10 @@
 
 use std::time::Duration;
 
-use softrdma::cm::{self, ConnInfo, RcOptions};
+use softrdma::cm::RcOptions;
 use softrdma::verbs::*;
+
+mod common;
 
 const T: Duration = Duration::from_secs(20);
 
@@ -29,16 +31,11 @@ fn eight_rc_qps_share_one_srq_under_load() {
     for _ in 0..8 {
         let r = rpd.create_qp(&QpInit::rc(&scq_r, &rcq).srq(&srq)).unwrap();
         let s = tpd.create_qp(&QpInit::rc(&tcq, &tcq)).unwrap();
-        let (ri, si) = (
-            ConnInfo::local(&r, None).unwrap(),
-            ConnInfo::local(&s, None).unwrap(),
-        );
         let o = RcOptions {
             min_rnr_timer: 1,
             ..RcOptions::default()
         };
-        cm::connect(&r, &ri, &si, &o).unwrap();
-        cm::connect(&s, &si, &ri, &o).unwrap();
+        common::connect_rc(&r, &s, None, &o);
         // A receive posted on a QP of an SRQ is refused.
         assert!(r.post_recv(RecvWr::new(0, [])).is_err());
         pairs.push((r, s));
@@ -127,16 +124,11 @@ fn rnr_on_an_empty_srq_recovers() {
     let srq = pd.create_srq(16, 1).unwrap();
     let r = pd.create_qp(&QpInit::rc(&cq, &cq).srq(&srq)).unwrap();
     let s = pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
-    let (ri, si) = (
-        ConnInfo::local(&r, None).unwrap(),
-        ConnInfo::local(&s, None).unwrap(),
-    );
     let o = RcOptions {
         min_rnr_timer: 1,
         ..RcOptions::default()
     };
-    cm::connect(&r, &ri, &si, &o).unwrap();
-    cm::connect(&s, &si, &ri, &o).unwrap();
+    common::connect_rc(&r, &s, None, &o);
     mr.write(0, b"waited").unwrap();
     s.post_send(SendWr::new(1, SendOp::Send, vec![mr.sge(0, 6)]))
         .unwrap();
@@ -169,12 +161,7 @@ fn async_events() {
     let srq = pd.create_srq(4, 1).unwrap();
     let a = pd.create_qp(&QpInit::rc(&cq, &cq).srq(&srq)).unwrap();
     let b = pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
-    let (ia, ib) = (
-        ConnInfo::local(&a, Some(&mr)).unwrap(),
-        ConnInfo::local(&b, Some(&mr)).unwrap(),
-    );
-    cm::connect(&a, &ia, &ib, &RcOptions::default()).unwrap();
-    cm::connect(&b, &ib, &ia, &RcOptions::default()).unwrap();
+    common::connect_rc(&a, &b, Some(&mr), &RcOptions::default());
     // A bad rkey: both QPs fail (the responder after its NAK): QP fatal for
     // each, last-WQE-reached for the one on the SRQ; two completions in a
     // one-entry CQ: a CQ error.

@@ -4,8 +4,10 @@
 use std::os::fd::AsFd;
 use std::time::Duration;
 
-use softrdma::cm::{self, ConnInfo, RcOptions};
+use softrdma::cm::RcOptions;
 use softrdma::verbs::*;
+
+mod common;
 
 fn ctx() -> Context {
     Device::udp("127.0.0.1:0".parse().unwrap()).open().unwrap()
@@ -59,12 +61,7 @@ fn cq_capacity_and_overrun_is_an_error() {
     let qp = pd.create_qp(&QpInit::rc(&small, &small)).unwrap();
     let peer_cq = c.create_cq(16).unwrap();
     let peer = pd.create_qp(&QpInit::rc(&peer_cq, &peer_cq)).unwrap();
-    let (li, pi) = (
-        ConnInfo::local(&qp, Some(&mr)).unwrap(),
-        ConnInfo::local(&peer, Some(&mr)).unwrap(),
-    );
-    cm::connect(&qp, &li, &pi, &RcOptions::default()).unwrap();
-    cm::connect(&peer, &pi, &li, &RcOptions::default()).unwrap();
+    common::connect_rc(&qp, &peer, Some(&mr), &RcOptions::default());
     for i in 0..4 {
         qp.post_send(SendWr {
             wr_id: i,
@@ -119,12 +116,7 @@ fn an_arm_is_not_narrowed_and_a_lost_event_race_keeps_waiting() {
     let a = pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
     let peer_cq = c.create_cq(16).unwrap();
     let b = pd.create_qp(&QpInit::rc(&peer_cq, &peer_cq)).unwrap();
-    let (ia, ib) = (
-        ConnInfo::local(&a, Some(&mr)).unwrap(),
-        ConnInfo::local(&b, Some(&mr)).unwrap(),
-    );
-    cm::connect(&a, &ia, &ib, &RcOptions::default()).unwrap();
-    cm::connect(&b, &ib, &ia, &RcOptions::default()).unwrap();
+    common::connect_rc(&a, &b, Some(&mr), &RcOptions::default());
     let _fd = cq.as_fd();
     cq.req_notify(false);
     cq.req_notify(true);
@@ -179,12 +171,7 @@ fn completion_channel_fires_on_the_fd() {
     let cq_b = c.create_cq(16).unwrap();
     let a = pd.create_qp(&QpInit::rc(&cq_a, &cq_a)).unwrap();
     let b = pd.create_qp(&QpInit::rc(&cq_b, &cq_b)).unwrap();
-    let (ia, ib) = (
-        ConnInfo::local(&a, Some(&mr)).unwrap(),
-        ConnInfo::local(&b, Some(&mr)).unwrap(),
-    );
-    cm::connect(&a, &ia, &ib, &RcOptions::default()).unwrap();
-    cm::connect(&b, &ib, &ia, &RcOptions::default()).unwrap();
+    common::connect_rc(&a, &b, Some(&mr), &RcOptions::default());
     let _fd = cq_b.as_fd();
     // Solicited only: an unsolicited SEND does not fire, a solicited one does.
     cq_b.req_notify(true);

@@ -119,6 +119,16 @@ impl CqInner {
         fire
     }
 
+    /// Completes one work request flushed (posted to a QP in ERR: flushed
+    /// at once, as siw and rxe do; how `ib_drain_qp` drains a QP), and
+    /// signals the channel if that fires it.
+    pub(crate) fn push_flushed(&self, wr_id: u64, opcode: crate::engine::WcOpcode, qpn: u32) {
+        let wc = WorkCompletion::new(wr_id, crate::engine::WcStatus::WrFlushErr, opcode, qpn);
+        if self.push(wc) {
+            self.signal();
+        }
+    }
+
     /// Signals the completion channel.
     /// Whether no completion waits (read without the lock).
     #[inline]

@@ -49,19 +49,6 @@ impl Connecting<'_> {
     }
 }
 
-/// Completes work posted to a QP moved to ERR before it had a connection:
-/// flushed, as siw and rxe do in ERR (how `ib_drain_qp` drains a QP).
-pub(crate) fn flush_posted(cq: &CqInner, wr_id: u64, opcode: WcOpcode, qpn: u32) {
-    if cq.push(WorkCompletion::new(
-        wr_id,
-        WcStatus::WrFlushErr,
-        opcode,
-        qpn,
-    )) {
-        cq.signal();
-    }
-}
-
 impl BeforeConnect {
     /// The state of the QP while it has no connection: ERR once one ended,
     /// else INIT.

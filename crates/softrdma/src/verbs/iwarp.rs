@@ -6,7 +6,7 @@ use std::net::TcpStream;
 use std::sync::{Arc, Mutex};
 
 use super::cq::CqInner;
-use super::early::{BeforeConnect, Kept, flush_posted};
+use super::early::{BeforeConnect, Kept};
 use super::{Pd, Provider, Qp, QpInit, QpKind, QpType, Result, VerbsError};
 use crate::cm::mpa::MpaOutcome;
 use crate::engine::iwarp::{IwarpConfig, IwarpQp, IwarpStats, P2p};
@@ -93,7 +93,8 @@ impl IwarpSlot {
             return Err(PostError::BadState(state));
         }
         IwarpQp::check_send(&wr, &self.caps)?;
-        flush_posted(&self.send_cq, wr.wr_id, wr.op.wc_opcode(), self.qpn);
+        self.send_cq
+            .push_flushed(wr.wr_id, wr.op.wc_opcode(), self.qpn);
         Ok(())
     }
 
@@ -109,7 +110,8 @@ impl IwarpSlot {
             Kept::Late(wr) => match &*self.conn.lock().expect("conn lock") {
                 Some(c) => c.post_recv(wr),
                 None => {
-                    flush_posted(&self.recv_cq, wr.wr_id, WcOpcode::Recv, self.qpn);
+                    self.recv_cq
+                        .push_flushed(wr.wr_id, WcOpcode::Recv, self.qpn);
                     Ok(())
                 }
             },

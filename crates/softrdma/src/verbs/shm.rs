@@ -7,7 +7,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use super::cq::CqInner;
-use super::early::{BeforeConnect, Kept, flush_posted};
+use super::early::{BeforeConnect, Kept};
 use super::{Pd, Provider, Qp, QpInit, QpKind, QpType, Result, VerbsError};
 use crate::engine::rc::QpCaps;
 use crate::engine::{PostError, QpState, RecvWr, SendWr, WcOpcode};
@@ -53,7 +53,8 @@ impl ShmSlot {
             Some(c) => c.post_send(wr),
             None if self.state() == QpState::Err => {
                 crate::engine::check_post_send(wr, &self.caps)?;
-                flush_posted(&self.send_cq, wr.wr_id, wr.op.wc_opcode(), self.qpn);
+                self.send_cq
+                    .push_flushed(wr.wr_id, wr.op.wc_opcode(), self.qpn);
                 Ok(())
             }
             None => Err(PostError::BadState(self.state())),
@@ -70,7 +71,8 @@ impl ShmSlot {
             Kept::Late(wr) => match self.conn() {
                 Some(c) => c.post_recv(wr),
                 None => {
-                    flush_posted(&self.recv_cq, wr.wr_id, WcOpcode::Recv, self.qpn);
+                    self.recv_cq
+                        .push_flushed(wr.wr_id, WcOpcode::Recv, self.qpn);
                     Ok(())
                 }
             },

@@ -12,6 +12,18 @@ use softrdma::verbs::*;
 /// How long a test waits for something that should happen.
 pub const T: Duration = Duration::from_secs(30);
 
+/// Connects two RoCEv2 RC QPs to each other (`cm::connect` both ways), each
+/// advertising `mr` if given.
+pub fn connect_rc(a: &Qp, b: &Qp, mr: Option<&Mr>, opts: &softrdma::cm::RcOptions) {
+    use softrdma::cm::{self, ConnInfo};
+    let (ia, ib) = (
+        ConnInfo::local(a, mr).unwrap(),
+        ConnInfo::local(b, mr).unwrap(),
+    );
+    cm::connect(a, &ia, &ib, opts).unwrap();
+    cm::connect(b, &ib, &ia, opts).unwrap();
+}
+
 /// One side: a PD with one region, a send and a receive CQ, an RC QP.
 pub struct End {
     pub ctx: Context,

@@ -651,11 +651,8 @@ impl ShmQp {
             // Behind a backlog it waits there, which the connection's end
             // flushes in order.
             drop(guard);
-            let wc =
-                WorkCompletion::new(wr.wr_id, WcStatus::WrFlushErr, wr.op.wc_opcode(), self.qpn);
-            if self.send_cq.push(wc) {
-                self.send_cq.signal();
-            }
+            self.send_cq
+                .push_flushed(wr.wr_id, wr.op.wc_opcode(), self.qpn);
             return Ok(());
         }
         if !sq.backlog.is_empty() {
@@ -849,14 +846,10 @@ impl ShmQp {
             | SendOp::FetchAdd {
                 remote_addr, rkey, ..
             } => {
-                if len != 8 || wr.sgl.len() != 1 {
-                    return Err(WcStatus::LocLenErr);
-                }
-                // The result's buffer first: a bad one must not change the word.
+                // One 8-byte buffer and an aligned word: `check_post_send`
+                // refused the post otherwise. The result's buffer first: a
+                // bad one must not change the word.
                 self.each_local(local, wr, Access::LOCAL_WRITE, |_| {})?;
-                if !remote_addr.is_multiple_of(8) {
-                    return Err(WcStatus::RemInvReqErr);
-                }
                 let old =
                     Self::with_remote(peer, rkey, remote_addr, 8, Access::REMOTE_ATOMIC, |word| {
                         Ok(match wr.op {
@@ -1027,10 +1020,8 @@ impl ShmQp {
                 return Ok(());
             }
             drop(posted);
-            let wc = WorkCompletion::new(wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.qpn);
-            if self.recv_cq.push(wc) {
-                self.recv_cq.signal();
-            }
+            self.recv_cq
+                .push_flushed(wr.wr_id, WcOpcode::Recv, self.qpn);
             return Ok(());
         }
         let m = &self.mine.mem;

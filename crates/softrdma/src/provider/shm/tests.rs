@@ -45,6 +45,17 @@ fn send_hello(sock: BorrowedFd<'_>, event: BorrowedFd<'_>) -> RegionMemory {
     inbox
 }
 
+/// A made-up peer's REGION message: region `k` of 4096 bytes, every right.
+fn region_message(k: u32) -> [u8; 32] {
+    let mut m = [0u8; 32];
+    m[0] = REGION;
+    m[4..8].copy_from_slice(&(0x100 + 2 * k).to_le_bytes());
+    m[8..12].copy_from_slice(&(0x101 + 2 * k).to_le_bytes());
+    m[12..16].copy_from_slice(&Access::ALL.bits().to_le_bytes());
+    m[24..32].copy_from_slice(&4096u64.to_le_bytes());
+    m
+}
+
 fn seqpacket_pair() -> (OwnedFd, OwnedFd) {
     rustix::net::socketpair(
         rustix::net::AddressFamily::UNIX,
@@ -65,12 +76,7 @@ fn a_peer_that_dribbles_its_regions_times_out_within_the_exchanges_limit() {
         // of them (and the READY that never comes) not.
         let (_mem, fd) = mapping::create(4096, "test-region").unwrap();
         for k in 0..20u32 {
-            let mut m = [0u8; 32];
-            m[0] = REGION;
-            m[4..8].copy_from_slice(&(0x100 + 2 * k).to_le_bytes());
-            m[8..12].copy_from_slice(&(0x101 + 2 * k).to_le_bytes());
-            m[12..16].copy_from_slice(&Access::ALL.bits().to_le_bytes());
-            m[24..32].copy_from_slice(&4096u64.to_le_bytes());
+            let m = region_message(k);
             if send_msg(theirs.as_fd(), &m, &[fd.as_fd()]).is_err() {
                 break;
             }
@@ -174,12 +180,7 @@ fn a_peer_that_announces_too_many_regions_is_refused() {
         let _inbox = send_hello(theirs.as_fd(), event.as_fd());
         let (_mem, fd) = mapping::create(4096, "test-region").unwrap();
         for k in 0..=MAX_PEER_REGIONS as u32 {
-            let mut m = [0u8; 32];
-            m[0] = REGION;
-            m[4..8].copy_from_slice(&(0x100 + 2 * k).to_le_bytes());
-            m[8..12].copy_from_slice(&(0x101 + 2 * k).to_le_bytes());
-            m[12..16].copy_from_slice(&Access::ALL.bits().to_le_bytes());
-            m[24..32].copy_from_slice(&4096u64.to_le_bytes());
+            let m = region_message(k);
             if send_msg(theirs.as_fd(), &m, &[fd.as_fd()]).is_err() {
                 return;
             }
