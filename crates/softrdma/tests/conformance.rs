@@ -44,14 +44,30 @@ fn caps() -> QpCaps {
     }
 }
 
+const CQ_LEN: usize = 256;
+
 fn end(dev: Device) -> End {
-    End::new(dev, MR_LEN, 256, caps())
+    End::new(dev, MR_LEN, CQ_LEN, caps())
 }
 
 /// RoCEv2 at a 1 KiB path MTU, so that the larger sizes take many packets.
 fn roce_pair(busy_poll: bool) -> (End, End) {
-    let a = end(Device::udp("127.0.0.1:0".parse().unwrap()));
-    let b = end(Device::udp("127.0.0.1:0".parse().unwrap()));
+    roce_pair_with(busy_poll, CQ_LEN)
+}
+
+fn roce_pair_with(busy_poll: bool, cq_len: usize) -> (End, End) {
+    let a = End::new(
+        Device::udp("127.0.0.1:0".parse().unwrap()),
+        MR_LEN,
+        cq_len,
+        caps(),
+    );
+    let b = End::new(
+        Device::udp("127.0.0.1:0".parse().unwrap()),
+        MR_LEN,
+        cq_len,
+        caps(),
+    );
     connect_roce(&a, &b, busy_poll);
     (a, b)
 }
@@ -68,8 +84,13 @@ fn connect_roce(a: &End, b: &End, busy_poll: bool) {
 }
 
 fn iwarp_pair() -> (End, End) {
+    iwarp_pair_with(CQ_LEN)
+}
+
+fn iwarp_pair_with(cq_len: usize) -> (End, End) {
     use softrdma::cm::iwarp::{self, Listener};
     use softrdma::cm::mpa::{Decision, MpaConfig};
+    let end = |dev| End::new(dev, MR_LEN, cq_len, caps());
     let server = end(Device::iwarp([127, 0, 0, 2].into()));
     let listener = Listener::bind(&server.ctx, 0).unwrap();
     let at = listener.local_addr();
@@ -85,7 +106,12 @@ fn iwarp_pair() -> (End, End) {
 }
 
 fn shm_pair() -> (End, End) {
+    shm_pair_with(CQ_LEN)
+}
+
+fn shm_pair_with(cq_len: usize) -> (End, End) {
     use softrdma::cm::shm::{self, Listener};
+    let end = |dev| End::new(dev, MR_LEN, cq_len, caps());
     // One name per pair: the tests of this file run at once in one process.
     static PAIRS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let pair = PAIRS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -717,6 +743,53 @@ fn solicited_events(t: Transport, make: &dyn Fn() -> (End, End)) {
 #[test]
 fn solicited_events_over_every_provider() {
     over_every_provider(solicited_events);
+}
+
+/// CQs this small overrun in the test below.
+const SMALL: usize = 4;
+
+/// A CQ that overruns loses completions, so a QP whose completion it drops
+/// can't go on: it moves to the error state with a fatal event, beside the
+/// CQ's own error event, on every provider (rxe's responder does so on a
+/// full CQ; the IB spec leaves the QPs of an overrun CQ unusable).
+fn cq_overrun(t: Transport, make: &dyn Fn() -> (End, End)) {
+    let (a, b) = make();
+    let n = 2 * SMALL as u64;
+    for i in 0..n {
+        b.qp.post_recv(RecvWr::new(i, [b.mr.sge(RECV + 64 * i as usize, 8)]))
+            .unwrap();
+    }
+    for i in 0..n {
+        a.qp.post_send(SendWr::new(i, SendOp::Send, [a.mr.sge(SRC, 8)]).unsignaled())
+            .unwrap();
+    }
+    common::wait_state(&b.qp, QpState::Err);
+    let mut events = vec![];
+    while let Some(e) = b
+        .ctx
+        .wait_async_event(std::time::Duration::from_millis(300))
+    {
+        events.push(e);
+    }
+    for want in [
+        AsyncEvent::CqError { cq: b.rcq.id() },
+        AsyncEvent::QpFatal { qpn: b.qp.qpn() },
+    ] {
+        assert!(events.contains(&want), "{t:?}: {want:?} not in {events:?}");
+    }
+    // What the CQ took before it overran is still polled, in order.
+    for i in 0..SMALL as u64 {
+        let wc = one(&b.rcq);
+        assert_eq!((wc.wr_id, wc.status), (i, WcStatus::Success), "{t:?}");
+    }
+    assert_eq!(b.rcq.poll_one(), Err(CqError::Overrun(SMALL)), "{t:?}");
+}
+
+#[test]
+fn a_cq_overrun_fails_the_qp_that_lost_completions_over_every_provider() {
+    cq_overrun(Transport::Roce, &|| roce_pair_with(false, SMALL));
+    cq_overrun(Transport::Iwarp, &|| iwarp_pair_with(SMALL));
+    cq_overrun(Transport::Shm, &|| shm_pair_with(SMALL));
 }
 
 /// A QP moved to ERR before it was ever connected takes what is posted and

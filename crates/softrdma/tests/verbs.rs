@@ -102,6 +102,9 @@ fn cq_capacity_and_overrun_is_an_error() {
         small.wait(Duration::from_millis(10)),
         Err(CqError::Overrun(2))
     );
+    // The QP whose completions were lost failed.
+    assert_eq!(qp.state(), QpState::Err);
+    assert_eq!(peer.state(), QpState::Rts);
 }
 
 /// A CQ armed for any completion stays so when a solicited-only arm

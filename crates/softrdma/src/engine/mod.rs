@@ -753,6 +753,13 @@ impl QpEngine {
             q.transmitted();
         }
     }
+    /// A CQ of this QP overran: it fails.
+    pub fn cq_overrun(&mut self) {
+        match self {
+            QpEngine::Rc(q) => q.cq_overrun(),
+            QpEngine::Ud(q) => q.cq_overrun(),
+        }
+    }
     /// The next asynchronous event.
     pub fn poll_event(&mut self) -> Option<QpEvent> {
         match self {

@@ -208,6 +208,11 @@ impl UdQp {
         WorkCompletion::new(wr_id, status, opcode, self.qpn)
     }
 
+    /// A CQ of this QP overran: it fails (ERR, flushed, a fatal event).
+    pub fn cq_overrun(&mut self) {
+        self.enter_error(true);
+    }
+
     fn enter_error(&mut self, fatal: bool) {
         if self.state == QpState::Err {
             return;

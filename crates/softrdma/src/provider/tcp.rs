@@ -530,6 +530,7 @@ impl Shared {
     /// Moves completions and events out of the engine.
     fn drain(&self) {
         let mut signal = [false; 2];
+        let mut overran = false;
         let mut qp = self.engine.lock().expect("QP lock");
         // Invalidations first, so that nobody sees the completion of a SEND
         // with invalidate or a local invalidate while the STag still works.
@@ -548,9 +549,15 @@ impl Shared {
             qp = self.engine.lock().expect("QP lock");
         }
         while let Some((kind, wc)) = qp.poll_completion() {
-            match kind {
-                CqKind::Send => signal[0] |= self.send_cq.push(wc),
-                CqKind::Recv => signal[1] |= self.recv_cq.push(wc),
+            let (cq, i) = match kind {
+                CqKind::Send => (&self.send_cq, 0),
+                CqKind::Recv => (&self.recv_cq, 1),
+            };
+            signal[i] |= cq.push(wc);
+            if cq.overran() {
+                // Completions are being lost: the QP terminates the stream.
+                qp.cq_overrun();
+                overran = true;
             }
         }
         let qpn = qp.qpn();
@@ -561,6 +568,10 @@ impl Shared {
             });
         }
         drop(qp);
+        if overran {
+            // Its Terminate goes out from the transmit thread.
+            self.kick();
+        }
         if signal[0] {
             self.send_cq.signal();
         }

@@ -804,6 +804,11 @@ fn drain_completions(
             CqKind::Recv => (&slot.recv_cq, 1),
         };
         signal[i] |= cq.push(wc);
+        if cq.overran() {
+            // Completions are being lost: the QP can't go on (its flush's
+            // completions are lost too, and this loop takes them).
+            qp.cq_overrun();
+        }
     }
     while let Some(e) = qp.poll_event() {
         events.push(match e {

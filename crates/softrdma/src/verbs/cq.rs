@@ -129,7 +129,11 @@ impl CqInner {
         }
     }
 
-    /// Signals the completion channel.
+    /// Whether the CQ overran: whatever pushes to it now loses completions.
+    pub(crate) fn overran(&self) -> bool {
+        self.overrun.load(Ordering::Acquire)
+    }
+
     /// Whether no completion waits (read without the lock).
     #[inline]
     fn is_empty(&self) -> bool {
@@ -161,6 +165,7 @@ impl CqInner {
         self.len.store(s.queue.len(), Ordering::Release);
     }
 
+    /// Signals the completion channel.
     pub(crate) fn signal(&self) {
         let _ = rustix::io::write(&self.event, &1u64.to_ne_bytes());
     }

@@ -525,6 +525,12 @@ impl IwarpQp {
         self.fail(head);
     }
 
+    /// A CQ of this QP overran, so its completions are lost: it terminates
+    /// the stream with a local catastrophic error (RFC 5040 7.1) and fails.
+    pub fn cq_overrun(&mut self) {
+        self.terminate(Layer::Rdmap, 0, 0, &[], None);
+    }
+
     /// The connection is gone (closed, reset, or a CRC error): fail and flush.
     pub fn connection_lost(&mut self) {
         self.fail(None);

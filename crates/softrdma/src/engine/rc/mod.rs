@@ -403,6 +403,12 @@ impl RcQp {
         }
     }
 
+    /// A CQ of this QP overran, so its completions are lost: it fails as rxe's
+    /// responder does on a full CQ (ERR, flushed, a fatal event).
+    pub fn cq_overrun(&mut self) {
+        self.enter_error();
+    }
+
     /// Moves to ERR because of an error: everything outstanding is flushed,
     /// only a pending NAK still goes out.
     fn enter_error(&mut self) {

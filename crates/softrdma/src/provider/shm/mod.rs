@@ -705,6 +705,10 @@ impl ShmQp {
             if self.send_cq.push(wc) {
                 self.send_cq.signal();
             }
+            // A CQ that overran loses completions: the QP can't go on.
+            if self.send_cq.overran() {
+                self.fail();
+            }
         }
         if status != WcStatus::Success {
             self.fail();
@@ -1085,7 +1089,11 @@ impl ShmQp {
             wc.solicited = slot[15] != 0;
             signal |= self.recv_cq.push(wc);
         }
+        let pushed = tail != m.load(CQ_TAIL);
         m.store(CQ_TAIL, tail);
+        if pushed && self.recv_cq.overran() {
+            self.fail();
+        }
         drop(posted);
         if signal {
             self.recv_cq.signal();
