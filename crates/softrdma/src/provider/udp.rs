@@ -339,6 +339,12 @@ const ALARM_PUSH_NS: u64 = 5_000_000;
 /// it holds back for GSO sends (see [`RxBuffers::drain_sockets`]).
 const HELD_DATAGRAMS: usize = 16;
 
+/// Most datagrams one look takes from a socket: a sender that never stops
+/// (a flood of junk included) must not keep the progress thread from its
+/// timers, its stop flag and the other sockets, nor keep the receive lock
+/// from a polling thread for good.
+const RX_BUDGET: usize = 256;
+
 /// How long the progress thread spins on the sockets after the last
 /// datagram before it sleeps (busy-poll mode, no application thread
 /// polling; see [`RxBuffers::spin`]).
@@ -416,8 +422,8 @@ impl RxBuffers {
         }
     }
 
-    /// Receives and handles what waits on the device's sockets: everything,
-    /// or (`one`) at most a datagram per socket. With `defer`, the QPs the
+    /// Receives and handles what waits on the device's sockets: up to
+    /// [`RX_BUDGET`] datagrams a socket, or (`one`) one. With `defer`, the QPs the
     /// datagrams reached are left in `receiving.touched` (see
     /// [`receive_datagram`]); otherwise they send what they have after each
     /// datagram, unless one has a GSO send's worth of responses queued: then
@@ -446,7 +452,11 @@ impl RxBuffers {
             if !readable[i] {
                 continue;
             }
-            while let Some((n, meta)) = recv_datagram(sock, &mut self.rx, &mut self.cmsg) {
+            let mut budget = if one { 1 } else { RX_BUDGET };
+            while budget > 0
+                && let Some((n, meta)) = recv_datagram(sock, &mut self.rx, &mut self.cmsg)
+            {
+                budget -= 1;
                 received = true;
                 holding |= receive_datagram(
                     shared,
@@ -464,9 +474,6 @@ impl RxBuffers {
                     }
                     held = 0;
                     holding = false;
-                }
-                if one {
-                    break;
                 }
             }
         }
