@@ -410,7 +410,7 @@ fn busy_poll_pingpong_and_a_target_that_does_not_poll() {
         );
         assert_eq!((wc.wr_id, wc.status), (u64::from(round), WcStatus::Success));
     }
-    // b's application goes quiet: within the 1 ms standby its progress
+    // b's application goes quiet: within the 10 ms standby its progress
     // thread takes over, and a's WRITE lands and completes (no retransmit:
     // that would take seconds).
     std::thread::sleep(Duration::from_millis(20));
@@ -421,6 +421,49 @@ fn busy_poll_pingpong_and_a_target_that_does_not_poll() {
     assert_eq!((wc.wr_id, wc.status), (1000, WcStatus::Success));
     assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
     assert_eq!(b.mr.read_vec(0, 4096).unwrap(), vec![0xAB; 4096]);
+}
+
+/// Busy-poll mode: a thread that polled its CQ and then sleeps on the CQ's
+/// channel gets its event when the completion comes, not when the progress
+/// thread's standby for polling threads runs out (10 ms after the last
+/// poll): the wait hands the sockets back to the progress thread.
+#[test]
+fn busy_poll_a_poller_that_sleeps_on_the_channel_is_woken_by_the_completion() {
+    let (a, b) = busy_pair();
+    let mut took = vec![];
+    for round in 0..10u64 {
+        b.qp.post_recv(RecvWr::new(round, [b.mr.sge(64, 64)]))
+            .unwrap();
+        // b's thread takes a WRITE by polling (its progress thread, woken to
+        // send the deferred ACK, then stands by for it), then sleeps.
+        write_polled_by_target(&a, &b, round as u8);
+        let wc = a.cq.wait(T).unwrap().expect("the WRITE's completion");
+        assert_eq!(wc.status, WcStatus::Success);
+        b.cq.req_notify(false);
+        let posted = std::thread::scope(|s| {
+            let sender = s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(2));
+                let t = Instant::now();
+                a.qp.post_send(SendWr::new(round, SendOp::Send, [a.mr.sge(0, 8)]))
+                    .unwrap();
+                t
+            });
+            assert!(b.cq.wait_event(T), "round {round}: no event");
+            sender.join().unwrap()
+        });
+        took.push(posted.elapsed());
+        let wc = b.cq.poll_one().unwrap().expect("the receive's completion");
+        assert_eq!((wc.wr_id, wc.status), (round, WcStatus::Success));
+        let wc = a.cq.wait(T).unwrap().expect("the send's completion");
+        assert_eq!((wc.wr_id, wc.status), (round, WcStatus::Success));
+    }
+    // One slow round is forgiven (a busy machine); the standby's stall
+    // made several of ten take about 8 ms.
+    let slow = took
+        .iter()
+        .filter(|t| **t >= Duration::from_millis(4))
+        .count();
+    assert!(slow <= 1, "events came this long after the SEND: {took:?}");
 }
 
 /// A busy-poll receiver defers its ACK to leave with its next request; if

@@ -616,6 +616,18 @@ pub(crate) fn poll_now(shared: &Shared) {
     }
 }
 
+/// Busy-poll mode: an application thread is about to sleep on a CQ's
+/// channel. A progress thread standing by for polling threads takes the
+/// sockets back now, not at its standby alarm (up to [`STANDBY_NS`] later,
+/// which the thread's event would have waited for). Unconditional: the
+/// progress thread may be about to stand by.
+pub(crate) fn app_sleeps(shared: &Shared) {
+    if shared.busy_poll() {
+        shared.app_polled.store(0, Ordering::Relaxed);
+        shared.wake();
+    }
+}
+
 thread_local! {
     // One datagram's send headers, without and with room for the GSO
     // segment size: built once per thread, since nix's `sendmsg` allocates

@@ -458,8 +458,11 @@ impl Cq {
                 tv_sec,
                 tv_nsec: i64::from(timeout.subsec_nanos()),
             });
-        // iWARP in busy-poll mode: the receiving is the connections' threads'
-        // while this one sleeps.
+        // In busy-poll mode the receiving is the progress thread's (RoCEv2)
+        // or the connections' threads' (iWARP) while this one sleeps.
+        if let Some(d) = self.busy_device() {
+            crate::provider::udp::app_sleeps(d);
+        }
         let _sleeping = self.busy_connections().map(|c| c.app_sleeps());
         let deadline = super::deadline_after(timeout);
         loop {
