@@ -757,3 +757,52 @@ fn watching_and_posting_while_connecting_do_not_deadlock() {
         }
     }
 }
+
+/// Busy-poll mode turned off while a connection's receive thread stands by
+/// for polling threads: it goes back to its socket at once, so a blocking
+/// wait that follows gets its completion when the SEND comes, not when the
+/// standby runs out (10 ms after the last poll).
+#[test]
+fn turning_busy_poll_off_sends_a_standing_by_receiver_back_to_its_socket() {
+    use std::time::Instant;
+    let (a, b) = pair(MpaConfig::default(), |_| {});
+    let mut took = vec![];
+    for round in 0..10u64 {
+        b.ctx.set_busy_poll(true);
+        b.qp.post_recv(RecvWr::new(round, [b.mr.sge(0, 64)]))
+            .unwrap();
+        // b's thread polls while a WRITE comes: its connection's receive
+        // thread, back from the socket, stands by for the polling thread.
+        a.qp.post_send(SendWr::new(
+            100 + round,
+            SendOp::Write {
+                remote_addr: b.mr.addr() + 4096,
+                rkey: b.mr.rkey(),
+            },
+            [a.mr.sge(0, 8)],
+        ))
+        .unwrap();
+        assert_eq!(one(&a.scq).status, WcStatus::Success);
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_millis(2) {
+            assert!(b.rcq.poll_one().unwrap().is_none());
+        }
+        b.ctx.set_busy_poll(false);
+        let posted = Instant::now();
+        a.qp.post_send(SendWr::new(round, SendOp::Send, [a.mr.sge(0, 8)]))
+            .unwrap();
+        let wc = b.rcq.wait(common::T).unwrap().expect("the receive");
+        took.push(posted.elapsed());
+        assert_eq!((wc.wr_id, wc.status), (round, WcStatus::Success));
+        assert_eq!(one(&a.scq).status, WcStatus::Success);
+    }
+    // One slow round is forgiven (a busy machine).
+    let slow = took
+        .iter()
+        .filter(|t| **t >= Duration::from_millis(4))
+        .count();
+    assert!(
+        slow <= 1,
+        "receives completed this long after the SEND: {took:?}"
+    );
+}

@@ -203,6 +203,17 @@ impl Connections {
         AppAsleep(live)
     }
 
+    /// Busy-poll mode was turned off: receive threads standing by for
+    /// polling threads go back to their sockets now (not when their standby
+    /// runs out).
+    pub(crate) fn busy_poll_ended(&self) {
+        for c in &self.live() {
+            if c.standing_by.load(Ordering::SeqCst) {
+                c.wake_receiver();
+            }
+        }
+    }
+
     /// One busy-poll look at every connection (see [`poll_now`]). While a
     /// receive thread streams large FPDUs, or a transmit thread sends, the
     /// polling thread gives the CPU away between looks (two CPUs, three
@@ -487,7 +498,7 @@ impl Shared {
     /// a CQ wait for the last [`POLLING_ONLY`], no large FPDUs streaming.
     /// Returns how long it may, if it may.
     fn standby_left(&self) -> Option<Duration> {
-        if !self.busy_poll.load(Ordering::Relaxed)
+        if !self.busy_poll.load(Ordering::SeqCst)
             || self.closed.load(Ordering::Acquire)
             || self.app_asleep.load(Ordering::SeqCst) > 0
         {

@@ -557,7 +557,12 @@ impl Context {
     pub fn set_busy_poll(&self, on: bool) {
         match &self.inner.dev {
             Provider::Udp(d) => d.set_busy_poll(on),
-            Provider::Iwarp(d) => d.busy_poll.store(on, Ordering::Relaxed),
+            Provider::Iwarp(d) => {
+                d.busy_poll.store(on, Ordering::SeqCst);
+                if !on {
+                    d.connections.busy_poll_ended();
+                }
+            }
             Provider::Shm(_) => {}
         }
     }
