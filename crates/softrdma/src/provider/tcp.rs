@@ -64,6 +64,11 @@ struct Shared {
     /// When a send last finished (ns from `epoch`): a post that comes soon
     /// after one leaves batching to the transmit thread.
     last_sent: AtomicU64,
+    /// When this side ended its half of the stream after a Terminate or a
+    /// local error (ns from `epoch`, 0: not), and whether it then ended the
+    /// connection (see [`LINGER`]).
+    write_ended: AtomicU64,
+    lingered: AtomicBool,
     epoch: Instant,
     /// The transmit thread's wake-up.
     tx_wake: Condvar,
@@ -109,6 +114,12 @@ struct RxState {
     /// The stream ended (or failed): nobody reads it again.
     done: bool,
 }
+
+/// How long, after this side ends its half of the stream (a Terminate or a
+/// local error), it reads on for the peer to close its half before it ends
+/// the connection itself (siw ends it at once; a peer that never closes
+/// must not keep the receive thread and the socket for the QP's life).
+const LINGER: Duration = Duration::from_secs(1);
 
 /// How long after an application thread's last poll the receive thread
 /// stays in standby (RoCEv2's span too): an application that stops polling
@@ -273,6 +284,8 @@ impl TcpQp {
                 leftover: Vec::new(),
             }),
             last_sent: AtomicU64::new(0),
+            write_ended: AtomicU64::new(0),
+            lingered: AtomicBool::new(false),
             epoch: Instant::now(),
             tx_wake: Condvar::new(),
             tx_pending: Mutex::new(TxPending::default()),
@@ -455,12 +468,34 @@ impl Shared {
         match sent {
             Err(_) => self.lost(),
             // A local error on the poster's thread ends the stream too.
-            Ok(Ended::Yes) => {
-                let _ = self.stream.shutdown(Shutdown::Write);
-            }
+            Ok(Ended::Yes) => self.end_writing(),
             Ok(Ended::No) => {}
         }
         true
+    }
+
+    /// Ends this side's half of the stream (FIN after the Terminate, if
+    /// any); the transmit thread ends the connection [`LINGER`] later.
+    fn end_writing(&self) {
+        let _ = self.stream.shutdown(Shutdown::Write);
+        if self
+            .write_ended
+            .compare_exchange(0, self.now().max(1), Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            self.kick();
+        }
+    }
+
+    /// How long the transmit thread waits before it ends the connection
+    /// (see [`LINGER`]); `None`: no end is due.
+    fn linger_left(&self) -> Option<Duration> {
+        let ended = self.write_ended.load(Ordering::Acquire);
+        if ended == 0 || self.lingered.load(Ordering::Acquire) {
+            return None;
+        }
+        let since = Duration::from_nanos(self.now().saturating_sub(ended));
+        Some(LINGER.saturating_sub(since))
     }
 
     fn kick(&self) {
@@ -598,7 +633,16 @@ fn transmit_loop(s: &Shared) {
             let mut p = s.tx_pending.lock().expect("tx lock");
             while !p.work && !s.closed.load(Ordering::Acquire) {
                 p.asleep = true;
-                p = s.tx_wake.wait(p).expect("tx lock");
+                match s.linger_left() {
+                    // The peer had its time to close: the receive thread's
+                    // read ends, and it ends the QP's threads.
+                    Some(left) if left.is_zero() => {
+                        s.lingered.store(true, Ordering::Release);
+                        let _ = s.stream.shutdown(Shutdown::Both);
+                    }
+                    Some(left) => p = s.tx_wake.wait_timeout(p, left).expect("tx lock").0,
+                    None => p = s.tx_wake.wait(p).expect("tx lock"),
+                }
                 p.asleep = false;
             }
             p.work = false;
@@ -619,9 +663,7 @@ fn transmit_loop(s: &Shared) {
             // After a Terminate or a local error the stream ends, as siw
             // ends it: the peer sees the close and flushes; receiving goes
             // on until it closes too.
-            Ok(Ended::Yes) => {
-                let _ = s.stream.shutdown(Shutdown::Write);
-            }
+            Ok(Ended::Yes) => s.end_writing(),
             Ok(Ended::No) => {}
         }
     }
