@@ -806,3 +806,44 @@ fn turning_busy_poll_off_sends_a_standing_by_receiver_back_to_its_socket() {
         "receives completed this long after the SEND: {took:?}"
     );
 }
+
+/// A client that connects and then says nothing holds up no other: the
+/// listener reads each connection's MPA Request on its own, and a listener
+/// dropped while one is being read goes at once.
+#[test]
+fn a_silent_client_holds_up_no_other() {
+    use std::time::Instant;
+    let server = end([127, 0, 0, 2]);
+    let listener = Listener::bind(&server.ctx, 0).unwrap();
+    let at = listener.local_addr();
+    let silent = std::net::TcpStream::connect(at).unwrap();
+    let t = std::thread::spawn(move || {
+        let r = listener.accept(&server.qp, &MpaConfig::default(), |_| Decision::Accept);
+        (r.map(|_| ()), server, listener)
+    });
+    let client = end([127, 0, 0, 1]);
+    let started = Instant::now();
+    iwarp::connect(&client.qp, at, &MpaConfig::default()).unwrap();
+    let (accepted, server, listener) = t.join().unwrap();
+    accepted.unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    server
+        .qp
+        .post_recv(RecvWr::new(1, [server.mr.sge(0, 64)]))
+        .unwrap();
+    client.mr.write(0, b"next").unwrap();
+    client
+        .qp
+        .post_send(SendWr::new(2, SendOp::Send, [client.mr.sge(0, 4)]))
+        .unwrap();
+    assert_eq!(one(&server.rcq).status, WcStatus::Success);
+    assert_eq!(server.mr.read_vec(0, 4).unwrap(), b"next");
+    let dropped = Instant::now();
+    drop(listener);
+    assert!(dropped.elapsed() < Duration::from_secs(1));
+    drop(silent);
+}

@@ -600,3 +600,46 @@ fn more_receive_sges_than_the_ring_holds_are_refused_at_create() {
     );
     pd.create_qp(&QpInit::rc(&cq, &cq).caps(caps(7))).unwrap();
 }
+
+/// A client that connects and then says nothing holds up no other: the
+/// listener waits for each connection's first message on its own, and a
+/// listener dropped meanwhile goes at once.
+#[test]
+fn a_silent_client_holds_up_no_other() {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketType};
+    let name = pid_name("silent");
+    let server = end();
+    let listener = Listener::bind(&server.ctx, &name).unwrap();
+    let silent = rustix::net::socket(AddressFamily::UNIX, SocketType::SEQPACKET, None).unwrap();
+    let at = SocketAddrUnix::new_abstract_name(format!("softrdma-shm/{name}").as_bytes()).unwrap();
+    rustix::net::connect(&silent, &at).unwrap();
+    let started = std::time::Instant::now();
+    let t = std::thread::spawn(move || {
+        let r = listener.accept(&server.qp).map_err(|e| e.to_string());
+        (r, server, listener)
+    });
+    let client = end();
+    shm::connect(&client.qp, &name).unwrap();
+    let (accepted, server, listener) = t.join().unwrap();
+    accepted.unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    server
+        .qp
+        .post_recv(RecvWr::new(1, [server.mr.sge(0, 64)]))
+        .unwrap();
+    client.mr.write(0, b"next").unwrap();
+    client
+        .qp
+        .post_send(SendWr::new(2, SendOp::Send, [client.mr.sge(0, 4)]))
+        .unwrap();
+    assert_eq!(one(&server.rcq).status, WcStatus::Success);
+    assert_eq!(server.mr.read_vec(0, 4).unwrap(), b"next");
+    let dropped = std::time::Instant::now();
+    drop(listener);
+    assert!(dropped.elapsed() < Duration::from_secs(1));
+    drop(silent);
+}

@@ -3,7 +3,10 @@
 //! application's private data, then the QP runs on the connection.
 
 use std::net::{SocketAddr, SocketAddrV4, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::time::Duration;
 
+use super::backlog::Backlog;
 use super::mpa::{self, Decision, MpaConfig, MpaError, MpaOutcome, MpaRequest};
 use crate::verbs::{Context, Qp, VerbsError};
 
@@ -60,10 +63,24 @@ pub fn connect(qp: &Qp, to: SocketAddrV4, cfg: &MpaConfig) -> Result<MpaOutcome,
     Ok(out)
 }
 
-/// A listener for iWARP connections on a device's address.
+/// A listener for iWARP connections on a device's address. Connections are
+/// taken, and their MPA Requests read, in the background, each on its own
+/// (as the kernel's iw_cm does before it reports a connect request): a
+/// client that connects and then says nothing holds up no other.
 #[derive(Debug)]
 pub struct Listener {
-    tcp: TcpListener,
+    at: SocketAddrV4,
+    backlog: Backlog<TcpListener, Arrived, ConnectError>,
+}
+
+/// How long a connection may take to send its whole MPA Request.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A connection whose MPA Request came whole.
+#[derive(Debug)]
+struct Arrived {
+    stream: TcpStream,
+    request: mpa::ArrivedRequest,
 }
 
 impl Listener {
@@ -75,25 +92,41 @@ impl Listener {
             ));
         }
         let at = SocketAddrV4::new(*ctx.local_addr().ip(), port);
-        let tcp = TcpListener::bind(at).map_err(|e| VerbsError::Io {
-            what: format!("cannot listen on {at}"),
-            source: e,
-        })?;
-        Ok(Listener { tcp })
+        let io = |what: String| move |source| VerbsError::Io { what, source };
+        let tcp = TcpListener::bind(at).map_err(io(format!("cannot listen on {at}")))?;
+        let at = match tcp.local_addr() {
+            Ok(SocketAddr::V4(a)) => a,
+            _ => at,
+        };
+        let backlog = Backlog::start(
+            Arc::new(tcp),
+            move |tcp: &TcpListener| {
+                tcp.accept()
+                    .map(|(s, _)| s)
+                    .map_err(|source| ConnectError::Tcp {
+                        to: at.into(),
+                        source,
+                    })
+            },
+            |mut stream: TcpStream| {
+                let request = mpa::read_request(&mut stream, REQUEST_TIMEOUT)?;
+                Ok(Arrived { stream, request })
+            },
+        )
+        .map_err(io("cannot start the listener's thread".into()))?;
+        Ok(Listener { at, backlog })
     }
 
     /// The address it listens on.
     pub fn local_addr(&self) -> SocketAddrV4 {
-        match self.tcp.local_addr() {
-            Ok(SocketAddr::V4(a)) => a,
-            _ => SocketAddrV4::new(std::net::Ipv4Addr::UNSPECIFIED, 0),
-        }
+        self.at
     }
 
-    /// Takes the next connection for `qp`: reads the MPA Request, lets
+    /// Takes the next connection whose MPA Request has come for `qp`: lets
     /// `decide` accept or reject it (seeing the peer's private data), and
     /// on acceptance runs `qp` on the connection. A connection that is not
-    /// MPA is dropped with an error (the listener goes on).
+    /// MPA, or that sends no whole Request within [`REQUEST_TIMEOUT`], is
+    /// dropped and its error returned (the listener goes on).
     pub fn accept(
         &self,
         qp: &Qp,
@@ -101,24 +134,20 @@ impl Listener {
         decide: impl FnOnce(&MpaRequest) -> Decision,
     ) -> Result<MpaOutcome, ConnectError> {
         qp.check_unconnected()?;
-        let (mut stream, _) = self.tcp.accept().map_err(|source| ConnectError::Tcp {
-            to: self
-                .tcp
-                .local_addr()
-                .unwrap_or(SocketAddr::V4(self.local_addr())),
-            source,
-        })?;
+        mpa::check_cfg(cfg)?;
+        let Arrived {
+            mut stream,
+            request,
+        } = self.backlog.next()?;
         if let Some(tos) = cfg.tos {
             socket2::SockRef::from(&stream)
                 .set_tos_v4(u32::from(tos))
                 .map_err(|source| ConnectError::Tcp {
-                    to: stream
-                        .peer_addr()
-                        .unwrap_or(SocketAddr::V4(self.local_addr())),
+                    to: stream.peer_addr().unwrap_or(SocketAddr::V4(self.at)),
                     source,
                 })?;
         }
-        let out = mpa::accept(&mut stream, cfg, decide)?;
+        let out = mpa::answer(&mut stream, cfg, request, decide)?;
         qp.attach_iwarp(stream, &out)?;
         Ok(out)
     }

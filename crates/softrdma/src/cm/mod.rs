@@ -12,6 +12,7 @@
 //! when none). rdma-core's and perftest's own exchanges live with the tools
 //! (`softrdma ping`, `softrdma perf`); [`mpa`] is iWARP's establishment.
 
+mod backlog;
 pub mod iwarp;
 pub mod mpa;
 pub mod shm;

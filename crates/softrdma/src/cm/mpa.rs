@@ -248,7 +248,7 @@ fn offer_block(cfg: &MpaConfig, rtr: &[Rtr]) -> IrdOrd {
     }
 }
 
-fn check_cfg(cfg: &MpaConfig) -> Result<(), MpaError> {
+pub(crate) fn check_cfg(cfg: &MpaConfig) -> Result<(), MpaError> {
     let room = MAX_PRIVATE_DATA - if cfg.revision >= 2 { 4 } else { 0 };
     if !(1..=2).contains(&cfg.revision) {
         return Err(MpaError::Protocol(format!(
@@ -335,9 +335,43 @@ pub fn accept(
     decide: impl FnOnce(&MpaRequest) -> Decision,
 ) -> Result<MpaOutcome, MpaError> {
     check_cfg(cfg)?;
-    // A frame that is not an MPA Request (bad key, revision 3) gets no Reply,
-    // as from siw: the caller drops the connection.
-    let (req, pd) = read_frame(stream, Kind::Request, cfg.timeout)?;
+    let request = read_request(stream, cfg.timeout)?;
+    answer(stream, cfg, request, decide)
+}
+
+/// An MPA Request as it came, not yet answered.
+#[derive(Debug)]
+pub(crate) struct ArrivedRequest {
+    frame: StartFrameRepr,
+    private_data: Vec<u8>,
+}
+
+/// Reads the initiator's Request, whole within `waited`. A frame that is
+/// not an MPA Request (bad key, revision 3) is an error that gets no Reply,
+/// as from siw: the caller drops the connection.
+pub(crate) fn read_request(
+    stream: &mut TcpStream,
+    waited: Duration,
+) -> Result<ArrivedRequest, MpaError> {
+    let (frame, private_data) = read_frame(stream, Kind::Request, waited)?;
+    Ok(ArrivedRequest {
+        frame,
+        private_data,
+    })
+}
+
+/// Lets `decide` accept or reject a Request read by [`read_request`], and
+/// answers it (`cfg` checked by [`check_cfg`]).
+pub(crate) fn answer(
+    stream: &mut TcpStream,
+    cfg: &MpaConfig,
+    arrived: ArrivedRequest,
+    decide: impl FnOnce(&MpaRequest) -> Decision,
+) -> Result<MpaOutcome, MpaError> {
+    let ArrivedRequest {
+        frame: req,
+        private_data: pd,
+    } = arrived;
     let revision = req.revision.min(cfg.revision);
     let reject = |stream: &mut TcpStream, why: &[u8]| -> io::Result<()> {
         let reply = StartFrameRepr {

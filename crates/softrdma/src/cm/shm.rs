@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use rustix::net::{SocketAddrUnix, SocketFlags};
 
+use super::backlog::Backlog;
 use crate::verbs::{Context, Qp, Result, VerbsError};
 
 /// How long either side waits for the other's part of the exchange.
@@ -63,10 +64,12 @@ pub fn connect(qp: &Qp, name: &str) -> Result<()> {
     qp.attach_shm(sock, TIMEOUT, false)
 }
 
-/// A listener for shm connections.
+/// A listener for shm connections. Connections are taken, their peers
+/// checked and their first message awaited in the background, each on its
+/// own: a client that connects and then says nothing holds up no other.
 #[derive(Debug)]
 pub struct Listener {
-    sock: OwnedFd,
+    backlog: Backlog<OwnedFd, OwnedFd, VerbsError>,
     name: String,
 }
 
@@ -84,8 +87,22 @@ impl Listener {
         rustix::net::bind(&sock, &addr)
             .map_err(|e| io_err(format!("cannot listen as {name:?}"), e.into()))?;
         rustix::net::listen(&sock, 64).map_err(|e| io_err("listen".into(), e.into()))?;
+        let taking = format!("accepting on {name:?}");
+        let backlog = Backlog::start(
+            std::sync::Arc::new(sock),
+            move |sock: &OwnedFd| {
+                rustix::net::accept_with(sock, SocketFlags::CLOEXEC)
+                    .map_err(|e| io_err(taking.clone(), e.into()))
+            },
+            |sock: OwnedFd| {
+                same_user(&sock)?;
+                first_message(&sock)?;
+                Ok(sock)
+            },
+        )
+        .map_err(|e| io_err("the listener's thread".into(), e))?;
         Ok(Listener {
-            sock,
+            backlog,
             name: name.to_string(),
         })
     }
@@ -95,12 +112,41 @@ impl Listener {
         &self.name
     }
 
-    /// Takes the next connection for `qp`.
+    /// Takes the next connection whose first message has come, for `qp`. A
+    /// peer of another user, or one that sends nothing within ten seconds,
+    /// is dropped and its error returned (the listener goes on).
     pub fn accept(&self, qp: &Qp) -> Result<()> {
         qp.check_unconnected()?;
-        let sock = rustix::net::accept_with(&self.sock, SocketFlags::CLOEXEC)
-            .map_err(|e| io_err(format!("accepting on {:?}", self.name), e.into()))?;
-        same_user(&sock)?;
+        let sock = self.backlog.next()?;
         qp.attach_shm(sock, TIMEOUT, true)
+    }
+}
+
+/// Waits up to [`TIMEOUT`] for the connecting side's first message (the
+/// listening side reads first).
+fn first_message(sock: &OwnedFd) -> Result<()> {
+    use rustix::event::{PollFd, PollFlags};
+    let deadline = crate::verbs::deadline_after(TIMEOUT);
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(io_err(
+                "the shm peer".into(),
+                std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("sent nothing in {} s", TIMEOUT.as_secs()),
+                ),
+            ));
+        }
+        let ts = rustix::time::Timespec {
+            tv_sec: left.as_secs() as i64,
+            tv_nsec: i64::from(left.subsec_nanos()),
+        };
+        let mut fds = [PollFd::new(sock, PollFlags::IN)];
+        match rustix::event::poll(&mut fds, Some(&ts)) {
+            Ok(0) | Err(rustix::io::Errno::INTR) => {}
+            Ok(_) => return Ok(()),
+            Err(e) => return Err(io_err("waiting for the shm peer".into(), e.into())),
+        }
     }
 }
