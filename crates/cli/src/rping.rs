@@ -251,17 +251,26 @@ fn server(a: &RpingArgs) -> Result<(), String> {
         if a.debug {
             eprintln!("accepting client connection request");
         }
-        if let Err(e) = serve(a, &side) {
-            if !a.persistent {
-                return Err(e);
-            }
-            eprintln!("rping: client failed: {e}");
-            continue;
-        }
-        debug_fpdus(a, &side);
-        eprintln!("server DISCONNECT EVENT...");
         if !a.persistent {
+            serve(a, &side)?;
+            debug_fpdus(a, &side);
+            eprintln!("server DISCONNECT EVENT...");
             return Ok(());
+        }
+        // As rdma-core's rping -P: each client on a thread of its own, so a
+        // long (or stuck) session holds up no other.
+        let a = a.clone();
+        let session = std::thread::Builder::new()
+            .name("rping-session".into())
+            .spawn(move || match serve(&a, &side) {
+                Ok(()) => {
+                    debug_fpdus(&a, &side);
+                    eprintln!("server DISCONNECT EVENT...");
+                }
+                Err(e) => eprintln!("rping: client failed: {e}"),
+            });
+        if let Err(e) = session {
+            eprintln!("rping: cannot serve the client: {e}");
         }
     }
 }

@@ -955,7 +955,9 @@ fn rping_with_a_wrong_rkey_fails_with_the_terminate_reported() {
 }
 
 /// `rping -s -P` keeps serving after a client that isn't one (as rdma-core's
-/// does): an HTTP request on its port, then a real client.
+/// does): an HTTP request on its port, then a real client; and one that
+/// connects and says nothing holds the real client up for none of the ten
+/// seconds it is given to speak.
 #[test]
 fn a_persistent_rping_server_outlives_a_bad_client() {
     use std::io::Write;
@@ -982,6 +984,8 @@ fn a_persistent_rping_server_outlives_a_bad_client() {
     let mut bad = bad.expect("the server listened");
     bad.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
     drop(bad);
+    let silent = std::net::TcpStream::connect("127.0.1.53:19363").unwrap();
+    let started = std::time::Instant::now();
     let client = Command::new(bin)
         .args([
             "rping",
@@ -1000,9 +1004,12 @@ fn a_persistent_rping_server_outlives_a_bad_client() {
         ])
         .output()
         .unwrap();
+    let took = started.elapsed();
     let _ = server.kill();
     let server = server.wait_with_output().unwrap();
+    drop(silent);
     assert!(client.status.success(), "{client:?} {server:?}");
+    assert!(took < std::time::Duration::from_secs(5), "{took:?}");
     assert_eq!(
         stdout(&client)
             .lines()
