@@ -130,11 +130,16 @@ pub enum MpaError {
     /// CRC was required here and the peer declined it.
     #[error("CRC32c is required here and the peer's Reply declines it")]
     CrcDeclined,
-    /// No MPA frame from the peer in time: it took the TCP connection but
-    /// never answered on it.
+    /// No MPA frame from the peer in time: it made or took the TCP
+    /// connection but sent nothing whole on it.
     #[error(
-        "no MPA {awaited} from the peer within {} s: it accepted the TCP connection but never answered",
-        .waited.as_secs_f64()
+        "no MPA {awaited} from the peer within {} s: {}",
+        .waited.as_secs_f64(),
+        if *.awaited == "Reply" {
+            "it accepted the TCP connection but never answered"
+        } else {
+            "it connected but never sent a whole one"
+        }
     )]
     Silent {
         /// The frame waited for: "Request" or "Reply".
