@@ -383,3 +383,45 @@ fn port_attributes() {
     }
     assert!(Device::iwarp("239.1.2.3".parse().unwrap()).open().is_err());
 }
+
+/// Two events pending on a completion channel go to two waiting threads,
+/// one each, as `ibv_get_cq_event` hands them out; `take_events` counts
+/// what is left.
+#[test]
+fn two_channel_events_wake_two_waiters() {
+    let c = ctx();
+    let pd = c.alloc_pd().unwrap();
+    let mr = pd.register(4096, Access::ALL).unwrap();
+    let cq = c.create_cq(16).unwrap();
+    let a = pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
+    let peer_cq = c.create_cq(16).unwrap();
+    let b = pd.create_qp(&QpInit::rc(&peer_cq, &peer_cq)).unwrap();
+    common::connect_rc(&a, &b, Some(&mr), &RcOptions::default());
+    cq.req_notify(false);
+    a.post_send(SendWr::new(
+        1,
+        SendOp::Write {
+            remote_addr: mr.addr(),
+            rkey: mr.rkey(),
+        },
+        [mr.sge(0, 8)],
+    ))
+    .unwrap();
+    // The completion fires the arm; an arm with it still queued fires again.
+    assert!(cq.wait_event(common::T));
+    cq.req_notify(false);
+    cq.req_notify(false);
+    let woken = std::thread::scope(|s| {
+        let waiters: Vec<_> = (0..2)
+            .map(|_| s.spawn(|| cq.wait_event(Duration::from_millis(500))))
+            .collect();
+        waiters
+            .into_iter()
+            .map(|w| w.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    assert_eq!(woken, [true, true]);
+    cq.req_notify(false);
+    assert_eq!(cq.take_events(), 1);
+    assert_eq!(cq.take_events(), 0);
+}

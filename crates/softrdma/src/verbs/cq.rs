@@ -81,7 +81,12 @@ impl CqInner {
             overrun: AtomicBool::new(false),
             sleep: Mutex::new(()),
             ready: Condvar::new(),
-            event: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?,
+            // A semaphore: each read takes one event, so two threads waiting
+            // on the channel take one each (as `ibv_get_cq_event` gives them).
+            event: eventfd(
+                0,
+                EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK | EventfdFlags::SEMAPHORE,
+            )?,
         })
     }
 
@@ -437,11 +442,17 @@ impl Cq {
     /// Consumes the pending events of the completion channel (`ibv_get_cq_event`
     /// plus `ibv_ack_cq_events`); returns how many there were (0 if none).
     pub fn take_events(&self) -> u64 {
-        let mut b = [0u8; 8];
-        match rustix::io::read(&self.inner.event, &mut b) {
-            Ok(8) => u64::from_ne_bytes(b),
-            _ => 0,
+        let mut n = 0;
+        while self.take_event() {
+            n += 1;
         }
+        n
+    }
+
+    /// Consumes one pending event of the channel, if there is one.
+    fn take_event(&self) -> bool {
+        let mut b = [0u8; 8];
+        matches!(rustix::io::read(&self.inner.event, &mut b), Ok(8))
     }
 
     /// Blocks until the completion channel fires or `timeout` passes; `true`
@@ -468,7 +479,7 @@ impl Cq {
         loop {
             match rustix::event::poll(&mut fds, ts.as_ref()) {
                 Ok(0) => return false,
-                Ok(_) if self.take_events() > 0 => return true,
+                Ok(_) if self.take_event() => return true,
                 // Another thread took the event first: this one waits on,
                 // as `ibv_get_cq_event` does, for what is left of its time.
                 Ok(_) => {

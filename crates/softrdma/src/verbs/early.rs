@@ -68,7 +68,11 @@ impl BeforeConnect {
         max_sge: u32,
         max_wr: u32,
     ) -> Result<Kept, PostError> {
-        if *self.used.lock().expect("lock") {
+        // Held until the receive is kept (the order `connecting` takes the
+        // locks in): a connection that comes up meanwhile would take the
+        // receives before this one joined them, and it would be lost.
+        let used = self.used.lock().expect("lock");
+        if *used {
             return Ok(Kept::Late(wr));
         }
         if wr.sgl.len() > max_sge as usize {
@@ -82,6 +86,7 @@ impl BeforeConnect {
             return Err(PostError::QueueFull(max_wr));
         }
         early.push(wr);
+        drop(used);
         Ok(Kept::Yes)
     }
 

@@ -73,7 +73,12 @@ impl EventQueue {
     }
 
     pub(crate) fn poll(&self) -> Option<AsyncEvent> {
-        let mut q = self.queue.lock().expect("event lock");
+        self.pop(&mut self.queue.lock().expect("event lock"))
+    }
+
+    /// Takes the oldest event from the locked queue; the descriptor goes
+    /// quiet with the last.
+    fn pop(&self, q: &mut VecDeque<AsyncEvent>) -> Option<AsyncEvent> {
         let e = q.pop_front();
         if q.is_empty() {
             let mut b = [0u8; 8];
@@ -86,9 +91,10 @@ impl EventQueue {
         let deadline = super::deadline_after(timeout);
         let mut q = self.queue.lock().expect("event lock");
         loop {
+            // Taken under the lock that saw it: two waiters woken by one
+            // event can't both see it and one come back with nothing.
             if !q.is_empty() {
-                drop(q);
-                return self.poll();
+                return self.pop(&mut q);
             }
             let now = Instant::now();
             if now >= deadline {

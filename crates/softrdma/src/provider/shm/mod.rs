@@ -664,8 +664,11 @@ impl ShmQp {
         }
         match self.execute(&mut sq.local, &sq.peer, wr) {
             Outcome::Done(status) => {
+                let signal = self.complete_send(wr, status);
                 drop(guard);
-                self.complete_send(wr, status);
+                if signal {
+                    self.send_cq.signal();
+                }
             }
             Outcome::NoReceive => sq.backlog.push_back(wr.clone()),
         }
@@ -685,14 +688,22 @@ impl ShmQp {
                 Outcome::NoReceive => return,
                 Outcome::Done(status) => {
                     let wr = guard.backlog.pop_front().expect("front");
+                    let signal = self.complete_send(&wr, status);
                     drop(guard);
-                    self.complete_send(&wr, status);
+                    if signal {
+                        self.send_cq.signal();
+                    }
                 }
             }
         }
     }
 
-    fn complete_send(&self, wr: &SendWr, status: WcStatus) {
+    /// Completes `wr`; returns whether to signal the CQ's channel. Called
+    /// under the send queue's lock: a WR run after this one (by another
+    /// thread, or the progress thread's backlog) completes after it, and
+    /// none runs once this one failed.
+    fn complete_send(&self, wr: &SendWr, status: WcStatus) -> bool {
+        let mut signal = false;
         if wr.flags.signaled || status != WcStatus::Success {
             let mut wc = WorkCompletion::new(wr.wr_id, status, wr.op.wc_opcode(), self.qpn);
             if status == WcStatus::Success {
@@ -702,9 +713,7 @@ impl ShmQp {
                     wr.sgl.iter().map(|s| s.len).sum()
                 };
             }
-            if self.send_cq.push(wc) {
-                self.send_cq.signal();
-            }
+            signal = self.send_cq.push(wc);
             // A CQ that overran loses completions: the QP can't go on.
             if self.send_cq.overran() {
                 self.fail();
@@ -713,6 +722,7 @@ impl ShmQp {
         if status != WcStatus::Success {
             self.fail();
         }
+        signal
     }
 
     /// Puts the regions `wr`'s buffers name into `local`, from the MR table,
@@ -1242,9 +1252,16 @@ impl ShmQp {
         // one right now: the claim is a compare-and-swap), give the peer a
         // moment to complete what it took, then flush the rest.
         let m = &self.mine.mem;
+        let mut tries = 0;
         let taken = loop {
             let tail = m.load(RQ_TAIL);
             let head = m.load(RQ_HEAD);
+            // A peer that moves the tail without end is broken: claim anyway.
+            tries += 1;
+            if tries > 1000 {
+                m.store(RQ_TAIL, head);
+                break tail;
+            }
             if m.compare_swap(RQ_TAIL, tail, head) == tail {
                 break tail;
             }
