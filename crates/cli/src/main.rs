@@ -31,6 +31,7 @@ fn output_failed(e: std::io::Error) -> ! {
 mod decode;
 mod demo;
 mod device;
+mod exchange;
 mod perf;
 mod ping;
 mod rping;
@@ -154,9 +155,10 @@ fn hostd(addr: std::net::SocketAddrV4, exit_when_idle: Option<f64>) -> ExitCode 
     let result = daemon.run();
     let n = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
     eprintln!(
-        "softrdma hostd {addr}: {} processes joined, {} datagrams forwarded, \
-         {} with no owner, {} dropped on a full connection",
+        "softrdma hostd {addr}: {} processes joined ({} of another user refused), {} \
+         datagrams forwarded, {} with no owner, {} dropped on a full connection",
         n(&stats.joined),
+        n(&stats.refused),
         n(&stats.forwarded),
         n(&stats.no_owner),
         n(&stats.overflow)

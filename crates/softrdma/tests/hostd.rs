@@ -208,3 +208,81 @@ fn a_departed_process_frees_its_slot_and_its_qpns_are_not_reused_at_once() {
         2
     );
 }
+
+/// Which child process a test binary started as (see below).
+const ROLE: &str = "SOFTRDMA_HOSTD_ROLE";
+/// The address the other user's daemon serves.
+const OTHER_USERS: &str = "127.0.0.58:4791";
+
+/// The daemon of another user, in a child process run as nobody: serves
+/// [`OTHER_USERS`] until its standard input closes.
+#[test]
+#[ignore = "a child process of a_daemon_and_a_process_of_two_users_refuse_each_other"]
+fn other_user_daemon() {
+    use std::io::{Read, Write};
+    if std::env::var(ROLE).as_deref() != Ok("daemon") {
+        return;
+    }
+    let mut d = Hostd::bind(OTHER_USERS.parse().unwrap()).unwrap();
+    let stopper = d.stopper();
+    std::thread::spawn(move || {
+        let _ = std::io::stdin().read(&mut [0]);
+        stopper.stop();
+    });
+    println!("READY");
+    std::io::stdout().flush().unwrap();
+    d.run().unwrap();
+    std::process::exit(0);
+}
+
+/// Anyone can bind an abstract socket name: a process joins no daemon of
+/// another user (which could read its traffic and forge its sources), and a
+/// daemon turns away a process of another user (which could take every
+/// slot). Root's daemon would serve all.
+#[test]
+fn a_daemon_and_a_process_of_two_users_refuse_each_other() {
+    use std::io::BufRead;
+    use std::os::unix::process::CommandExt;
+    use std::process::{Command, Stdio};
+    if std::env::var_os(ROLE).is_some() {
+        return;
+    }
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("not root: can't start a process of another user; skipped");
+        return;
+    }
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["other_user_daemon", "--exact", "--ignored", "--nocapture"])
+        .env(ROLE, "daemon")
+        .uid(65534)
+        .gid(65534)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = std::io::BufReader::new(child.stdout.take().unwrap());
+    let ready = lines.lines().map_while(Result::ok).any(|l| l == "READY");
+    assert!(ready, "the other user's daemon never started");
+    let e = Device::udp(OTHER_USERS.parse().unwrap())
+        .shared_port(true)
+        .open()
+        .unwrap_err();
+    assert!(e.to_string().contains("runs as user 65534"), "{e}");
+    // A process that asks anyway (straight to the daemon's socket) is
+    // greeted with slot 0: turned away.
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketType};
+    let fd = rustix::net::socket(AddressFamily::UNIX, SocketType::SEQPACKET, None).unwrap();
+    let name = format!("softrdma-hostd/{OTHER_USERS}");
+    rustix::net::connect(
+        &fd,
+        &SocketAddrUnix::new_abstract_name(name.as_bytes()).unwrap(),
+    )
+    .unwrap();
+    let mut hello = [0xffu8; 6];
+    let n = rustix::net::recv(&fd, &mut hello, rustix::net::RecvFlags::empty())
+        .unwrap()
+        .0;
+    assert_eq!(&hello[..n], b"SRHD1\0");
+    drop(child.stdin.take());
+    assert!(child.wait().unwrap().success());
+}

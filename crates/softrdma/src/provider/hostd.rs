@@ -33,8 +33,15 @@ const GREETING: &[u8; 5] = b"SRHD1";
 /// Slots a daemon hands out: 0 is the slot of QPNs 0 and 1 and of exclusive
 /// devices, 0xff that of the multicast QPN 0xffffff.
 const SLOTS: std::ops::RangeInclusive<u8> = 1..=254;
+
+/// The greeting's slot byte that turns a process away (not a slot).
+const REFUSED: u8 = 0;
+
 /// Largest datagram forwarded.
 const RX_BUF: usize = 65536;
+
+/// Most datagrams the daemon forwards before it looks at its other sockets.
+const FORWARD_BUDGET: usize = 256;
 
 /// The abstract socket name of the daemon serving `addr`.
 fn socket_name(addr: SocketAddrV4) -> String {
@@ -54,6 +61,8 @@ pub struct HostdStats {
     pub joined: AtomicU64,
     /// Processes connected now.
     pub connected: AtomicU64,
+    /// Processes of another user turned away.
+    pub refused: AtomicU64,
 }
 
 /// The daemon that shares one RoCEv2 address among processes.
@@ -180,9 +189,12 @@ impl Hostd {
                 }
                 _ => None,
             };
-            let ts = timeout.map(|d| rustix::time::Timespec {
-                tv_sec: d.as_secs() as i64,
-                tv_nsec: i64::from(d.subsec_nanos()),
+            // A linger beyond what a timespec holds waits without one.
+            let ts = timeout.and_then(|d| {
+                Some(rustix::time::Timespec {
+                    tv_sec: i64::try_from(d.as_secs()).ok()?,
+                    tv_nsec: i64::from(d.subsec_nanos()),
+                })
             });
             let mut fds = Vec::with_capacity(3 + slots.len());
             fds.push(PollFd::new(&self.udp, PollFlags::IN));
@@ -212,7 +224,12 @@ impl Hostd {
                 self.accept();
             }
             if ready[0] {
-                while let Some((n, meta)) = recv_datagram(&self.udp, &mut rx, &mut cmsg) {
+                // A budget a look: a flood must not keep the daemon from its
+                // stop signal, its joiners and its departed clients.
+                for _ in 0..FORWARD_BUDGET {
+                    let Some((n, meta)) = recv_datagram(&self.udp, &mut rx, &mut cmsg) else {
+                        break;
+                    };
                     self.forward(&rx[..n], &meta);
                 }
             }
@@ -229,6 +246,17 @@ impl Hostd {
         while let Ok(fd) =
             rustix::net::accept_with(&self.listener, SocketFlags::CLOEXEC | SocketFlags::NONBLOCK)
         {
+            // A process of another user is turned away (unless the daemon
+            // is root's, serving all): it could take every slot.
+            let me = rustix::process::geteuid();
+            let peer = rustix::net::sockopt::socket_peercred(&fd).map(|c| c.uid);
+            if !me.is_root() && peer.ok() != Some(me) {
+                self.stats.refused.fetch_add(1, Ordering::Relaxed);
+                let mut refusal = [REFUSED; 6];
+                refusal[..5].copy_from_slice(GREETING);
+                let _ = rustix::net::send(&fd, &refusal, SendFlags::NOSIGNAL);
+                continue;
+            }
             let free = (0..SLOTS.clone().count()).find_map(|i| {
                 let span = u32::from(*SLOTS.end() - *SLOTS.start()) + 1;
                 let s = (u32::from(self.next_slot - *SLOTS.start()) + i as u32) % span
@@ -441,6 +469,19 @@ fn connect(addr: SocketAddrV4) -> io::Result<(OwnedFd, u8)> {
         &fd,
         &SocketAddrUnix::new_abstract_name(socket_name(addr).as_bytes())?,
     )?;
+    // Anyone can bind an abstract name: a daemon of another user (root
+    // aside) could read this process's traffic and forge its sources.
+    let daemon = rustix::net::sockopt::socket_peercred(&fd)?.uid;
+    if !daemon.is_root() && daemon != rustix::process::geteuid() {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "the hostd for {addr} runs as user {}, this process as {}: not joined",
+                daemon.as_raw(),
+                rustix::process::geteuid().as_raw()
+            ),
+        ));
+    }
     rustix::net::sockopt::set_socket_timeout(
         &fd,
         rustix::net::sockopt::Timeout::Recv,
@@ -459,6 +500,12 @@ fn connect(addr: SocketAddrV4) -> io::Result<(OwnedFd, u8)> {
         return Err(io::Error::other(format!(
             "the process serving {addr} is not a compatible hostd"
         )));
+    }
+    if hello[5] == REFUSED {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("the hostd for {addr} serves processes of its own user only"),
+        ));
     }
     rustix::net::sockopt::set_socket_timeout(&fd, rustix::net::sockopt::Timeout::Recv, None)?;
     rustix::net::sockopt::set_socket_recv_buffer_size(&fd, 8 << 20)?;

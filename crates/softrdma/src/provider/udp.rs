@@ -339,7 +339,8 @@ const ALARM_PUSH_NS: u64 = 5_000_000;
 /// it holds back for GSO sends (see [`RxBuffers::drain_sockets`]).
 const HELD_DATAGRAMS: usize = 16;
 
-/// Most datagrams one look takes from a socket: a sender that never stops
+/// Most datagrams one look takes from a socket (or the hostd's uplink): a
+/// sender that never stops
 /// (a flood of junk included) must not keep the progress thread from its
 /// timers, its stop flag and the other sockets, nor keep the receive lock
 /// from a polling thread for good.
@@ -1281,7 +1282,7 @@ fn progress(shared: &Arc<Shared>) {
         }
         if let (Some(uplink), true) = (&shared.uplink, uplink_open) {
             let mut receiving = shared.rx_lock.lock();
-            loop {
+            for _ in 0..RX_BUDGET {
                 match super::hostd::recv_forwarded(uplink, &mut b.rx) {
                     Ok(Some((n, meta))) => {
                         receive_datagram(
