@@ -52,6 +52,18 @@ fn put(out: &mut impl Write, s: &str) {
 }
 
 pub fn run(path: &Path, roce_ports: &[u16], quiet: bool) -> ExitCode {
+    // A capture is a file: a device or a pipe (/dev/zero) could be read
+    // into memory without end.
+    match std::fs::metadata(path) {
+        Ok(m) if !m.is_file() => {
+            eprintln!(
+                "softrdma decode: {} is not a regular file (a pcap or pcapng capture)",
+                path.display()
+            );
+            return ExitCode::FAILURE;
+        }
+        _ => {}
+    }
     let file = match std::fs::read(path) {
         Ok(f) => f,
         Err(e) => {

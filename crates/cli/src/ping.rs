@@ -2,12 +2,14 @@
 //! `ibv_ud_pingpong`, with their out-of-band exchange (TCP 18515, the
 //! 52-byte "LID:QPN:PSN:GID" message, then "done") and their traffic.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr, SocketAddrV4, TcpListener, TcpStream};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use softrdma::verbs::*;
+
+use crate::exchange::read_whole;
 
 /// Options, spelled as the rdma-core tools spell them.
 #[derive(Debug, Clone, clap::Args)]
@@ -161,6 +163,10 @@ pub fn run(a: &PingArgs) -> ExitCode {
 
 fn run_inner(a: &PingArgs) -> Result<(), String> {
     let size = a.size.unwrap_or(if a.ud { 2048 } else { 4096 });
+    // As perf's -s: a message's length must fit a work request's.
+    if size > i32::MAX as usize {
+        return Err(format!("-s {size}: a message is at most 2147483647 bytes"));
+    }
     let mtu = Mtu::from_bytes(a.mtu).ok_or(format!(
         "-m {}: the MTU must be 256, 512, 1024, 2048 or 4096",
         a.mtu
@@ -266,7 +272,7 @@ fn run_inner(a: &PingArgs) -> Result<(), String> {
         .map_err(|e| format!("out-of-band exchange: {e}"))?;
     let io = |e: std::io::Error| match e.kind() {
         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => format!(
-            "out-of-band exchange: the peer sent nothing for {} s (is it a pingpong peer?)",
+            "out-of-band exchange: no whole message from the peer in {} s (is it a pingpong peer?)",
             EXCHANGE_WAIT.as_secs()
         ),
         _ => format!("out-of-band exchange: {e}"),
@@ -319,18 +325,18 @@ fn run_inner(a: &PingArgs) -> Result<(), String> {
     };
     let (rem, ah) = if a.host.is_some() {
         tcp.write_all(&me.message()).map_err(io)?;
-        tcp.read_exact(&mut buf).map_err(io)?;
+        read_whole(&mut tcp, &mut buf, Some(EXCHANGE_WAIT)).map_err(io)?;
         let rem = Dest::parse(&buf)?;
         let ah = connect(&rem)?;
         tcp.write_all(b"done\0").map_err(io)?;
         (rem, ah)
     } else {
-        tcp.read_exact(&mut buf).map_err(io)?;
+        read_whole(&mut tcp, &mut buf, Some(EXCHANGE_WAIT)).map_err(io)?;
         let rem = Dest::parse(&buf)?;
         let ah = connect(&rem)?;
         tcp.write_all(&me.message()).map_err(io)?;
         let mut done = [0u8; 5];
-        tcp.read_exact(&mut done).map_err(io)?;
+        read_whole(&mut tcp, &mut done, Some(EXCHANGE_WAIT)).map_err(io)?;
         (rem, ah)
     };
     me.print("local", a.ud);

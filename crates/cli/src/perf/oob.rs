@@ -131,6 +131,9 @@ pub struct Report {
 pub struct Oob {
     link: Link,
     client: bool,
+    /// Setup messages must come whole within [`SETUP_TIMEOUT`] each; the
+    /// end-of-test barrier waits as long as the run takes.
+    setup: bool,
 }
 
 #[derive(Debug)]
@@ -231,13 +234,16 @@ impl Control {
         Ok(())
     }
 
-    /// Waits for the peer's next message (as long as the connection
-    /// lives: a lost connection flushes the receive).
-    fn recv(&self, out: &mut [u8]) -> io::Result<()> {
+    /// Waits for the peer's next message, within `limit` if one is given,
+    /// else as long as the connection lives (a lost connection flushes the
+    /// receive).
+    fn recv(&self, out: &mut [u8], limit: Option<Duration>) -> io::Result<()> {
         let io = |e: String| io::Error::other(e);
+        let wait = limit.unwrap_or(Duration::from_secs(3600));
         let wc = loop {
-            match self.rcq.wait(Duration::from_secs(3600)) {
+            match self.rcq.wait(wait) {
                 Ok(Some(wc)) => break wc,
+                Ok(None) if limit.is_some() => return Err(io::ErrorKind::TimedOut.into()),
                 Ok(None) => {}
                 Err(e) => return Err(io(e.to_string())),
             }
@@ -279,8 +285,8 @@ pub const SETUP_TIMEOUT: Duration = Duration::from_secs(60);
 fn ctx(what: &'static str) -> impl Fn(io::Error) -> String {
     move |e| match e.kind() {
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => format!(
-            "out-of-band exchange ({what}): the peer sent nothing for {} s (is it running \
-             a matching test?)",
+            "out-of-band exchange ({what}): no whole message from the peer in {} s (is it \
+             running a matching test?)",
             SETUP_TIMEOUT.as_secs()
         ),
         _ => format!("out-of-band exchange ({what}): {e}"),
@@ -295,6 +301,7 @@ impl Oob {
         Oob {
             link: Link::Tcp(stream),
             client,
+            setup: true,
         }
     }
 
@@ -303,27 +310,29 @@ impl Oob {
         Oob {
             link: Link::Cm(Box::new(control)),
             client,
+            setup: true,
         }
     }
 
     /// One lock-step swap of `mine` for as many bytes of the peer's.
     fn xchg(&mut self, mine: &[u8], theirs: &mut [u8]) -> io::Result<()> {
+        let limit = self.setup.then_some(SETUP_TIMEOUT);
         match &mut self.link {
             // perftest reads each message with one read(): one write each.
             Link::Tcp(stream) if self.client => {
                 stream.write_all(mine)?;
-                stream.read_exact(theirs)
+                crate::exchange::read_whole(stream, theirs, limit)
             }
             Link::Tcp(stream) => {
-                stream.read_exact(theirs)?;
+                crate::exchange::read_whole(stream, theirs, limit)?;
                 stream.write_all(mine)
             }
             Link::Cm(c) if self.client => {
                 c.send(mine)?;
-                c.recv(theirs)
+                c.recv(theirs, limit)
             }
             Link::Cm(c) => {
-                c.recv(theirs)?;
+                c.recv(theirs, limit)?;
                 c.send(mine)
             }
         }
@@ -332,6 +341,7 @@ impl Oob {
     /// The handshakes before traffic are done: from here the peer may take
     /// as long as its run does.
     pub fn setup_done(&mut self) {
+        self.setup = false;
         if let Link::Tcp(stream) = &self.link {
             let _ = stream.set_read_timeout(None);
         }
