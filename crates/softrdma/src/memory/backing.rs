@@ -9,6 +9,18 @@
 //! tear, they cannot reach memory outside the region. An aligned 8-byte word
 //! of a copy of at most 64 bytes is one store, as a NIC's DMA writes it (see
 //! [`copy_words`]): a lock released by an 8-byte WRITE stays released.
+//!
+//! A deliberate deviation, as `vm-memory`'s: Rust's memory model calls two
+//! plain copies of the same bytes at once a data race, and so undefined, not
+//! merely torn. Region memory is shared with peers (threads placing their
+//! data, other processes, in effect DMA) that no lock can exclude, so the
+//! copies here are opaque routines (memcpy, vector loops) through raw
+//! pointers that the compiler cannot reason across, and the two `&[u8]`
+//! views that exist ([`RegionMemory::slice`], for a send's CRC and iovecs)
+//! live only for the call that uses them. The same holds for two mappings
+//! of one memfd in this process (a shm QP connected to its own device):
+//! overlapping ranges copied between them may come out wrong, as an
+//! overlapping DMA may.
 
 use std::alloc::{self, Layout};
 use std::ptr::NonNull;
@@ -275,7 +287,8 @@ impl std::fmt::Debug for Keeper {
 // SAFETY: the allocation is owned by the RegionMemory and only reached through
 // raw-pointer copies and atomics, which are sound to issue from any thread.
 unsafe impl Send for RegionMemory {}
-// SAFETY: as above; shared access never creates references to the bytes.
+// SAFETY: as above; shared access creates no references to the bytes but
+// the short-lived views of `slice`, an `unsafe fn` (see the module's notes).
 unsafe impl Sync for RegionMemory {}
 
 impl RegionMemory {
@@ -489,8 +502,9 @@ impl RegionMemory {
     /// # Safety
     /// Region memory may be written at any moment by the progress engine on a
     /// peer's behalf. The caller must use the slice only for a send it is
-    /// building now and not keep it; contents written concurrently are
-    /// unspecified, as DMA from a buffer being written is on hardware.
+    /// building now and not keep it. A concurrent write is a data race in
+    /// Rust's model, which this crate accepts as the module's notes say: what
+    /// is sent is then unspecified, as DMA from a buffer being written is.
     pub unsafe fn slice(&self, offset: usize, len: usize) -> &[u8] {
         self.check(offset, len);
         // SAFETY: in bounds and alive for `&self`; the caller takes the

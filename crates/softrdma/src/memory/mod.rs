@@ -264,7 +264,7 @@ impl<R: Borrow<Region>> Segment<R> {
     /// # Panics
     /// If the data does not fit: callers size their copies from the segment.
     pub fn write(&self, at: usize, data: &[u8]) {
-        assert!(at + data.len() <= self.len, "write past the segment");
+        assert!(fits(at, data.len(), self.len), "write past the segment");
         self.memory().write(self.offset + at, data);
     }
     /// Copies from the segment at `at` into `out`.
@@ -272,7 +272,7 @@ impl<R: Borrow<Region>> Segment<R> {
     /// # Panics
     /// If `out` reaches past the segment.
     pub fn read(&self, at: usize, out: &mut [u8]) {
-        assert!(at + out.len() <= self.len, "read past the segment");
+        assert!(fits(at, out.len(), self.len), "read past the segment");
         self.memory().read(self.offset + at, out);
     }
     /// Copies `len` bytes from `src` (at `src_at`) into this segment at `at`:
@@ -287,8 +287,8 @@ impl<R: Borrow<Region>> Segment<R> {
         src_at: usize,
         len: usize,
     ) {
-        assert!(at + len <= self.len, "write past the segment");
-        assert!(src_at + len <= src.len, "read past the segment");
+        assert!(fits(at, len, self.len), "write past the segment");
+        assert!(fits(src_at, len, src.len), "read past the segment");
         self.memory()
             .copy_from(self.offset + at, src.memory(), src.offset + src_at, len);
     }
@@ -314,6 +314,12 @@ impl<R: Borrow<Region>> Segment<R> {
     }
 }
 
+/// Whether `at..at + len` lies inside `0..bound` (a sum that would wrap
+/// does not).
+fn fits(at: usize, len: usize, bound: usize) -> bool {
+    at.checked_add(len).is_some_and(|end| end <= bound)
+}
+
 /// One `readv(2)` from `fd`: into the region ranges `spans` (each a segment
 /// and a range `at..at + len` of it) in order, then into the buffers of
 /// `tail`. Returns how many bytes came (0 at end of stream). How a stream
@@ -330,7 +336,7 @@ pub fn read_vectored_from_fd<R: Borrow<Region>>(
     use std::os::fd::AsRawFd;
     let mut iov: smallvec::SmallVec<[libc::iovec; 16]> = smallvec::SmallVec::new();
     for &(seg, at, len) in spans {
-        assert!(at + len <= seg.len, "read past the segment");
+        assert!(fits(at, len, seg.len), "read past the segment");
         if len > 0 {
             iov.push(seg.memory().iovec_mut(seg.offset + at, len));
         }
@@ -569,6 +575,17 @@ mod tests {
         .unwrap();
         t.insert(r);
         (t, mem)
+    }
+
+    /// A range whose end wraps `usize` is past the segment, not before it.
+    #[test]
+    #[should_panic(expected = "write past the segment")]
+    fn a_wrapping_range_is_past_the_segment() {
+        let (t, _) = table();
+        let seg = t
+            .local(7, 0x1111, 0x10_0010, 16, Access::LOCAL_WRITE)
+            .unwrap();
+        seg.write(usize::MAX, &[0; 2]);
     }
 
     #[test]

@@ -35,6 +35,9 @@ impl Drop for Mapping {
     }
 }
 
+/// `statfs`'s file-system type of shmem, where memfds live (linux/magic.h).
+const TMPFS_MAGIC: u64 = 0x0102_1994;
+
 /// `len` bytes (rounded up to pages) of new shared memory, zeroed and sealed
 /// at that size: the memory, mapped here, and the memfd to pass to peers.
 pub(crate) fn create(len: usize, name: &str) -> io::Result<(RegionMemory, OwnedFd)> {
@@ -67,6 +70,11 @@ pub(crate) fn map(fd: BorrowedFd<'_>, len: usize) -> io::Result<RegionMemory> {
     let st = rustix::fs::fstat(fd)?;
     if (st.st_size as u64) < len as u64 {
         return Err(refuse("shared memory smaller than announced"));
+    }
+    // Plain shmem only: a hugetlbfs memfd faults (SIGBUS) once its pool
+    // runs dry, which would kill this process on the peer's say-so.
+    if rustix::fs::fstatfs(fd)?.f_type as u64 != TMPFS_MAGIC {
+        return Err(refuse("shared memory that is not plain shmem (tmpfs)"));
     }
     // SAFETY: a new mapping chosen by the kernel (null hint), of a memfd
     // sealed at a size of at least `len` bytes; nothing else refers to it.
