@@ -88,6 +88,10 @@ pub(crate) struct QpSlot {
     /// send: a deferred transmit (see [`poll_now`]) is skipped when a post's
     /// has sent the answers already. Written under the QP lock.
     answers_pending: AtomicBool,
+    /// The QP was destroyed (set under the QP lock): a thread that still
+    /// holds the slot (a timer pass, a deferred answer) sends nothing more
+    /// for it and completes nothing into its CQs.
+    destroyed: AtomicBool,
 }
 
 /// The hand-off of a QP's transmitting between threads: one thread
@@ -148,6 +152,7 @@ impl QpSlot {
             srq,
             tx: TransmitTurn::default(),
             answers_pending: AtomicBool::new(false),
+            destroyed: AtomicBool::new(false),
         }
     }
 
@@ -258,10 +263,17 @@ impl Shared {
     /// Takes a QP out of the device's table, and out of the receiving
     /// thread's recent QPs (waiting for that thread to finish its look).
     pub fn remove_qp(&self, qpn: u32) {
-        self.qps.write().expect("QP table lock").remove(&qpn);
+        let slot = self.qps.write().expect("QP table lock").remove(&qpn);
         let mut receiving = self.rx_lock.lock();
         for s in &mut receiving.recent_qps {
             s.take_if(|s| s.qpn == qpn);
+        }
+        // Its deferred answers go unsent (they hold its regions too).
+        receiving.deferred.retain(|s| s.qpn != qpn);
+        drop(receiving);
+        if let Some(slot) = slot {
+            let _qp = slot.engine.lock().expect("QP lock");
+            slot.destroyed.store(true, Ordering::Release);
         }
     }
 
@@ -818,6 +830,11 @@ fn drain_completions(
     events: &EventQueue,
     signal: &mut [bool; 2],
 ) {
+    if slot.destroyed.load(Ordering::Acquire) {
+        while qp.poll_completion().is_some() {}
+        while qp.poll_event().is_some() {}
+        return;
+    }
     while let Some((kind, wc)) = qp.poll_completion() {
         let (cq, i) = match kind {
             CqKind::Send => (&slot.send_cq, 0),
@@ -868,7 +885,7 @@ fn transmit_deferred(shared: &Shared, slot: &QpSlot) -> Option<Time> {
 /// Sends everything the QP has to send, unless another thread is at it (then
 /// that thread goes round again). Returns the QP's next timer.
 fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
-    if !slot.tx.enter() {
+    if slot.destroyed.load(Ordering::Acquire) || !slot.tx.enter() {
         return None;
     }
     let mut timer = None;
