@@ -486,7 +486,11 @@ impl RcQp {
         if info.position.ends() {
             self.resp.current = None;
             if needs_recv {
-                let Some((wqe, _, _)) = self.take_recv(mrs)? else {
+                // A receive whose buffers fail their checks is NAKed at this
+                // packet's PSN, as an overflowing SEND is: the requester
+                // fails this WQE, not the next.
+                let taken = self.take_recv(mrs).inspect_err(|_| self.resp.epsn = psn)?;
+                let Some((wqe, _, _)) = taken else {
                     unreachable!("checked above that a receive WQE is there");
                 };
                 self.finish_recv(&wqe, WcOpcode::RecvRdmaWithImm, total, p);

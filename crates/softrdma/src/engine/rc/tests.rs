@@ -871,6 +871,39 @@ fn bad_lkey_is_loc_prot_err_and_flushes_the_rest() {
     assert_eq!(statuses(&p, 0), [(r, WcStatus::LocProtErr)]);
 }
 
+/// A WRITE with immediate whose receive names a bad lkey: the NAK carries
+/// the WRITE's own PSN, so the requester fails that WQE (not the one after
+/// it, which a NAK one PSN later would blame, or none, leaving the WRITE
+/// to succeed).
+#[test]
+fn a_write_with_immediate_into_a_bad_receive_fails_itself() {
+    let mut p = Pair::new(Setup::default());
+    let r = p.recv(
+        1,
+        vec![Sge {
+            addr: IOVA[1],
+            len: 8,
+            lkey: 0x999,
+        }],
+    );
+    let w = p.send(
+        0,
+        SendOp::WriteWithImm {
+            remote_addr: IOVA[1] + 4096,
+            rkey: RKEY[1],
+            imm: 7,
+        },
+        vec![Pair::sge(0, 0, 64)],
+    );
+    let after = p.send(0, SendOp::Send, vec![Pair::sge(0, 0, 8)]);
+    p.run([2, 1]);
+    assert_eq!(statuses(&p, 1), [(r, WcStatus::LocProtErr)]);
+    assert_eq!(
+        statuses(&p, 0),
+        [(w, WcStatus::RemOpErr), (after, WcStatus::WrFlushErr)]
+    );
+}
+
 #[test]
 fn forbidden_by_the_remote_qp_is_rem_inv_req_err() {
     let mut p = Pair::new(Setup {
