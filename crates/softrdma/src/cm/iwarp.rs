@@ -148,6 +148,15 @@ impl Listener {
                 })?;
         }
         let out = mpa::answer(&mut stream, cfg, request, decide)?;
+        // RFC 5044 7.1.2: a responder sends no FPDU before the initiator's
+        // first. siw's initiator needs it: reading the Reply, it takes bytes
+        // past it for a protocol error (it asks for four more than the
+        // Reply's private data, or checks for more when it has none). A
+        // server that speaks first must not wait for ever, so it waits this
+        // long instead; what the initiator sends meanwhile waits in the socket.
+        if out.rtr.is_none() {
+            std::thread::sleep(FIRST_FPDU_DELAY);
+        }
         qp.attach_iwarp(stream, &out)?;
         Ok(out)
     }

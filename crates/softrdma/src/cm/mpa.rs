@@ -403,15 +403,21 @@ pub(crate) fn answer(
         private_data: pd,
     };
     // Peer-to-peer: the first RTR message both sides can use. A responder
-    // without P2P answers in the client/server model (the initiator decides
-    // whether that will do).
+    // not set up for it still honours an initiator that asks (awaiting the
+    // RTR costs nothing), WRITE first, as siw's does: siw's initiator fails
+    // a Reply that picks none.
+    let ours: &[Rtr] = if cfg.p2p.is_empty() {
+        &[Rtr::Write, Rtr::Read]
+    } else {
+        &cfg.p2p
+    };
     let rtr = match req.ird_ord {
-        Some(p) if p.peer_to_peer && !cfg.p2p.is_empty() => {
+        Some(p) if p.peer_to_peer => {
             let theirs = |r: &Rtr| match r {
                 Rtr::Write => p.write_rtr,
                 Rtr::Read => p.read_rtr,
             };
-            match cfg.p2p.iter().copied().find(|r| theirs(r)) {
+            match ours.iter().copied().find(|r| theirs(r)) {
                 Some(r) => Some(r),
                 None => {
                     let why = b"no common peer-to-peer RTR message";
@@ -431,6 +437,8 @@ pub(crate) fn answer(
             reason: format!("by the application ({} bytes to the peer)", why.len()),
         });
     }
+    let peer = req.ird_ord.filter(|_| revision >= 2);
+    let ord = peer.map_or(cfg.ord, |p| cfg.ord.min(p.ird));
     // CRC if the initiator asks, or if this side requires it.
     let crc = req.crc || cfg.crc == CrcPolicy::Required;
     let large_fpdus = cfg.large_fpdus && req.reserved_flags & FLAG_GSO != 0;
@@ -445,17 +453,20 @@ pub(crate) fn answer(
             0
         },
         revision,
-        ird_ord: (revision >= 2).then(|| offer_block(cfg, rtr.as_slice())),
+        ird_ord: (revision >= 2).then(|| IrdOrd {
+            // The ORD this side will use: no more READs than the peer serves.
+            ord: ord.min(IrdOrd::NOT_NEGOTIATED),
+            ..offer_block(cfg, rtr.as_slice())
+        }),
         ulp_private_data_len: cfg.private_data.len(),
     };
     stream.write_all(&frame_bytes(&reply, &cfg.private_data))?;
     stream.set_read_timeout(None)?;
-    let peer = req.ird_ord.filter(|_| revision >= 2);
     Ok(MpaOutcome {
         revision,
         crc,
         peer_ird_ord: peer.map(|p| (p.ird, p.ord)),
-        ord: peer.map_or(cfg.ord, |p| cfg.ord.min(p.ird)),
+        ord,
         ird: cfg.ird,
         rtr,
         initiator: false,
@@ -594,9 +605,12 @@ mod tests {
         let (c, s) = pair(client.clone(), server, yes);
         assert_eq!(c.unwrap().rtr, Some(Rtr::Write));
         assert_eq!(s.unwrap().rtr, Some(Rtr::Write));
-        // A responder without P2P answers in the client/server model.
+        // A responder not set up for P2P honours it, WRITE first (as siw).
         let (c, s) = pair(client.clone(), MpaConfig::default(), yes);
-        assert_eq!((c.unwrap().rtr, s.unwrap().rtr), (None, None));
+        assert_eq!(
+            (c.unwrap().rtr, s.unwrap().rtr),
+            (Some(Rtr::Write), Some(Rtr::Write))
+        );
         // No common message: rejected.
         let (c, s) = pair(
             MpaConfig {

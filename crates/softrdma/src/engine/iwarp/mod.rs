@@ -585,7 +585,11 @@ impl IwarpQp {
         match self.sq.front() {
             None => false,
             Some(e) => match e.wr.op {
-                SendOp::Read { .. } => self.reads_out.len() < usize::from(self.cfg.ord.max(1)),
+                // An RTR READ awaiting its answer counts (siw's sits in its ORQ).
+                SendOp::Read { .. } => {
+                    self.reads_out.len() + usize::from(self.rtr_response_due)
+                        < usize::from(self.cfg.ord.max(1))
+                }
                 // A fenced WQE waits for the READs before it.
                 _ => !e.wr.flags.fence || self.reads_out.is_empty(),
             },
@@ -953,7 +957,9 @@ impl IwarpQp {
                 return Placement::Discard;
             }
         };
-        if let Some(want) = self.rtr_awaited {
+        // A Terminate in the RTR's place (RFC 6581: no matching RTR, too
+        // few IRD) is the peer's reason, taken as any Terminate.
+        if let Some(want) = self.rtr_awaited.filter(|_| op != Opcode::Terminate) {
             let rtr = match want {
                 Rtr::Write => op == Opcode::Write && payload_len == 0 && d.last,
                 Rtr::Read => op == Opcode::ReadRequest,

@@ -748,6 +748,107 @@ fn a_p2p_responder_holds_its_sends_until_the_rtr_and_refuses_another_first_messa
     assert_eq!(p.statuses(1, CqKind::Send), [(1, WcStatus::WrFlushErr)]);
 }
 
+/// An RTR READ counts against ORD until its answer comes (siw keeps it in
+/// its ORQ): with ORD 1 the application's READ waits for it, so a peer
+/// serving one READ at a time never sees two.
+#[test]
+fn an_rtr_read_counts_against_ord() {
+    let initiator = IwarpConfig {
+        ord: 1,
+        p2p: Some(P2p::Send(Rtr::Read)),
+        ..IwarpConfig::default()
+    };
+    let responder = IwarpConfig {
+        ird: 1,
+        p2p: Some(P2p::Await(Rtr::Read)),
+        ..IwarpConfig::default()
+    };
+    let mut p = Pair {
+        s: [
+            side(0, Access::ALL, initiator),
+            side(1, Access::ALL, responder),
+        ],
+        crc: true,
+        wire: [Vec::new(), Vec::new()],
+    };
+    p.post(
+        0,
+        SendWr::new(
+            1,
+            SendOp::Read {
+                remote_addr: IOVA[1],
+                rkey: RKEY[1],
+            },
+            vec![sge(0, 0, 64)],
+        ),
+    );
+    let mut buf = vec![0u8; MAX_HEADER_LEN];
+    let mut pieces = Vec::new();
+    let s = &mut p.s[0];
+    assert!(
+        s.qp.poll_transmit(&s.mrs, &mut buf, &mut pieces).is_some(),
+        "the RTR"
+    );
+    assert!(
+        s.qp.poll_transmit(&s.mrs, &mut buf, &mut pieces).is_none(),
+        "the READ waits for the RTR's answer"
+    );
+    // From the start, with the RTR answered: the READ runs.
+    let mut p = Pair {
+        s: [
+            side(0, Access::ALL, initiator),
+            side(1, Access::ALL, responder),
+        ],
+        crc: true,
+        wire: [Vec::new(), Vec::new()],
+    };
+    p.s[1].mem.write(0, b"readable");
+    p.post(
+        0,
+        SendWr::new(
+            1,
+            SendOp::Read {
+                remote_addr: IOVA[1],
+                rkey: RKEY[1],
+            },
+            vec![sge(0, 0, 8)],
+        ),
+    );
+    p.run();
+    assert_eq!(p.statuses(0, CqKind::Send), [(1, WcStatus::Success)]);
+    assert!(p.s[1].qp.own_terminate().is_none());
+}
+
+/// A Terminate in place of the RTR (RFC 6581: the initiator found no
+/// matching RTR, or too few IRD) is the peer's reason, taken as any
+/// Terminate, not answered with one.
+#[test]
+fn a_terminate_in_place_of_the_rtr_is_taken_as_the_peers() {
+    let responder = IwarpConfig {
+        p2p: Some(P2p::Await(Rtr::Write)),
+        ..IwarpConfig::default()
+    };
+    let mut p = Pair {
+        s: [
+            side(0, Access::ALL, IwarpConfig::default()),
+            side(1, Access::ALL, responder),
+        ],
+        crc: true,
+        wire: [Vec::new(), Vec::new()],
+    };
+    // Side 0 fails (its CQ overran): a Terminate is its first FPDU.
+    p.s[0].qp.cq_overrun();
+    p.run();
+    assert!(
+        p.s[1].qp.peer_terminate().is_some(),
+        "the peer's reason kept"
+    );
+    assert!(
+        p.s[1].qp.own_terminate().is_none(),
+        "no Terminate answers one"
+    );
+}
+
 #[test]
 fn zero_length_writes_and_reads_do_not_check_the_stag() {
     let mut p = Pair::new();
