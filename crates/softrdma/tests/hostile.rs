@@ -96,6 +96,41 @@ fn a_read_to_a_qp_without_responder_resources_is_an_invalid_request() {
     assert_eq!(opcode, Opcode::RC_RDMA_READ_RESPONSE_ONLY.0);
 }
 
+/// A duplicate READ request is replayed only if it names the first one's
+/// key and a range inside it (as rxe checks): one asking for other memory
+/// under an old PSN gets nothing.
+#[test]
+fn a_duplicate_read_for_other_memory_is_dropped() {
+    let mrs = region();
+    let mut qp = rc_qp(4);
+    let (opcode, _) = answer(&mut qp, &mrs, &read_request(100));
+    assert_eq!(opcode, Opcode::RC_RDMA_READ_RESPONSE_ONLY.0);
+    let mut buf = vec![0u8; MAX_HEADER_LEN + 4096];
+    let mut pieces = Vec::new();
+    let duplicate = |va: u64, rkey: u32, dma_len: u32| {
+        let mut r = Repr::new(Opcode::RC_RDMA_READ_REQUEST, 0x11, Psn::new(0), 0);
+        r.reth = Some(reth::Repr { va, rkey, dma_len });
+        let mut b = vec![0u8; r.buffer_len().unwrap()];
+        r.emit(&mut b, &[]).unwrap();
+        b
+    };
+    for (what, request) in [
+        ("another key", duplicate(IOVA, RKEY ^ 1, 100)),
+        ("past the first READ", duplicate(IOVA + 50, RKEY, 100)),
+        ("before the first READ", duplicate(IOVA - 8, RKEY, 100)),
+    ] {
+        qp.handle_packet(Time(3), &request, &mrs);
+        assert!(
+            qp.poll_transmit(Time(4), &mrs, &mut buf, &mut pieces)
+                .is_none(),
+            "{what}: answered"
+        );
+    }
+    // The same request again is replayed.
+    let (opcode, _) = answer(&mut qp, &mrs, &duplicate(IOVA, RKEY, 100));
+    assert_eq!(opcode, Opcode::RC_RDMA_READ_RESPONSE_ONLY.0);
+}
+
 /// A READ beyond IB's 2^31-byte message limit is refused before its key is
 /// looked at: its responses could span half the PSN space, where a duplicate
 /// request can't be told from a new one.

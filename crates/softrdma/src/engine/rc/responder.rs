@@ -521,6 +521,19 @@ impl RcQp {
                     self.stats.dropped += 1;
                     return;
                 };
+                // As rxe: a retry names the same key and a range inside the
+                // first READ's (the requester restarts at a later packet with
+                // the address and length moved on); anything else is dropped.
+                let Some(reth) = p.reth() else {
+                    self.stats.dropped += 1;
+                    return;
+                };
+                let inside = reth.va() >= va
+                    && (reth.va() - va).saturating_add(u64::from(reth.dma_len())) <= len;
+                if reth.rkey() != rkey || !inside {
+                    self.stats.dropped += 1;
+                    return;
+                }
                 let from = psn.distance(first_psn) as u32;
                 // One stream per READ: asked again while its responses are
                 // queued (the requester's retry, or a peer flooding one
