@@ -847,3 +847,41 @@ fn a_silent_client_holds_up_no_other() {
     assert!(dropped.elapsed() < Duration::from_secs(1));
     drop(silent);
 }
+
+/// An FPDU whose CRC is wrong: the receiving side's Terminate (LLP, CRC
+/// error) reaches the peer before the stream ends, as siw's does.
+#[test]
+fn a_crc_error_is_answered_with_a_terminate_before_the_end() {
+    use std::io::{Read, Write};
+    let server = end([127, 0, 0, 2]);
+    let listener = Listener::bind(&server.ctx, 0).unwrap();
+    let at = listener.local_addr();
+    let cfg = MpaConfig {
+        crc: CrcPolicy::Required,
+        ..MpaConfig::default()
+    };
+    let accepting = std::thread::spawn(move || {
+        listener
+            .accept(&server.qp, &MpaConfig::default(), |_| Decision::Accept)
+            .unwrap();
+        server
+    });
+    let mut peer = std::net::TcpStream::connect(at).unwrap();
+    softrdma::cm::mpa::connect(&mut peer, &cfg).unwrap();
+    let server = accepting.join().unwrap();
+    // A zero-length WRITE (STag 0) whose CRC is all ones.
+    let mut fpdu = vec![0u8, 14, 0xc1, 0x40];
+    fpdu.extend_from_slice(&[0; 12]);
+    fpdu.extend_from_slice(&[0xff; 4]);
+    peer.write_all(&fpdu).unwrap();
+    peer.set_read_timeout(Some(common::T)).unwrap();
+    let mut got = vec![];
+    peer.read_to_end(&mut got).expect("the stream ends");
+    wait_state(&server.qp, QpState::Err);
+    // One FPDU came first: a Terminate (RDMAP opcode 7), layer LLP.
+    assert!(got.len() > 8 && got[3] & 0x0f == 7, "{got:x?}");
+    // The Terminate's control word follows the untagged DDP header: layer
+    // 2 (LLP) in its top four bits.
+    let control = 2 + softrdma::wire::ddp::UNTAGGED_HEADER_LEN;
+    assert_eq!(got[control] >> 4, 2, "{got:x?}");
+}

@@ -556,7 +556,18 @@ impl Shared {
     fn end_of_stream(&self, rx: &mut RxState) {
         rx.done = true;
         if !self.closed.load(Ordering::Acquire) {
-            self.lost();
+            // A Terminate this side owes (a CRC error, a malformed segment)
+            // still goes out: the transmit thread sends it, then ends the
+            // stream (see `LINGER`). Shut at once, the socket lost it.
+            let owed = {
+                let qp = self.engine.lock().expect("QP lock");
+                qp.state() == QpState::Err && qp.wants_transmit()
+            };
+            if owed {
+                self.kick();
+            } else {
+                self.lost();
+            }
         } else {
             self.engine.lock().expect("QP lock").connection_lost();
             self.drain();

@@ -19,8 +19,8 @@
 //! Completions come in posting order.
 //!
 //! Errors: a bad STag, bounds, rights, a SEND with no receive posted (iWARP
-//! has no RNR), or a malformed segment make this side send a Terminate, go to
-//! ERROR and flush; a Terminate from the peer, a CRC error or a lost
+//! has no RNR), a malformed segment or a CRC error make this side send a
+//! Terminate, go to ERROR and flush; a Terminate from the peer or a lost
 //! connection do the same without a Terminate.
 
 #[cfg(test)]
