@@ -673,7 +673,7 @@ fn transmit_loop(s: &Shared) {
             }
             // After a Terminate or a local error the stream ends, as siw
             // ends it: the peer sees the close and flushes; receiving goes
-            // on until it closes too.
+            // on until it closes too, for `LINGER` at most.
             Ok(Ended::Yes) => s.end_writing(),
             Ok(Ended::No) => {}
         }
