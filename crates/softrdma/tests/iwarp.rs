@@ -885,3 +885,62 @@ fn a_crc_error_is_answered_with_a_terminate_before_the_end() {
     let control = 2 + softrdma::wire::ddp::UNTAGGED_HEADER_LEN;
     assert_eq!(got[control] >> 4, 2, "{got:x?}");
 }
+
+/// A QP moved to ERR while its accept waits takes no connection: that
+/// accept fails when a client comes, and leaves the client, unanswered, to
+/// the next accept, which connects it.
+#[test]
+fn a_qp_moved_to_err_while_accepting_leaves_the_client_to_the_next() {
+    use std::sync::mpsc;
+    let server = end([127, 0, 0, 2]);
+    let listener = std::sync::Arc::new(Listener::bind(&server.ctx, 0).unwrap());
+    let at = listener.local_addr();
+    let new_qp = || {
+        let init = QpInit::rc(&server.scq, &server.rcq);
+        std::sync::Arc::new(server.pd.create_qp(&init).unwrap())
+    };
+    let (first, second) = (new_qp(), new_qp());
+    let (tx, rx) = mpsc::channel();
+    let l = listener.clone();
+    let qp = first.clone();
+    std::thread::spawn(move || {
+        let r = l.accept(&qp, &MpaConfig::default(), |_| Decision::Accept);
+        let _ = tx.send(r.map(|_| ()).map_err(|e| e.to_string()));
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    let err = QpAttr {
+        state: Some(QpState::Err),
+        ..QpAttr::default()
+    };
+    first.modify(&err, None).unwrap();
+    let client = end([127, 0, 0, 1]);
+    let connecting = std::thread::spawn(move || {
+        iwarp::connect(&client.qp, at, &MpaConfig::default()).map(|_| client)
+    });
+    let e = rx
+        .recv_timeout(common::T)
+        .expect("the first accept returned")
+        .unwrap_err();
+    assert!(e.contains("moved to ERR"), "{e}");
+    let (tx, rx) = mpsc::channel();
+    let l = listener.clone();
+    let qp = second.clone();
+    std::thread::spawn(move || {
+        let r = l.accept(&qp, &MpaConfig::default(), |_| Decision::Accept);
+        let _ = tx.send(r.map(|_| ()).map_err(|e| e.to_string()));
+    });
+    rx.recv_timeout(common::T)
+        .expect("the second accept took the client")
+        .unwrap();
+    let client = connecting.join().unwrap().unwrap();
+    second
+        .post_recv(RecvWr::new(1, [server.mr.sge(0, 64)]))
+        .unwrap();
+    client.mr.write(0, b"late").unwrap();
+    client
+        .qp
+        .post_send(SendWr::new(2, SendOp::Send, [client.mr.sge(0, 4)]))
+        .unwrap();
+    assert_eq!(one(&server.rcq).status, WcStatus::Success);
+    assert_eq!(server.mr.read_vec(0, 4).unwrap(), b"late");
+}

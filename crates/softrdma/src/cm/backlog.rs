@@ -73,6 +73,18 @@ where
         })
     }
 
+    /// Puts a connection taken by [`next`](Self::next) back at the front,
+    /// for the next `accept` (this one's QP could not take it).
+    pub(crate) fn put_back(&self, conn: T) {
+        self.shared.pending.fetch_add(1, Ordering::AcqRel);
+        self.shared
+            .queue
+            .lock()
+            .expect("backlog lock")
+            .push_front(Ok(conn));
+        self.shared.ready.notify_one();
+    }
+
     /// The next connection readied, or the error of one that failed to be.
     pub(crate) fn next(&self) -> Result<T, E> {
         let mut queue = self.shared.queue.lock().expect("backlog lock");

@@ -135,10 +135,17 @@ impl Listener {
     ) -> Result<MpaOutcome, ConnectError> {
         qp.check_unconnected()?;
         mpa::check_cfg(cfg)?;
+        let arrived = self.backlog.next()?;
+        // The QP may have been moved to ERR while this waited: the
+        // connection, not yet answered, waits for the next accept.
+        if let Err(e) = qp.check_unconnected() {
+            self.backlog.put_back(arrived);
+            return Err(e.into());
+        }
         let Arrived {
             mut stream,
             request,
-        } = self.backlog.next()?;
+        } = arrived;
         if let Some(tos) = cfg.tos {
             socket2::SockRef::from(&stream)
                 .set_tos_v4(u32::from(tos))

@@ -118,6 +118,12 @@ impl Listener {
     pub fn accept(&self, qp: &Qp) -> Result<()> {
         qp.check_unconnected()?;
         let sock = self.backlog.next()?;
+        // The QP may have been moved to ERR while this waited: the
+        // connection, not yet answered, waits for the next accept.
+        if let Err(e) = qp.check_unconnected() {
+            self.backlog.put_back(sock);
+            return Err(e);
+        }
         qp.attach_shm(sock, TIMEOUT, true)
     }
 }
