@@ -627,17 +627,7 @@ fn a_silent_client_holds_up_no_other() {
         "{:?}",
         started.elapsed()
     );
-    server
-        .qp
-        .post_recv(RecvWr::new(1, [server.mr.sge(0, 64)]))
-        .unwrap();
-    client.mr.write(0, b"next").unwrap();
-    client
-        .qp
-        .post_send(SendWr::new(2, SendOp::Send, [client.mr.sge(0, 4)]))
-        .unwrap();
-    assert_eq!(one(&server.rcq).status, WcStatus::Success);
-    assert_eq!(server.mr.read_vec(0, 4).unwrap(), b"next");
+    common::a_send_lands(&client, &server, &server.qp, b"next");
     let dropped = std::time::Instant::now();
     drop(listener);
     assert!(dropped.elapsed() < Duration::from_secs(1));

@@ -13,6 +13,46 @@ fn ctx() -> Context {
     Device::udp("127.0.0.1:0".parse().unwrap()).open().unwrap()
 }
 
+/// On one device: a region, QP `a` completing on `cq` (of `cq_len`), QP `b`
+/// on a CQ of its own, the two connected.
+struct Looped {
+    ctx: Context,
+    mr: Mr,
+    cq: Cq,
+    a: Qp,
+    b: Qp,
+    _b_cq: Cq,
+}
+
+fn looped(cq_len: usize) -> Looped {
+    let ctx = ctx();
+    let pd = ctx.alloc_pd().unwrap();
+    let mr = pd.register(4096, Access::ALL).unwrap();
+    let cq = ctx.create_cq(cq_len).unwrap();
+    let a = pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
+    let b_cq = ctx.create_cq(16).unwrap();
+    let b = pd.create_qp(&QpInit::rc(&b_cq, &b_cq)).unwrap();
+    common::connect_rc(&a, &b, Some(&mr), &RcOptions::default());
+    Looped {
+        ctx,
+        mr,
+        cq,
+        a,
+        b,
+        _b_cq: b_cq,
+    }
+}
+
+/// A signaled 8-byte WRITE from `qp` to the start of `mr`.
+fn write8(qp: &Qp, mr: &Mr, wr_id: u64) {
+    let op = SendOp::Write {
+        remote_addr: mr.addr(),
+        rkey: mr.rkey(),
+    };
+    qp.post_send(SendWr::new(wr_id, op, [mr.sge(0, 8)]))
+        .unwrap();
+}
+
 #[test]
 fn registration_rules_and_keys() {
     let c = ctx();
@@ -53,31 +93,11 @@ fn registration_rules_and_keys() {
 
 #[test]
 fn cq_capacity_and_overrun_is_an_error() {
-    let c = ctx();
+    let l = looped(2);
+    let (c, mr, small, qp, peer) = (&l.ctx, &l.mr, &l.cq, &l.a, &l.b);
     assert!(c.create_cq(0).is_err());
-    let pd = c.alloc_pd().unwrap();
-    let mr = pd.register(4096, Access::ALL).unwrap();
-    let small = c.create_cq(2).unwrap();
-    let qp = pd.create_qp(&QpInit::rc(&small, &small)).unwrap();
-    let peer_cq = c.create_cq(16).unwrap();
-    let peer = pd.create_qp(&QpInit::rc(&peer_cq, &peer_cq)).unwrap();
-    common::connect_rc(&qp, &peer, Some(&mr), &RcOptions::default());
     for i in 0..4 {
-        qp.post_send(SendWr {
-            wr_id: i,
-            op: SendOp::Write {
-                remote_addr: mr.addr(),
-                rkey: mr.rkey(),
-            },
-            sgl: vec![mr.sge(0, 8)].into(),
-            flags: SendFlags {
-                signaled: true,
-                ..SendFlags::default()
-            },
-            ud: None,
-            inline_data: vec![],
-        })
-        .unwrap();
+        write8(qp, mr, i);
     }
     std::thread::sleep(Duration::from_millis(300));
     let mut wcs = [WorkCompletion {
@@ -112,27 +132,13 @@ fn cq_capacity_and_overrun_is_an_error() {
 /// another waits on for its own time instead of returning at once.
 #[test]
 fn an_arm_is_not_narrowed_and_a_lost_event_race_keeps_waiting() {
-    let c = ctx();
-    let pd = c.alloc_pd().unwrap();
-    let mr = pd.register(4096, Access::ALL).unwrap();
-    let cq = c.create_cq(16).unwrap();
-    let a = pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
-    let peer_cq = c.create_cq(16).unwrap();
-    let b = pd.create_qp(&QpInit::rc(&peer_cq, &peer_cq)).unwrap();
-    common::connect_rc(&a, &b, Some(&mr), &RcOptions::default());
+    let l = looped(16);
+    let (mr, cq, a) = (&l.mr, &l.cq, &l.a);
     let _fd = cq.as_fd();
     cq.req_notify(false);
     cq.req_notify(true);
     // An unsolicited WRITE: its send completion fires the arm.
-    a.post_send(SendWr::new(
-        1,
-        SendOp::Write {
-            remote_addr: mr.addr(),
-            rkey: mr.rkey(),
-        },
-        [mr.sge(0, 8)],
-    ))
-    .unwrap();
+    write8(a, mr, 1);
     assert!(cq.wait_event(Duration::from_secs(5)), "the first arm held");
     assert_eq!(cq.wait(Duration::from_secs(5)).unwrap().unwrap().wr_id, 1);
     // Two waiters, one event: the other keeps waiting until its timeout.
@@ -143,15 +149,7 @@ fn an_arm_is_not_narrowed_and_a_lost_event_race_keeps_waiting() {
             .map(|_| s.spawn(|| cq.wait_event(Duration::from_millis(600))))
             .collect();
         std::thread::sleep(Duration::from_millis(50));
-        a.post_send(SendWr::new(
-            2,
-            SendOp::Write {
-                remote_addr: mr.addr(),
-                rkey: mr.rkey(),
-            },
-            [mr.sge(0, 8)],
-        ))
-        .unwrap();
+        write8(a, mr, 2);
         waiters
             .into_iter()
             .map(|w| w.join().unwrap())
@@ -389,24 +387,10 @@ fn port_attributes() {
 /// what is left.
 #[test]
 fn two_channel_events_wake_two_waiters() {
-    let c = ctx();
-    let pd = c.alloc_pd().unwrap();
-    let mr = pd.register(4096, Access::ALL).unwrap();
-    let cq = c.create_cq(16).unwrap();
-    let a = pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
-    let peer_cq = c.create_cq(16).unwrap();
-    let b = pd.create_qp(&QpInit::rc(&peer_cq, &peer_cq)).unwrap();
-    common::connect_rc(&a, &b, Some(&mr), &RcOptions::default());
+    let l = looped(16);
+    let (mr, cq, a) = (&l.mr, &l.cq, &l.a);
     cq.req_notify(false);
-    a.post_send(SendWr::new(
-        1,
-        SendOp::Write {
-            remote_addr: mr.addr(),
-            rkey: mr.rkey(),
-        },
-        [mr.sge(0, 8)],
-    ))
-    .unwrap();
+    write8(a, mr, 1);
     // The completion fires the arm; an arm with it still queued fires again.
     assert!(cq.wait_event(common::T));
     cq.req_notify(false);

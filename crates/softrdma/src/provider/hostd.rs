@@ -37,6 +37,13 @@ const SLOTS: std::ops::RangeInclusive<u8> = 1..=254;
 /// The greeting's slot byte that turns a process away (not a slot).
 const REFUSED: u8 = 0;
 
+/// The daemon's greeting handing out `slot` (or [`REFUSED`]).
+fn greeting(slot: u8) -> [u8; 6] {
+    let mut hello = [slot; 6];
+    hello[..5].copy_from_slice(GREETING);
+    hello
+}
+
 /// Largest datagram forwarded.
 const RX_BUF: usize = 65536;
 
@@ -252,9 +259,7 @@ impl Hostd {
             let peer = rustix::net::sockopt::socket_peercred(&fd).map(|c| c.uid);
             if !me.is_root() && peer.ok() != Some(me) {
                 self.stats.refused.fetch_add(1, Ordering::Relaxed);
-                let mut refusal = [REFUSED; 6];
-                refusal[..5].copy_from_slice(GREETING);
-                let _ = rustix::net::send(&fd, &refusal, SendFlags::NOSIGNAL);
+                let _ = rustix::net::send(&fd, &greeting(REFUSED), SendFlags::NOSIGNAL);
                 continue;
             }
             let free = (0..SLOTS.clone().count()).find_map(|i| {
@@ -280,10 +285,7 @@ impl Hostd {
             // slot sees itself in the counters.
             self.stats.joined.fetch_add(1, Ordering::Relaxed);
             self.stats.connected.fetch_add(1, Ordering::Relaxed);
-            let mut hello = [0u8; 6];
-            hello[..5].copy_from_slice(GREETING);
-            hello[5] = slot;
-            if rustix::net::send(&fd, &hello, SendFlags::NOSIGNAL).is_err() {
+            if rustix::net::send(&fd, &greeting(slot), SendFlags::NOSIGNAL).is_err() {
                 self.stats.connected.fetch_sub(1, Ordering::Relaxed);
                 continue;
             }

@@ -26,7 +26,7 @@ use softrdma_wire::ddp;
 use softrdma_wire::mpa::{self, Crc32c};
 
 use crate::engine::iwarp::{IwarpQp, MAX_HEADER_LEN, Placement, Transmit};
-use crate::engine::{CqKind, MAX_INLINE_DATA, PostError, QpEvent, QpState, RecvWr, SendWr};
+use crate::engine::{MAX_INLINE_DATA, PostError, QpEvent, QpState, RecvWr, SendWr};
 use crate::memory::{MrTable, Segment};
 use crate::verbs::cq::CqInner;
 use crate::verbs::events::{AsyncEvent, EventQueue};
@@ -606,12 +606,7 @@ impl Shared {
             qp = self.engine.lock().expect("QP lock");
         }
         while let Some((kind, wc)) = qp.poll_completion() {
-            let (cq, i) = match kind {
-                CqKind::Send => (&self.send_cq, 0),
-                CqKind::Recv => (&self.recv_cq, 1),
-            };
-            signal[i] |= cq.push(wc);
-            if cq.overran() {
+            if !CqInner::deliver([&self.send_cq, &self.recv_cq], kind, wc, &mut signal) {
                 // Completions are being lost: the QP terminates the stream.
                 qp.cq_overrun();
                 overran = true;

@@ -36,7 +36,7 @@ use super::pcap::{PacketMeta, PcapWriter};
 use crate::engine::rc::MAX_HEADER_LEN;
 use crate::engine::srq::Srq;
 use crate::engine::ud::RecvMeta;
-use crate::engine::{AhId, CqKind, MAX_INLINE_DATA, QpEngine, Time, Transmit};
+use crate::engine::{AhId, MAX_INLINE_DATA, QpEngine, Time, Transmit};
 use crate::memory::{KeyHash, MrTable, PdId, Segment};
 use crate::verbs::cq::CqInner;
 use crate::verbs::events::{AsyncEvent, EventQueue};
@@ -836,12 +836,7 @@ fn drain_completions(
         return;
     }
     while let Some((kind, wc)) = qp.poll_completion() {
-        let (cq, i) = match kind {
-            CqKind::Send => (&slot.send_cq, 0),
-            CqKind::Recv => (&slot.recv_cq, 1),
-        };
-        signal[i] |= cq.push(wc);
-        if cq.overran() {
+        if !CqInner::deliver([&slot.send_cq, &slot.recv_cq], kind, wc, signal) {
             // Completions are being lost: the QP can't go on (its flush's
             // completions are lost too, and this loop takes them).
             qp.cq_overrun();

@@ -12,7 +12,7 @@ use rustix::event::{EventfdFlags, eventfd};
 use spin::mutex::SpinMutex;
 use spin::relax::Yield;
 
-use crate::engine::WorkCompletion;
+use crate::engine::{CqKind, WorkCompletion};
 
 /// Why polling a CQ failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -137,6 +137,24 @@ impl CqInner {
     /// Whether the CQ overran: whatever pushes to it now loses completions.
     pub(crate) fn overran(&self) -> bool {
         self.overrun.load(Ordering::Acquire)
+    }
+
+    /// Moves a QP's completion to its send or receive CQ (`cqs`, in that
+    /// order), noting in `signal` whether that CQ's channel must be
+    /// signalled. `false` if the CQ overran: the completion is lost, and the
+    /// QP must fail.
+    pub(crate) fn deliver(
+        cqs: [&CqInner; 2],
+        kind: CqKind,
+        wc: WorkCompletion,
+        signal: &mut [bool; 2],
+    ) -> bool {
+        let i = match kind {
+            CqKind::Send => 0,
+            CqKind::Recv => 1,
+        };
+        signal[i] |= cqs[i].push(wc);
+        !cqs[i].overran()
     }
 
     /// Whether no completion waits (read without the lock).

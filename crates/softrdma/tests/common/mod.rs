@@ -98,6 +98,22 @@ pub fn wait_state(qp: &Qp, want: QpState) {
     }
 }
 
+/// A SEND of `data` from `from`'s QP lands in a receive posted on `to_qp`
+/// (a QP of `to`'s, with `to`'s region and CQs): the connection works.
+pub fn a_send_lands(from: &End, to: &End, to_qp: &Qp, data: &[u8]) {
+    to_qp.post_recv(RecvWr::new(1, [to.mr.sge(0, 64)])).unwrap();
+    from.mr.write(0, data).unwrap();
+    from.qp
+        .post_send(SendWr::new(
+            2,
+            SendOp::Send,
+            [from.mr.sge(0, data.len() as u32)],
+        ))
+        .unwrap();
+    assert_eq!(one(&to.rcq).status, WcStatus::Success);
+    assert_eq!(to.mr.read_vec(0, data.len()).unwrap(), data);
+}
+
 /// Waits for `want` among `ctx`'s async events, skipping others (a test
 /// failure after [`T`]).
 pub fn wait_event(ctx: &Context, want: AsyncEvent) {

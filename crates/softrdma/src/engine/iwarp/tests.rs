@@ -62,6 +62,19 @@ impl Pair {
         Pair::with(IwarpConfig::default(), Access::ALL, true)
     }
 
+    /// Side 0 with `initiator`'s configuration, side 1 with `responder`'s;
+    /// every right, CRC on.
+    fn of(initiator: IwarpConfig, responder: IwarpConfig) -> Pair {
+        Pair {
+            s: [
+                side(0, Access::ALL, initiator),
+                side(1, Access::ALL, responder),
+            ],
+            crc: true,
+            wire: [Vec::new(), Vec::new()],
+        }
+    }
+
     fn with(cfg: IwarpConfig, access: Access, crc: bool) -> Pair {
         Pair {
             s: [side(0, access, cfg), side(1, access, cfg)],
@@ -722,14 +735,7 @@ fn a_p2p_responder_holds_its_sends_until_the_rtr_and_refuses_another_first_messa
         p2p: Some(P2p::Await(Rtr::Write)),
         ..IwarpConfig::default()
     };
-    let mut p = Pair {
-        s: [
-            side(0, Access::ALL, IwarpConfig::default()),
-            side(1, Access::ALL, responder),
-        ],
-        crc: true,
-        wire: [Vec::new(), Vec::new()],
-    };
+    let mut p = Pair::of(IwarpConfig::default(), responder);
     p.recv(0, 1, vec![sge(0, 0, 64)]);
     p.post(1, SendWr::new(1, SendOp::Send, vec![]).inline(b"early"));
     p.transmit(1);
@@ -763,14 +769,7 @@ fn an_rtr_read_counts_against_ord() {
         p2p: Some(P2p::Await(Rtr::Read)),
         ..IwarpConfig::default()
     };
-    let mut p = Pair {
-        s: [
-            side(0, Access::ALL, initiator),
-            side(1, Access::ALL, responder),
-        ],
-        crc: true,
-        wire: [Vec::new(), Vec::new()],
-    };
+    let mut p = Pair::of(initiator, responder);
     p.post(
         0,
         SendWr::new(
@@ -794,14 +793,7 @@ fn an_rtr_read_counts_against_ord() {
         "the READ waits for the RTR's answer"
     );
     // From the start, with the RTR answered: the READ runs.
-    let mut p = Pair {
-        s: [
-            side(0, Access::ALL, initiator),
-            side(1, Access::ALL, responder),
-        ],
-        crc: true,
-        wire: [Vec::new(), Vec::new()],
-    };
+    let mut p = Pair::of(initiator, responder);
     p.s[1].mem.write(0, b"readable");
     p.post(
         0,
@@ -828,14 +820,7 @@ fn a_terminate_in_place_of_the_rtr_is_taken_as_the_peers() {
         p2p: Some(P2p::Await(Rtr::Write)),
         ..IwarpConfig::default()
     };
-    let mut p = Pair {
-        s: [
-            side(0, Access::ALL, IwarpConfig::default()),
-            side(1, Access::ALL, responder),
-        ],
-        crc: true,
-        wire: [Vec::new(), Vec::new()],
-    };
+    let mut p = Pair::of(IwarpConfig::default(), responder);
     // Side 0 fails (its CQ overran): a Terminate is its first FPDU.
     p.s[0].qp.cq_overrun();
     p.run();

@@ -66,23 +66,32 @@ fn seqpacket_pair() -> (OwnedFd, OwnedFd) {
     .unwrap()
 }
 
-#[test]
-fn a_peer_that_dribbles_its_regions_times_out_within_the_exchanges_limit() {
+/// A peer on the other end of `ours`: its hello, then `regions` REGION
+/// messages of one memfd, `gap` apart, then READY; it stops once `ours` is
+/// closed.
+fn a_peer_announcing(regions: u32, gap: Duration) -> (OwnedFd, std::thread::JoinHandle<()>) {
     let (ours, theirs) = seqpacket_pair();
     let (event, _other_end) = std::os::unix::net::UnixStream::pair().unwrap();
     let peer = std::thread::spawn(move || {
         let _inbox = send_hello(theirs.as_fd(), event.as_fd());
-        // A region every 100 ms: each message well within the limit, all
-        // of them (and the READY that never comes) not.
         let (_mem, fd) = mapping::create(4096, "test-region").unwrap();
-        for k in 0..20u32 {
+        for k in 0..regions {
             let m = region_message(k);
             if send_msg(theirs.as_fd(), &m, &[fd.as_fd()]).is_err() {
-                break;
+                return;
             }
-            std::thread::sleep(Duration::from_millis(100));
+            std::thread::sleep(gap);
         }
+        let _ = send_msg(theirs.as_fd(), &[READY], &[]);
     });
+    (ours, peer)
+}
+
+#[test]
+fn a_peer_that_dribbles_its_regions_times_out_within_the_exchanges_limit() {
+    // A region every 100 ms: each message well within the limit, all of
+    // them (and the READY after them) not.
+    let (ours, peer) = a_peer_announcing(20, Duration::from_millis(100));
     let t = Instant::now();
     let Err(e) = read_peer(ours.as_fd(), Deadline::after(Duration::from_millis(300))) else {
         panic!("the exchange went on past its limit");
@@ -174,19 +183,7 @@ fn a_peer_that_stops_answering_is_dropped_when_a_region_is_revoked() {
 /// before the process runs out of mappings.
 #[test]
 fn a_peer_that_announces_too_many_regions_is_refused() {
-    let (ours, theirs) = seqpacket_pair();
-    let (event, _other_end) = std::os::unix::net::UnixStream::pair().unwrap();
-    let peer = std::thread::spawn(move || {
-        let _inbox = send_hello(theirs.as_fd(), event.as_fd());
-        let (_mem, fd) = mapping::create(4096, "test-region").unwrap();
-        for k in 0..=MAX_PEER_REGIONS as u32 {
-            let m = region_message(k);
-            if send_msg(theirs.as_fd(), &m, &[fd.as_fd()]).is_err() {
-                return;
-            }
-        }
-        let _ = send_msg(theirs.as_fd(), &[READY], &[]);
-    });
+    let (ours, peer) = a_peer_announcing(MAX_PEER_REGIONS as u32 + 1, Duration::ZERO);
     let Err(e) = read_peer(ours.as_fd(), Deadline::after(Duration::from_secs(20))) else {
         panic!("the peer's regions were all taken");
     };
