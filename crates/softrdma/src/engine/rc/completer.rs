@@ -168,7 +168,13 @@ impl RcQp {
             self.req.window.acknowledged(advanced as u32);
             self.req.retry_left = self.retry_cnt;
             self.req.rnr_left = self.rnr_retry;
-            self.req.last_go_back = None;
+            // Progress ends a go-back's duplicates, but not while an RNR
+            // back-off holds the restart: the packets that followed the
+            // refused one draw a sequence NAK for the same PSN (rxe spends a
+            // retry on it).
+            if self.req.rnr_until.is_none() {
+                self.req.last_go_back = None;
+            }
         }
     }
 

@@ -78,9 +78,10 @@ pub(super) struct Requester {
     /// No transmission before this (RNR back-off).
     pub rnr_until: Option<Time>,
     pub since_ackreq: u32,
-    /// Where the last go-back restarted, until progress is made: a NAK or an
-    /// implicit NAK asking for the same restart is a duplicate (the network
-    /// duplicated or delayed it) and must not cost another retry.
+    /// Where the last go-back restarted, until progress is made outside an
+    /// RNR back-off: a NAK or an implicit NAK asking for the same restart is
+    /// a duplicate (the network duplicated or delayed it, or it answers a
+    /// packet behind the one refused) and must not cost another retry.
     pub last_go_back: Option<Psn>,
     pub window: Window,
 }

@@ -1396,6 +1396,14 @@ fn lossy_network_still_delivers_in_order() {
                 vec![Pair::sge(0, 0, 20_000 - k as u32 * 997)],
             ));
         }
+        p.sim.run_until(Duration::from_secs(30), |s| {
+            s.ends[0].completions.len() >= 6 && s.ends[1].completions.len() >= 6
+        });
+        eprintln!(
+            "seed {seed} {:?} {:?}",
+            p.sim.ends[0].qp.stats(),
+            p.wcs(0).iter().map(|c| c.1.status).collect::<Vec<_>>()
+        );
         p.run([6, 6]);
         assert_eq!(
             p.wcs(0).iter().map(|c| c.1.wr_id).collect::<Vec<_>>(),
@@ -1567,4 +1575,38 @@ fn a_flood_of_requests_is_held_off_not_queued_without_bound() {
     assert_eq!(answers.len(), queued);
     p.deliver(1, [&read(1023)]);
     assert_eq!(p.sim.ends[1].qp.responses_queued(), 1);
+}
+
+#[test]
+fn a_sequence_nak_behind_an_rnr_nak_costs_no_retry() {
+    // A WRITE, then a 4-packet SEND with no receive posted: the responder
+    // answers the SEND's first packet with an RNR NAK and the next with a
+    // sequence NAK for the same PSN. The WRITE's own ACK is lost, so the RNR
+    // NAK is what acknowledges it. The RNR retry already goes back to the
+    // SEND; the sequence NAK must not count a second loss.
+    use softrdma_wire::aeth::Syndrome;
+    use softrdma_wire::packet::Packet;
+    let mut p = Pair::new(Setup::default());
+    let w = p.write(0, 8);
+    p.send(0, SendOp::Send, vec![Pair::sge(0, 0, 4096)]);
+    let sent = take_packets(&mut p, 0, 10);
+    assert_eq!(sent.len(), 5);
+    p.deliver(1, &sent);
+    let naks: Vec<_> = take_packets(&mut p, 1, 10)
+        .into_iter()
+        .filter(|b| {
+            let packet = Packet::new_checked(&b[..]).unwrap();
+            !matches!(packet.aeth().map(|a| a.syndrome()), Some(Syndrome::Ack(_)))
+        })
+        .collect();
+    assert_eq!(naks.len(), 2);
+    p.deliver(0, &naks);
+    let stats = p.sim.ends[0].qp.stats();
+    assert_eq!((stats.rnr_naks_received, stats.seq_naks_received), (1, 1));
+    assert_eq!(stats.window, MIN_UNACKED_PSNS + 1, "narrowed as for a loss");
+    assert_eq!(p.sim.ends[0].qp.req.retry_left, 7, "a retry was used");
+    p.recv(1, vec![Pair::sge(1, 0, 4096)]);
+    p.run([2, 1]);
+    assert_eq!(statuses(&p, 0)[0], (w, WcStatus::Success));
+    assert_eq!(statuses(&p, 0)[1].1, WcStatus::Success);
 }
