@@ -232,8 +232,8 @@ pub struct StartFrameRepr {
 }
 
 impl StartFrameRepr {
-    /// Parses a Request or Reply. Accepts revisions 1 and 2; the enhanced flag
-    /// needs revision 2 and at least the 4-byte IRD/ORD block.
+    /// Parses a Request or Reply. Accepts revisions 1 and 2; in revision 2 the
+    /// enhanced flag needs at least the 4-byte IRD/ORD block.
     pub fn parse<T: AsRef<[u8]>>(f: &StartFrame<T>) -> Result<StartFrameRepr> {
         check("MPA start frame", f.buffer.as_ref(), START_FRAME_HEADER_LEN)?;
         let kind = f.kind()?;
@@ -253,11 +253,12 @@ impl StartFrameRepr {
         }
         f.check_len()?;
         let flags = f.flags();
-        let enhanced = flags & FLAG_ENHANCED != 0;
+        // Revision 1 reserves the bit: ignored on receipt (RFC 5044 7.1).
+        let enhanced = revision >= 2 && flags & FLAG_ENHANCED != 0;
         let ird_ord = if enhanced {
-            if revision < 2 || pd_len < IRD_ORD_LEN {
+            if pd_len < IRD_ORD_LEN {
                 return Err(Error::InvalidField {
-                    field: "MPA enhanced flag without revision 2 and an IRD/ORD block",
+                    field: "MPA enhanced flag without an IRD/ORD block",
                     value: pd_len as u64,
                 });
             }
@@ -710,9 +711,19 @@ mod tests {
             StartFrameRepr::parse(&StartFrame::new_unchecked(&bad[..])),
             Err(Error::InvalidField { .. })
         ));
+        // Revision 1 reserves the enhanced bit: ignored, as siw does; the
+        // four bytes are the application's.
+        let mut rev1 = REP;
+        rev1[17] = 1;
+        let r = StartFrameRepr::parse(&StartFrame::new_unchecked(&rev1[..])).unwrap();
+        assert_eq!((r.ird_ord, r.ulp_private_data_len), (None, 4));
+        // Revision 2 with the flag but no room for the block.
         let mut bad = REP;
-        bad[17] = 1; // enhanced flag on revision 1
-        assert!(StartFrameRepr::parse(&StartFrame::new_unchecked(&bad[..])).is_err());
+        bad[19] = 3;
+        assert!(matches!(
+            StartFrameRepr::parse(&StartFrame::new_unchecked(&bad[..23])),
+            Err(Error::InvalidField { .. })
+        ));
         assert!(StartFrame::new_checked(&REP[..19]).is_err());
     }
 

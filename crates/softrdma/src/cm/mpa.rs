@@ -13,8 +13,8 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use softrdma_wire::mpa::{
-    FLAG_GSO, FLAG_GSO_OWN, IrdOrd, Kind, MAX_PRIVATE_DATA, START_FRAME_HEADER_LEN, StartFrame,
-    StartFrameRepr,
+    FLAG_ENHANCED, FLAG_GSO, FLAG_GSO_OWN, IrdOrd, Kind, MAX_PRIVATE_DATA, START_FRAME_HEADER_LEN,
+    StartFrame, StartFrameRepr,
 };
 
 /// How a side stands on CRC32c.
@@ -224,7 +224,22 @@ fn read_frame(
     read_exact_by(stream, &mut frame[START_FRAME_HEADER_LEN..], deadline).map_err(silent)?;
     let view =
         StartFrame::new_checked(&frame[..]).map_err(|e| MpaError::Protocol(e.to_string()))?;
-    let repr = StartFrameRepr::parse(&view).map_err(|e| MpaError::Protocol(e.to_string()))?;
+    let repr = match StartFrameRepr::parse(&view) {
+        Ok(repr) => repr,
+        Err(e) => {
+            // A revision-2 Request whose enhanced flag has no IRD/ORD block
+            // behind it is answered with a reject, as siw does; other bad
+            // frames are not MPA enough to answer.
+            if want == Kind::Request
+                && view.kind() == Ok(Kind::Request)
+                && view.revision() == 2
+                && view.flags() & FLAG_ENHANCED != 0
+            {
+                reject_reply(stream, 2, b"enhanced flag without an IRD/ORD block")?;
+            }
+            return Err(MpaError::Protocol(e.to_string()));
+        }
+    };
     if repr.kind != want {
         return Err(MpaError::Protocol(format!(
             "an MPA {:?} where a {want:?} belongs",
@@ -233,6 +248,22 @@ fn read_frame(
     }
     let ulp = frame[frame.len() - repr.ulp_private_data_len..].to_vec();
     Ok((repr, ulp))
+}
+
+/// Answers a Request with a reject Reply carrying `why`.
+fn reject_reply(stream: &mut TcpStream, revision: u8, why: &[u8]) -> io::Result<()> {
+    let reply = StartFrameRepr {
+        kind: Kind::Reply,
+        markers: false,
+        crc: false,
+        reject: true,
+        reserved_flags: 0,
+        revision,
+        // siw answers with an all-zero block.
+        ird_ord: (revision >= 2).then(IrdOrd::default),
+        ulp_private_data_len: why.len(),
+    };
+    stream.write_all(&frame_bytes(&reply, why))
 }
 
 fn frame_bytes(repr: &StartFrameRepr, ulp: &[u8]) -> Vec<u8> {
@@ -378,20 +409,7 @@ pub(crate) fn answer(
         private_data: pd,
     } = arrived;
     let revision = req.revision.min(cfg.revision);
-    let reject = |stream: &mut TcpStream, why: &[u8]| -> io::Result<()> {
-        let reply = StartFrameRepr {
-            kind: Kind::Reply,
-            markers: false,
-            crc: false,
-            reject: true,
-            reserved_flags: 0,
-            revision,
-            // siw answers with an all-zero block.
-            ird_ord: (revision >= 2).then(IrdOrd::default),
-            ulp_private_data_len: why.len(),
-        };
-        stream.write_all(&frame_bytes(&reply, why))
-    };
+    let reject = |stream: &mut TcpStream, why: &[u8]| reject_reply(stream, revision, why);
     if req.markers {
         reject(stream, b"markers not supported")?;
         return Err(MpaError::Markers);
@@ -650,6 +668,25 @@ mod tests {
         let (markers, garbage) = t.join().unwrap();
         assert!(matches!(markers.unwrap_err(), MpaError::Markers));
         assert!(matches!(garbage.unwrap_err(), MpaError::Protocol(_)));
+        // Revision 2, enhanced, two bytes of private data: no room for the
+        // IRD/ORD block, rejected as siw does.
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = l.local_addr().unwrap();
+        let t = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            accept(&mut s, &MpaConfig::default(), yes)
+        });
+        let mut c3 = TcpStream::connect(at).unwrap();
+        c3.write_all(b"MPA ID Req Frame\x10\x02\x00\x02\x00\x01")
+            .unwrap();
+        let mut reply = [0u8; 16 + 4];
+        c3.read_exact(&mut reply).unwrap();
+        assert_eq!(&reply[..16], b"MPA ID Rep Frame");
+        assert_eq!(reply[16] & 0x20, 0x20, "the reject flag");
+        assert!(matches!(
+            t.join().unwrap().unwrap_err(),
+            MpaError::Protocol(_)
+        ));
     }
 
     #[test]
