@@ -293,6 +293,20 @@ const fn valid_layer_etype(layer: u8, etype: u8) -> bool {
     }
 }
 
+/// The error codes RFC 5040 4.8, RFC 5041 7.2 and RFC 5044 8 (with RFC 6581's
+/// additions) define for a layer and error type.
+const fn defined_code(layer: u8, etype: u8, code: u8) -> bool {
+    match (layer, etype) {
+        (0 | 1, 0) => code == 0x00,
+        (0, 1) => matches!(code, 0x00..=0x04 | 0x09 | 0xff),
+        (0, 2) => matches!(code, 0x05..=0x09 | 0xff),
+        (1, 1) => code <= 0x04,
+        (1, 2) => matches!(code, 0x01..=0x06),
+        (2, 0) => matches!(code, 0x01..=0x07),
+        _ => false,
+    }
+}
+
 impl TermControl {
     /// Decodes the 4-byte control word in the given encoding.
     pub const fn decode(w: [u8; 4], enc: TermEncoding) -> TermControl {
@@ -340,7 +354,10 @@ impl TermControl {
     }
 
     /// Guesses the encoding of a control word: by where flag bits sit, else by
-    /// which reading gives a defined layer and error type; RFC when both do.
+    /// which reading gives a defined layer and error type, then a defined
+    /// code (siw's flagless MPA CRC error, 0x02 0x02, reads in the RFC's
+    /// layout as an RDMAP remote operation error with no such code); RFC
+    /// when both do.
     pub const fn detect(w: [u8; 4]) -> TermEncoding {
         let rfc_flags = w[2] & 0xe0;
         let siw_flags = w[2] & 0x07;
@@ -350,13 +367,16 @@ impl TermControl {
         if rfc_flags != 0 {
             return TermEncoding::Rfc;
         }
-        let rfc_ok = valid_layer_etype(w[0] >> 4, w[0] & 0xf);
-        let siw_ok = valid_layer_etype(w[0] & 0xf, w[0] >> 4);
+        let (hi, lo, code) = (w[0] >> 4, w[0] & 0xf, w[1]);
+        let rfc_ok = valid_layer_etype(hi, lo);
+        let siw_ok = valid_layer_etype(lo, hi);
         if siw_ok && !rfc_ok {
-            TermEncoding::Siw
-        } else {
-            TermEncoding::Rfc
+            return TermEncoding::Siw;
         }
+        if siw_ok && defined_code(lo, hi, code) && !defined_code(hi, lo, code) {
+            return TermEncoding::Siw;
+        }
+        TermEncoding::Rfc
     }
 
     /// What the error means, per RFC 5040 4.8, RFC 5041 7.2 and RFC 5044 8.
@@ -828,8 +848,17 @@ mod tests {
         // as an undefined LLP error type in the RFC's.
         assert_eq!(TermControl::detect([0x21, 0x02, 0, 0]), TermEncoding::Siw);
         assert_eq!(TermControl::detect([0x20, 0x02, 0, 0]), TermEncoding::Rfc);
-        // Both readings defined: taken as RFC (siw's LLP CRC error is ambiguous).
-        assert_eq!(TermControl::detect([0x02, 0x02, 0, 0]), TermEncoding::Rfc);
+        // Both layers and types defined: the code decides. siw's MPA CRC
+        // error is an undefined RDMAP code in the RFC's layout.
+        let crc = [0x02, 0x02, 0, 0];
+        assert_eq!(TermControl::detect(crc), TermEncoding::Siw);
+        assert_eq!(
+            TermControl::decode(crc, TermEncoding::Siw).description(),
+            "MPA: CRC error"
+        );
+        // All defined: RDMAP invalid STag in the RFC's, DDP local
+        // catastrophic in siw's; taken as RFC.
+        assert_eq!(TermControl::detect([0x01, 0x00, 0, 0]), TermEncoding::Rfc);
     }
 
     #[test]
