@@ -199,19 +199,14 @@ pub struct Repr {
 }
 
 impl Repr {
-    /// Parses a MAD header; the base version must be 1.
+    /// Parses a MAD header; the base version must be 1. The reserved field is
+    /// ignored, as reserved fields are on receipt.
     pub fn parse<T: AsRef<[u8]>>(h: &Header<T>) -> Result<Repr> {
         h.check_len()?;
         if h.base_version() != BASE_VERSION {
             return Err(Error::UnsupportedVersion {
                 field: "MAD base version",
                 value: h.base_version(),
-            });
-        }
-        if h.reserved() != 0 {
-            return Err(Error::InvalidField {
-                field: "MAD reserved field",
-                value: h.reserved().into(),
             });
         }
         Ok(Repr {
@@ -307,9 +302,13 @@ mod tests {
             Repr::parse(&Header::new_unchecked(&bad[..])),
             Err(Error::UnsupportedVersion { value: 2, .. })
         ));
-        let mut bad = REQ;
-        bad[19] = 1;
-        assert!(Repr::parse(&Header::new_unchecked(&bad[..])).is_err());
+        // Reserved bits set: still the same MAD.
+        let mut odd = REQ;
+        odd[19] = 1;
+        assert_eq!(
+            Repr::parse(&Header::new_unchecked(&odd[..])),
+            Repr::parse(&Header::new_unchecked(&REQ[..]))
+        );
     }
 
     proptest! {
