@@ -876,11 +876,11 @@ fn a_crc_error_is_answered_with_a_terminate_before_the_end() {
     assert_eq!(got[control] >> 4, 2, "{got:x?}");
 }
 
-/// A QP moved to ERR while its accept waits takes no connection: that
-/// accept fails when a client comes, and leaves the client, unanswered, to
-/// the next accept, which connects it.
+/// A QP moved to ERR while its accept waits ends the wait with an error,
+/// before any client comes; the next accept connects the client. An accept
+/// given a time gives up when it passes.
 #[test]
-fn a_qp_moved_to_err_while_accepting_leaves_the_client_to_the_next() {
+fn a_qp_moved_to_err_while_accepting_ends_the_wait() {
     use std::sync::mpsc;
     let server = end([127, 0, 0, 2]);
     let listener = std::sync::Arc::new(Listener::bind(&server.ctx, 0).unwrap());
@@ -903,15 +903,26 @@ fn a_qp_moved_to_err_while_accepting_leaves_the_client_to_the_next() {
         ..QpAttr::default()
     };
     first.modify(&err, None).unwrap();
-    let client = end([127, 0, 0, 1]);
-    let connecting = std::thread::spawn(move || {
-        iwarp::connect(&client.qp, at, &MpaConfig::default()).map(|_| client)
-    });
     let e = rx
         .recv_timeout(common::T)
         .expect("the first accept returned")
         .unwrap_err();
     assert!(e.contains("moved to ERR"), "{e}");
+    let started = std::time::Instant::now();
+    let e = listener
+        .accept_timeout(
+            &second,
+            &MpaConfig::default(),
+            |_| Decision::Accept,
+            Duration::from_millis(200),
+        )
+        .unwrap_err();
+    assert!(matches!(e, iwarp::ConnectError::NoClient { .. }), "{e}");
+    assert!(started.elapsed() >= Duration::from_millis(200));
+    let client = end([127, 0, 0, 1]);
+    let connecting = std::thread::spawn(move || {
+        iwarp::connect(&client.qp, at, &MpaConfig::default()).map(|_| client)
+    });
     let (tx, rx) = mpsc::channel();
     let l = listener.clone();
     let qp = second.clone();

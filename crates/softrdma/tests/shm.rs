@@ -633,3 +633,35 @@ fn a_silent_client_holds_up_no_other() {
     assert!(dropped.elapsed() < Duration::from_secs(1));
     drop(silent);
 }
+
+/// An accept given a time gives up when it passes; one waiting for ever
+/// ends when another thread moves its QP to ERR.
+#[test]
+fn an_accept_ends_at_its_time_or_when_its_qp_fails() {
+    let name = pid_name("accept-ends");
+    let server = end();
+    let listener = std::sync::Arc::new(Listener::bind(&server.ctx, &name).unwrap());
+    let started = std::time::Instant::now();
+    let e = listener
+        .accept_timeout(&server.qp, Duration::from_millis(200))
+        .unwrap_err();
+    assert!(started.elapsed() >= Duration::from_millis(200));
+    assert!(e.to_string().contains("no shm connection came"), "{e}");
+    let qp = std::sync::Arc::new(server.qp);
+    let (l, waiting) = (listener.clone(), qp.clone());
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(l.accept(&waiting).map_err(|e| e.to_string()));
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    let err = QpAttr {
+        state: Some(QpState::Err),
+        ..QpAttr::default()
+    };
+    qp.modify(&err, None).unwrap();
+    let e = rx
+        .recv_timeout(T)
+        .expect("the accept returned")
+        .unwrap_err();
+    assert!(e.contains("moved to ERR"), "{e}");
+}

@@ -9,11 +9,15 @@ use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Connections being readied or waiting for `accept`, at most; more are
 /// closed at once (a flood of idle connections must not cost a thread each).
 const MAX_PENDING: usize = 64;
+
+/// How often a waiting `accept` checks whether to give up (its QP moved to
+/// ERR by another thread).
+const GIVE_UP_CHECK: Duration = Duration::from_millis(50);
 
 #[derive(Debug)]
 struct Shared<T, E> {
@@ -85,17 +89,38 @@ where
         self.shared.ready.notify_one();
     }
 
-    /// The next connection readied, or the error of one that failed to be.
-    pub(crate) fn next(&self) -> Result<T, E> {
+    /// The next connection readied, or the error of one that failed to be;
+    /// `None` once `deadline` passes or `give_up` says so (asked every
+    /// [`GIVE_UP_CHECK`] while none comes).
+    pub(crate) fn next(
+        &self,
+        deadline: Option<Instant>,
+        give_up: impl Fn() -> bool,
+    ) -> Option<Result<T, E>> {
         let mut queue = self.shared.queue.lock().expect("backlog lock");
         let next = loop {
             if let Some(next) = queue.pop_front() {
                 break next;
             }
-            queue = self.shared.ready.wait(queue).expect("backlog lock");
+            if give_up() {
+                return None;
+            }
+            let wait = match deadline {
+                Some(d) => match d.checked_duration_since(Instant::now()) {
+                    Some(left) if !left.is_zero() => left.min(GIVE_UP_CHECK),
+                    _ => return None,
+                },
+                None => GIVE_UP_CHECK,
+            };
+            queue = self
+                .shared
+                .ready
+                .wait_timeout(queue, wait)
+                .expect("backlog lock")
+                .0;
         };
         self.shared.pending.fetch_sub(1, Ordering::AcqRel);
-        next
+        Some(next)
     }
 }
 

@@ -4,7 +4,7 @@
 
 use std::net::{SocketAddr, SocketAddrV4, TcpListener, TcpStream};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::backlog::Backlog;
 use super::mpa::{self, Decision, MpaConfig, MpaError, MpaOutcome, MpaRequest};
@@ -31,6 +31,12 @@ pub enum ConnectError {
     /// The QP.
     #[error(transparent)]
     Verbs(#[from] VerbsError),
+    /// No connection came ready within the time `accept_timeout` was given.
+    #[error("no connection with a whole MPA Request came within {waited:?}")]
+    NoClient {
+        /// How long it waited.
+        waited: Duration,
+    },
 }
 
 /// Connects `qp` (of an iWARP device, not yet connected) to a listener at
@@ -127,17 +133,52 @@ impl Listener {
     /// on acceptance runs `qp` on the connection. A connection that is not
     /// MPA, or that sends no whole Request within [`REQUEST_TIMEOUT`], is
     /// dropped and its error returned (the listener goes on).
+    ///
+    /// It waits as long as it takes; moving `qp` to ERR from another thread
+    /// ends the wait with an error.
     pub fn accept(
         &self,
         qp: &Qp,
         cfg: &MpaConfig,
         decide: impl FnOnce(&MpaRequest) -> Decision,
     ) -> Result<MpaOutcome, ConnectError> {
+        self.accept_by(qp, cfg, decide, None)
+    }
+
+    /// [`accept`](Self::accept), giving up with [`ConnectError::NoClient`]
+    /// when no connection is ready within `waited`.
+    pub fn accept_timeout(
+        &self,
+        qp: &Qp,
+        cfg: &MpaConfig,
+        decide: impl FnOnce(&MpaRequest) -> Decision,
+        waited: Duration,
+    ) -> Result<MpaOutcome, ConnectError> {
+        let deadline = crate::verbs::deadline_after(waited);
+        self.accept_by(qp, cfg, decide, Some((deadline, waited)))
+    }
+
+    fn accept_by(
+        &self,
+        qp: &Qp,
+        cfg: &MpaConfig,
+        decide: impl FnOnce(&MpaRequest) -> Decision,
+        deadline: Option<(Instant, Duration)>,
+    ) -> Result<MpaOutcome, ConnectError> {
         qp.check_unconnected()?;
         mpa::check_cfg(cfg)?;
-        let arrived = self.backlog.next()?;
-        // The QP may have been moved to ERR while this waited: the
-        // connection, not yet answered, waits for the next accept.
+        let next = self
+            .backlog
+            .next(deadline.map(|d| d.0), || qp.check_unconnected().is_err());
+        let Some(arrived) = next else {
+            qp.check_unconnected()?;
+            return Err(ConnectError::NoClient {
+                waited: deadline.map_or(Duration::ZERO, |d| d.1),
+            });
+        };
+        let arrived = arrived?;
+        // The QP may have been moved to ERR just now: the connection, not
+        // yet answered, waits for the next accept.
         if let Err(e) = qp.check_unconnected() {
             self.backlog.put_back(arrived);
             return Err(e.into());

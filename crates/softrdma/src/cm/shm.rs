@@ -4,7 +4,7 @@
 //! keeps it to see the peer go.
 
 use std::os::fd::OwnedFd;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rustix::net::{SocketAddrUnix, SocketFlags};
 
@@ -115,11 +115,36 @@ impl Listener {
     /// Takes the next connection whose first message has come, for `qp`. A
     /// peer of another user, or one that sends nothing within ten seconds,
     /// is dropped and its error returned (the listener goes on).
+    ///
+    /// It waits as long as it takes; moving `qp` to ERR from another thread
+    /// ends the wait with an error.
     pub fn accept(&self, qp: &Qp) -> Result<()> {
+        self.accept_by(qp, None)
+    }
+
+    /// [`accept`](Self::accept), giving up with an error of kind
+    /// `TimedOut` when no connection is ready within `waited`.
+    pub fn accept_timeout(&self, qp: &Qp, waited: Duration) -> Result<()> {
+        let deadline = crate::verbs::deadline_after(waited);
+        self.accept_by(qp, Some((deadline, waited)))
+    }
+
+    fn accept_by(&self, qp: &Qp, deadline: Option<(Instant, Duration)>) -> Result<()> {
         qp.check_unconnected()?;
-        let sock = self.backlog.next()?;
-        // The QP may have been moved to ERR while this waited: the
-        // connection, not yet answered, waits for the next accept.
+        let next = self
+            .backlog
+            .next(deadline.map(|d| d.0), || qp.check_unconnected().is_err());
+        let Some(sock) = next else {
+            qp.check_unconnected()?;
+            let waited = deadline.map_or(Duration::ZERO, |d| d.1);
+            return Err(io_err(
+                format!("no shm connection came within {waited:?}"),
+                std::io::ErrorKind::TimedOut.into(),
+            ));
+        };
+        let sock = sock?;
+        // The QP may have been moved to ERR just now: the connection, not
+        // yet answered, waits for the next accept.
         if let Err(e) = qp.check_unconnected() {
             self.backlog.put_back(sock);
             return Err(e);
