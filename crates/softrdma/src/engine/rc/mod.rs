@@ -437,14 +437,6 @@ impl RcQp {
             None => self.resp.rq.pop_front(),
         }
     }
-
-    /// Whether a receive WQE is waiting.
-    fn has_recv(&self) -> bool {
-        match &self.srq {
-            Some(s) => !s.lock().expect("SRQ lock").is_empty(),
-            None => !self.resp.rq.is_empty(),
-        }
-    }
 }
 
 #[cfg(test)]

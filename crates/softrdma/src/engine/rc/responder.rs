@@ -400,13 +400,9 @@ impl RcQp {
         let info = p.info();
         let psn = p.bth().psn();
         let payload = p.payload();
-        // WRITE with immediate consumes a receive WQE at its last packet; ask
-        // for one before touching memory so that an RNR retry finds it unchanged.
+        // WRITE with immediate consumes a receive WQE at its last packet (the
+        // one with the immediate).
         let needs_recv = info.has_immediate();
-        if needs_recv && !self.has_recv() {
-            self.take_recv(mrs)?;
-            return Ok(());
-        }
         if info.position == Position::Only && !needs_recv {
             // Every packet of a WRITE without immediate is a WRITE ONLY (see
             // the requester): it borrows its region for its one packet. A
@@ -465,37 +461,43 @@ impl RcQp {
             });
         }
         let Some(InProgress::Write {
-            seg,
-            dma_len,
-            written,
-        }) = &mut self.resp.current
+            dma_len, written, ..
+        }) = &self.resp.current
         else {
             unreachable!("a WRITE is in progress");
         };
-        let end = *written + payload.len() as u64;
-        if end > *dma_len || (info.position.ends() && end != *dma_len) {
+        let (start, total) = (*written, *dma_len);
+        let end = start + payload.len() as u64;
+        if end > total || (info.position.ends() && end != total) {
             return Err(Refusal(NakCode::InvalidRequest));
         }
+        // The receive is taken (one pop, the SRQ's other takers
+        // notwithstanding) before the payload lands, so that an RNR retry
+        // finds memory unchanged. One whose buffers fail their checks is
+        // NAKed at this packet's PSN, as an overflowing SEND is: the
+        // requester fails this WQE, not the next.
+        let recv = if needs_recv {
+            match self.take_recv(mrs)? {
+                Some((wqe, _, _)) => Some(wqe),
+                None => return Ok(()),
+            }
+        } else {
+            None
+        };
+        let Some(InProgress::Write { seg, written, .. }) = &mut self.resp.current else {
+            unreachable!("a WRITE is in progress");
+        };
         if let Some(s) = seg {
-            s.write(*written as usize, payload);
+            s.write(start as usize, payload);
         }
         *written = end;
-        let total = *dma_len;
         self.resp.epsn = psn.next();
         self.resp.nak_sent = false;
         if info.position.ends() {
             self.resp.current = None;
-            if needs_recv {
-                // A receive whose buffers fail their checks is NAKed at this
-                // packet's PSN, as an overflowing SEND is: the requester
-                // fails this WQE, not the next.
-                let taken = self.take_recv(mrs).inspect_err(|_| self.resp.epsn = psn)?;
-                let Some((wqe, _, _)) = taken else {
-                    unreachable!("checked above that a receive WQE is there");
-                };
-                self.finish_recv(&wqe, WcOpcode::RecvRdmaWithImm, total, p);
-            } else {
-                self.resp.msn = self.resp.msn.wrapping_add(1) & 0xff_ffff;
+            match recv {
+                Some(wqe) => self.finish_recv(&wqe, WcOpcode::RecvRdmaWithImm, total, p),
+                None => self.resp.msn = self.resp.msn.wrapping_add(1) & 0xff_ffff,
             }
         }
         Ok(())
