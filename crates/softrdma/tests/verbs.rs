@@ -409,3 +409,24 @@ fn two_channel_events_wake_two_waiters() {
     assert_eq!(cq.take_events(), 1);
     assert_eq!(cq.take_events(), 0);
 }
+
+/// A QP takes CQs and an SRQ of its own device context only.
+#[test]
+fn a_qp_refuses_cqs_and_srqs_of_another_context() {
+    let (a, b) = (ctx(), ctx());
+    let pd = b.alloc_pd().unwrap();
+    let (their_cq, our_cq) = (a.create_cq(4).unwrap(), b.create_cq(4).unwrap());
+    let their_srq = a.alloc_pd().unwrap().create_srq(4, 1).unwrap();
+    let e = pd.create_qp(&QpInit::rc(&their_cq, &our_cq)).unwrap_err();
+    assert!(e.to_string().contains("send CQ belongs to another"), "{e}");
+    let e = pd.create_qp(&QpInit::rc(&our_cq, &their_cq)).unwrap_err();
+    assert!(
+        e.to_string().contains("receive CQ belongs to another"),
+        "{e}"
+    );
+    let e = pd
+        .create_qp(&QpInit::rc(&our_cq, &our_cq).srq(&their_srq))
+        .unwrap_err();
+    assert!(e.to_string().contains("SRQ belongs to another"), "{e}");
+    pd.create_qp(&QpInit::rc(&our_cq, &our_cq)).unwrap();
+}

@@ -90,6 +90,11 @@ impl CqInner {
         })
     }
 
+    /// Whether the CQ reports its events to `events` (is of that context).
+    pub(crate) fn reports_to(&self, events: &Arc<super::events::EventQueue>) -> bool {
+        self.events.as_ref().is_some_and(|e| Arc::ptr_eq(e, events))
+    }
+
     /// Adds a completion; returns whether the completion channel must be
     /// signalled (call [`CqInner::signal`] after dropping other locks).
     pub(crate) fn push(&self, wc: WorkCompletion) -> bool {

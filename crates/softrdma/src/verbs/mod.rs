@@ -689,7 +689,7 @@ impl Pd {
             )));
         }
         Ok(Srq {
-            _ctx: self.ctx.clone(),
+            ctx: self.ctx.clone(),
             id: self.ctx.inner.next_srq.fetch_add(1, Ordering::Relaxed),
             inner: Arc::new(Mutex::new(crate::engine::srq::Srq::new(max_wr, max_sge))),
         })
@@ -754,6 +754,29 @@ impl Pd {
         self.insert(RegionMemory::from_vec(buf), access)
     }
 
+    /// The CQs and SRQ a QP is given must be of its device context: their
+    /// events go to that context, and a busy-polling CQ drives only its own
+    /// device (ib_uverbs cannot even name another context's objects).
+    fn check_same_context(&self, init: &QpInit<'_>) -> Result<()> {
+        let ours = self.ctx.inner.events();
+        for (cq, which) in [(init.send_cq, "send"), (init.recv_cq, "receive")] {
+            if !cq.inner.reports_to(ours) {
+                return Err(VerbsError::Invalid(format!(
+                    "the {which} CQ belongs to another device context"
+                )));
+            }
+        }
+        if init
+            .srq
+            .is_some_and(|s| !Arc::ptr_eq(&s.ctx.inner, &self.ctx.inner))
+        {
+            return Err(VerbsError::Invalid(
+                "the SRQ belongs to another device context".into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// Creates a queue pair in this domain.
     pub fn create_qp(&self, init: &QpInit<'_>) -> Result<Qp> {
         let caps = init.caps;
@@ -771,6 +794,7 @@ impl Pd {
                 crate::engine::MAX_INLINE_DATA
             )));
         }
+        self.check_same_context(init)?;
         if let Provider::Iwarp(_) = &self.ctx.inner.dev {
             return self.create_iwarp_qp(init);
         }
@@ -836,7 +860,7 @@ impl Pd {
 #[derive(Debug)]
 pub struct Srq {
     /// Keeps the device open while the SRQ lives.
-    _ctx: Context,
+    ctx: Context,
     id: u32,
     inner: Arc<Mutex<crate::engine::srq::Srq>>,
 }
