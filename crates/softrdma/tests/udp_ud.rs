@@ -177,10 +177,79 @@ fn qkey_mismatch_and_oversize_over_sockets() {
     assert!(e.to_string().contains("does not fit"), "{e}");
 }
 
-#[test]
-fn a_foreign_ip_id_is_solved_from_the_icrc_and_the_grh_shows_ttl_and_tos() {
+/// A UD SEND ONLY from source QP 0x77 to `qpn` as rxe would send it from
+/// `from` to `to` with IP ID `id`, its BTH first changed by `bth`, its ICRC
+/// filled in.
+fn raw_ud_send(
+    from: std::net::SocketAddrV4,
+    to: std::net::SocketAddrV4,
+    qpn: u32,
+    id: u16,
+    payload: &[u8],
+    bth: impl FnOnce(&mut [u8]),
+) -> Vec<u8> {
     use softrdma::wire::icrc::{self, Ipv4Pseudo};
     use softrdma::wire::{Opcode, Psn, deth, packet};
+    let mut r = packet::Repr::new(Opcode::UD_SEND_ONLY, qpn, Psn::new(7), payload.len());
+    r.deth = Some(deth::Repr {
+        qkey: QKEY,
+        src_qp: 0x77,
+    });
+    let mut p = vec![0u8; r.buffer_len().unwrap()];
+    r.emit(&mut p, payload).unwrap();
+    bth(&mut p[..12]);
+    let udp_len = (8 + p.len()) as u16;
+    let ip = Ipv4Pseudo {
+        src: from.ip().octets(),
+        dst: to.ip().octets(),
+        identification: id,
+        dont_fragment: true,
+    }
+    .header(udp_len);
+    let udp = icrc::udp_header(from.port(), to.port(), udp_len);
+    icrc::fill(&ip, &udp, &mut p).unwrap();
+    p
+}
+
+/// As rxe: a packet of another transport version, or outside the default
+/// partition, is dropped and counted; the limited member's P_Key is taken.
+#[test]
+fn only_transport_version_0_and_the_default_partition_are_taken() {
+    let ctx = Device::udp("127.0.0.1:0".parse().unwrap()).open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let mr = pd.register(4096, Access::LOCAL_WRITE).unwrap();
+    let cq = ctx.create_cq(8).unwrap();
+    let qp = ud_qp(&pd, &cq, QKEY);
+    for k in 0..2 {
+        qp.post_recv(RecvWr::new(k, [mr.sge(k as usize * 64, 64)]))
+            .unwrap();
+    }
+    let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let from = match sock.local_addr().unwrap() {
+        std::net::SocketAddr::V4(a) => a,
+        _ => unreachable!(),
+    };
+    let to = ctx.local_addr();
+    let send = |payload: &[u8], bth: fn(&mut [u8])| {
+        let p = raw_ud_send(from, to, qp.qpn(), 0, payload, bth);
+        sock.send_to(&p, to).unwrap();
+    };
+    send(b"pkey", |b| {
+        b[2..4].copy_from_slice(&0x1234u16.to_be_bytes())
+    });
+    send(b"tver", |b| b[1] |= 0x01);
+    send(b"limited", |b| {
+        b[2..4].copy_from_slice(&0x7fffu16.to_be_bytes())
+    });
+    let wc = cq.wait(T).unwrap().expect("the limited member's datagram");
+    assert_eq!((wc.wr_id, wc.byte_len), (0, 40 + 7));
+    assert_eq!(mr.read_vec(40, 7).unwrap(), b"limited");
+    assert_eq!(ctx.stats().bad_header, 2);
+    assert_eq!(cq.poll_one().unwrap(), None);
+}
+
+#[test]
+fn a_foreign_ip_id_is_solved_from_the_icrc_and_the_grh_shows_ttl_and_tos() {
     // A sender like rxe: its ICRC covers an IP ID the receiving socket never sees.
     let ctx = Device::udp("127.0.0.1:0".parse().unwrap()).open().unwrap();
     let pd = ctx.alloc_pd().unwrap();
@@ -198,23 +267,7 @@ fn a_foreign_ip_id_is_solved_from_the_icrc_and_the_grh_shows_ttl_and_tos() {
     };
     let to = ctx.local_addr();
     let packet_with_id = |id: u16, corrupt: bool| {
-        let mut r = packet::Repr::new(Opcode::UD_SEND_ONLY, qp.qpn(), Psn::new(7), 5);
-        r.deth = Some(deth::Repr {
-            qkey: QKEY,
-            src_qp: 0x77,
-        });
-        let mut p = vec![0u8; r.buffer_len().unwrap()];
-        r.emit(&mut p, b"hello").unwrap();
-        let udp_len = (8 + p.len()) as u16;
-        let ip = Ipv4Pseudo {
-            src: from.ip().octets(),
-            dst: to.ip().octets(),
-            identification: id,
-            dont_fragment: true,
-        }
-        .header(udp_len);
-        let udp = icrc::udp_header(from.port(), to.port(), udp_len);
-        icrc::fill(&ip, &udp, &mut p).unwrap();
+        let mut p = raw_ud_send(from, to, qp.qpn(), id, b"hello", |_| {});
         if corrupt {
             p[21] ^= 1;
         }

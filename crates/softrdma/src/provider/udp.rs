@@ -183,6 +183,9 @@ pub struct DeviceStats {
     pub bad_icrc: AtomicU64,
     /// Dropped: no such QP, or not a RoCEv2 packet.
     pub no_qp: AtomicU64,
+    /// Dropped: a BTH transport version other than 0, or a P_Key outside
+    /// the default partition.
+    pub bad_header: AtomicU64,
     /// Dropped: for an RC QP, from an address that is not its peer's.
     pub wrong_source: AtomicU64,
     /// Send errors from the kernel.
@@ -1575,6 +1578,14 @@ fn check_packet(
         shared.stats.no_qp.fetch_add(1, Ordering::Relaxed);
         return None;
     };
+    // As rxe: transport version 0, and the default partition (either
+    // membership) only.
+    if h.transport_version() != bth::TRANSPORT_VERSION
+        || h.pkey() & 0x7fff != bth::DEFAULT_PKEY & 0x7fff
+    {
+        shared.stats.bad_header.fetch_add(1, Ordering::Relaxed);
+        return None;
+    }
     Some((h.dest_qp(), ident))
 }
 

@@ -548,6 +548,7 @@ impl Context {
             received: s.received.load(Ordering::Relaxed),
             bad_icrc: s.bad_icrc.load(Ordering::Relaxed),
             no_qp: s.no_qp.load(Ordering::Relaxed),
+            bad_header: s.bad_header.load(Ordering::Relaxed),
             wrong_source: s.wrong_source.load(Ordering::Relaxed),
             send_errors: s.send_errors.load(Ordering::Relaxed),
         }
@@ -621,6 +622,9 @@ pub struct DeviceCounters {
     pub bad_icrc: u64,
     /// Received for no known QP (dropped).
     pub no_qp: u64,
+    /// Received with a BTH transport version other than 0 or a P_Key
+    /// outside the default partition (dropped, as rxe does).
+    pub bad_header: u64,
     /// Dropped: for an RC QP, from an address that is not its peer's.
     pub wrong_source: u64,
     /// Datagrams the kernel refused to send.
