@@ -191,3 +191,44 @@ fn async_events() {
     let _fd = c.async_fd();
     assert!(c.poll_async_event().is_none());
 }
+
+/// A QP moved to SQD with a 1 MiB WRITE in flight raises SQ_DRAINED once
+/// the WRITE is acknowledged, after its completion; so does a UD QP.
+#[test]
+fn sqd_raises_sq_drained() {
+    let c = ctx();
+    let pd = c.alloc_pd().unwrap();
+    let mr = pd.register(2 << 20, Access::ALL).unwrap();
+    let cq = c.create_cq(16).unwrap();
+    let a = pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
+    let b = pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
+    common::connect_rc(&a, &b, Some(&mr), &RcOptions::default());
+    let write = SendOp::Write {
+        remote_addr: mr.addr() + (1 << 20),
+        rkey: mr.rkey(),
+    };
+    a.post_send(SendWr::new(1, write, [mr.sge(0, 1 << 20)]))
+        .unwrap();
+    let sqd = QpAttr {
+        state: Some(QpState::Sqd),
+        ..QpAttr::default()
+    };
+    a.modify(&sqd, None).unwrap();
+    common::wait_event(&c, AsyncEvent::SqDrained { qpn: a.qpn() });
+    let wc = cq.poll_one().unwrap().expect("the WRITE completed first");
+    assert_eq!((wc.wr_id, wc.status), (1, WcStatus::Success));
+    assert_eq!(c.poll_async_event(), None, "once");
+    let ud = pd.create_qp(&QpInit::ud(&cq, &cq)).unwrap();
+    for state in [QpState::Init, QpState::Rtr, QpState::Rts, QpState::Sqd] {
+        let attr = QpAttr {
+            state: Some(state),
+            qkey: (state == QpState::Init).then_some(7),
+            pkey_index: (state == QpState::Init).then_some(0),
+            port: (state == QpState::Init).then_some(1),
+            sq_psn: (state == QpState::Rts).then_some(0),
+            ..QpAttr::default()
+        };
+        ud.modify(&attr, None).unwrap();
+    }
+    common::wait_event(&c, AsyncEvent::SqDrained { qpn: ud.qpn() });
+}

@@ -394,6 +394,9 @@ pub enum QpEvent {
     /// A QP on an SRQ went to ERR: no more receives will be taken for it
     /// (IBV_EVENT_QP_LAST_WQE_REACHED).
     LastWqeReached,
+    /// A QP moved to SQD has no sends outstanding: every one started before
+    /// is acknowledged, or for UD on the wire (IBV_EVENT_SQ_DRAINED).
+    SqDrained,
 }
 
 impl WorkCompletion {

@@ -106,6 +106,8 @@ pub struct UdQp {
     stats: UdStats,
     srq: Option<Arc<Mutex<Srq>>>,
     events: VecDeque<QpEvent>,
+    /// Moved from RTS to SQD, and IBV_EVENT_SQ_DRAINED not yet raised.
+    sq_draining: bool,
 }
 
 impl UdQp {
@@ -131,6 +133,7 @@ impl UdQp {
             stats: UdStats::default(),
             srq: None,
             events: VecDeque::new(),
+            sq_draining: false,
         }
     }
 
@@ -143,6 +146,11 @@ impl UdQp {
 
     /// The next asynchronous event.
     pub fn poll_event(&mut self) -> Option<QpEvent> {
+        // SQD sends nothing new: drained once what was sent is in the socket.
+        if self.sq_draining && self.state == QpState::Sqd && self.held == 0 {
+            self.sq_draining = false;
+            self.events.push_back(QpEvent::SqDrained);
+        }
         self.events.pop_front()
     }
 
@@ -191,6 +199,8 @@ impl UdQp {
         if let Some(p) = attr.sq_psn {
             self.psn = Psn::new(p);
         }
+        // IBV_EVENT_SQ_DRAINED is owed once per move from RTS to SQD.
+        self.sq_draining = to == QpState::Sqd && (self.sq_draining || self.state == QpState::Rts);
         match to {
             QpState::Reset => {
                 let mtu = Mtu::from_bytes(self.mtu).unwrap_or(Mtu::Mtu1024);

@@ -617,6 +617,7 @@ impl Shared {
             self.events.push(match e {
                 QpEvent::Fatal => AsyncEvent::QpFatal { qpn },
                 QpEvent::LastWqeReached => AsyncEvent::QpLastWqeReached { qpn },
+                QpEvent::SqDrained => AsyncEvent::SqDrained { qpn },
             });
         }
         drop(qp);

@@ -851,6 +851,7 @@ fn drain_completions(
             crate::engine::QpEvent::LastWqeReached => {
                 AsyncEvent::QpLastWqeReached { qpn: slot.qpn }
             }
+            crate::engine::QpEvent::SqDrained => AsyncEvent::SqDrained { qpn: slot.qpn },
         });
     }
     if let Some((id, srq)) = &slot.srq

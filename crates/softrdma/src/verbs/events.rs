@@ -22,6 +22,12 @@ pub enum AsyncEvent {
         /// The QP.
         qpn: u32,
     },
+    /// A QP moved from RTS to SQD has no sends outstanding: all it had
+    /// started are acknowledged (IBV_EVENT_SQ_DRAINED). Once per move.
+    SqDrained {
+        /// The QP.
+        qpn: u32,
+    },
     /// A CQ overran: completions were lost (IBV_EVENT_CQ_ERR).
     CqError {
         /// The CQ's number.

@@ -121,6 +121,8 @@ pub struct RcQp {
     /// Receives come from here instead of the QP's own queue.
     srq: Option<Arc<Mutex<Srq>>>,
     events: VecDeque<QpEvent>,
+    /// Moved from RTS to SQD, and IBV_EVENT_SQ_DRAINED not yet raised.
+    sq_draining: bool,
 }
 
 impl RcQp {
@@ -146,6 +148,7 @@ impl RcQp {
             stats: RcStats::default(),
             srq: None,
             events: VecDeque::new(),
+            sq_draining: false,
         }
     }
 
@@ -158,6 +161,12 @@ impl RcQp {
 
     /// The next asynchronous event.
     pub fn poll_event(&mut self) -> Option<QpEvent> {
+        // Drained when everything sent is acknowledged, as rxe's requester
+        // finds it (comp.psn == req.psn).
+        if self.sq_draining && self.state == QpState::Sqd && self.oldest_unacked() == self.req.psn {
+            self.sq_draining = false;
+            self.events.push_back(QpEvent::SqDrained);
+        }
         self.events.pop_front()
     }
 
@@ -255,6 +264,8 @@ impl RcQp {
             self.rnr_retry = v;
             self.req.rnr_left = v;
         }
+        // IBV_EVENT_SQ_DRAINED is owed once per move from RTS to SQD.
+        self.sq_draining = to == QpState::Sqd && (self.sq_draining || self.state == QpState::Rts);
         match to {
             QpState::Reset => {
                 let mut fresh = RcQp::new(self.qpn, self.pd, self.caps);

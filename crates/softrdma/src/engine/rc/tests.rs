@@ -1610,3 +1610,38 @@ fn a_sequence_nak_behind_an_rnr_nak_costs_no_retry() {
     assert_eq!(statuses(&p, 0)[0], (w, WcStatus::Success));
     assert_eq!(statuses(&p, 0)[1].1, WcStatus::Success);
 }
+
+#[test]
+fn sqd_raises_sq_drained_once_everything_sent_is_acknowledged() {
+    let mut p = Pair::new(Setup::default());
+    // Idle: drained at once.
+    p.drain(1);
+    assert_eq!(p.sim.ends[1].qp.poll_event(), Some(QpEvent::SqDrained));
+    assert_eq!(p.sim.ends[1].qp.poll_event(), None);
+    // A WRITE out and unanswered: not yet; its ACK drains the queue. A WQE
+    // posted in SQD waits and does not hold the event back.
+    p.write(0, 3000);
+    let sent = take_packets(&mut p, 0, 10);
+    p.drain(0);
+    p.write(0, 8);
+    assert_eq!(p.sim.ends[0].qp.poll_event(), None);
+    exchange(&mut p, &sent);
+    assert_eq!(p.sim.ends[0].qp.poll_event(), Some(QpEvent::SqDrained));
+    assert_eq!(p.sim.ends[0].qp.poll_event(), None);
+    assert_eq!(take_packets(&mut p, 0, 10).len(), 0, "SQD starts nothing");
+    // Back to RTS: the waiting WRITE goes; to SQD again: one more event
+    // once it is acknowledged.
+    p.sim.ends[0]
+        .qp
+        .modify(&QpAttr {
+            state: Some(QpState::Rts),
+            ..QpAttr::default()
+        })
+        .unwrap();
+    let sent = take_packets(&mut p, 0, 10);
+    assert_eq!(sent.len(), 1);
+    p.drain(0);
+    assert_eq!(p.sim.ends[0].qp.poll_event(), None);
+    exchange(&mut p, &sent);
+    assert_eq!(p.sim.ends[0].qp.poll_event(), Some(QpEvent::SqDrained));
+}
