@@ -618,6 +618,7 @@ impl Shared {
                 QpEvent::Fatal => AsyncEvent::QpFatal { qpn },
                 QpEvent::LastWqeReached => AsyncEvent::QpLastWqeReached { qpn },
                 QpEvent::SqDrained => AsyncEvent::SqDrained { qpn },
+                QpEvent::CommEstablished => AsyncEvent::CommEstablished { qpn },
             });
         }
         drop(qp);

@@ -852,6 +852,9 @@ fn drain_completions(
                 AsyncEvent::QpLastWqeReached { qpn: slot.qpn }
             }
             crate::engine::QpEvent::SqDrained => AsyncEvent::SqDrained { qpn: slot.qpn },
+            crate::engine::QpEvent::CommEstablished => {
+                AsyncEvent::CommEstablished { qpn: slot.qpn }
+            }
         });
     }
     if let Some((id, srq)) = &slot.srq

@@ -28,6 +28,12 @@ pub enum AsyncEvent {
         /// The QP.
         qpn: u32,
     },
+    /// An RC QP still in RTR received its first packet: the peer is in RTS
+    /// (IBV_EVENT_COMM_EST). Once per connection.
+    CommEstablished {
+        /// The QP.
+        qpn: u32,
+    },
     /// A CQ overran: completions were lost (IBV_EVENT_CQ_ERR).
     CqError {
         /// The CQ's number.

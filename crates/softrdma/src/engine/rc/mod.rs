@@ -123,6 +123,8 @@ pub struct RcQp {
     events: VecDeque<QpEvent>,
     /// Moved from RTS to SQD, and IBV_EVENT_SQ_DRAINED not yet raised.
     sq_draining: bool,
+    /// IBV_EVENT_COMM_EST raised (once, for a packet received in RTR).
+    comm_established: bool,
 }
 
 impl RcQp {
@@ -149,6 +151,7 @@ impl RcQp {
             srq: None,
             events: VecDeque::new(),
             sq_draining: false,
+            comm_established: false,
         }
     }
 
@@ -318,6 +321,12 @@ impl RcQp {
             // rxe drops other classes silently, with no NAK.
             self.stats.dropped += 1;
             return;
+        }
+        // The first packet in RTR: the connection works before this side
+        // went to RTS (qib, hfi1; rdma_cm takes it for a lost RTU).
+        if self.state == QpState::Rtr && !self.comm_established {
+            self.comm_established = true;
+            self.events.push_back(QpEvent::CommEstablished);
         }
         match info.operation {
             Operation::ReadResponse | Operation::Acknowledge | Operation::AtomicAcknowledge => {

@@ -40,6 +40,8 @@ struct Setup {
     timeout: u8,
     net: NetConfig,
     seed: u64,
+    /// End 1 stays in RTR.
+    end1_in_rtr: bool,
 }
 
 impl Default for Setup {
@@ -55,6 +57,7 @@ impl Default for Setup {
             timeout: 10,
             net: NetConfig::PERFECT,
             seed: 1,
+            end1_in_rtr: false,
         }
     }
 }
@@ -88,6 +91,9 @@ impl Pair {
                 ..QpAttr::default()
             })
             .unwrap();
+            if i == 1 && s.end1_in_rtr {
+                continue;
+            }
             qp.modify(&QpAttr {
                 state: Some(QpState::Rts),
                 sq_psn: Some(s.psn[i]),
@@ -1644,4 +1650,27 @@ fn sqd_raises_sq_drained_once_everything_sent_is_acknowledged() {
     assert_eq!(p.sim.ends[0].qp.poll_event(), None);
     exchange(&mut p, &sent);
     assert_eq!(p.sim.ends[0].qp.poll_event(), Some(QpEvent::SqDrained));
+}
+
+#[test]
+fn the_first_packet_in_rtr_raises_comm_established_once() {
+    let mut p = Pair::new(Setup {
+        end1_in_rtr: true,
+        ..Setup::default()
+    });
+    p.write(0, 8);
+    p.write(8, 8);
+    let w = take_packets(&mut p, 0, 10);
+    assert_eq!(w.len(), 2);
+    p.deliver(1, &w[..1]);
+    assert_eq!(
+        p.sim.ends[1].qp.poll_event(),
+        Some(QpEvent::CommEstablished)
+    );
+    p.deliver(1, &w[1..]);
+    assert_eq!(p.sim.ends[1].qp.poll_event(), None);
+    // Never for a QP that is in RTS when its first packet comes.
+    assert_eq!(p.sim.ends[0].qp.poll_event(), None);
+    p.run([2, 0]);
+    assert_eq!(p.sim.ends[0].qp.poll_event(), None);
 }
