@@ -479,7 +479,13 @@ impl RcQp {
         let recv = if needs_recv {
             match self.take_recv(mrs)? {
                 Some((wqe, _, _)) => Some(wqe),
-                None => return Ok(()),
+                None => {
+                    // RNR: an ONLY packet comes again as a new message.
+                    if info.position.starts() {
+                        self.resp.current = None;
+                    }
+                    return Ok(());
+                }
             }
         } else {
             None

@@ -1674,3 +1674,25 @@ fn the_first_packet_in_rtr_raises_comm_established_once() {
     p.run([2, 0]);
     assert_eq!(p.sim.ends[0].qp.poll_event(), None);
 }
+
+#[test]
+fn a_write_with_immediate_refused_for_want_of_a_receive_lands_once_one_is_posted() {
+    // One packet (an ONLY): RNR-NAKed, nothing written; then it comes again.
+    let mut p = Pair::new(Setup::default());
+    p.write_mem(0, 0, b"late");
+    let op = SendOp::WriteWithImm {
+        remote_addr: IOVA[1] + 64,
+        rkey: RKEY[1],
+        imm: 9,
+    };
+    let s = p.send(0, op, vec![Pair::sge(0, 0, 4)]);
+    let sent = take_packets(&mut p, 0, 10);
+    exchange(&mut p, &sent);
+    assert_eq!(p.sim.ends[1].qp.stats().rnr_naks_sent, 1);
+    assert_eq!(p.read_mem(1, 64, 4), [0; 4]);
+    let r = p.recv(1, vec![]);
+    p.run([1, 1]);
+    assert_eq!(statuses(&p, 0), [(s, WcStatus::Success)]);
+    assert_eq!(statuses(&p, 1), [(r, WcStatus::Success)]);
+    assert_eq!(p.read_mem(1, 64, 4), b"late");
+}
