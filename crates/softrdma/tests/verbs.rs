@@ -430,3 +430,100 @@ fn a_qp_refuses_cqs_and_srqs_of_another_context() {
     assert!(e.to_string().contains("SRQ belongs to another"), "{e}");
     pd.create_qp(&QpInit::rc(&our_cq, &our_cq)).unwrap();
 }
+
+/// `query_device` reports the limits the verbs enforce, on every provider:
+/// each limit is taken, one more is refused.
+#[test]
+fn query_device_reports_the_limits_the_verbs_enforce() {
+    let devices = [
+        Device::udp("127.0.0.1:0".parse().unwrap()),
+        Device::iwarp(std::net::Ipv4Addr::LOCALHOST),
+        Device::shm(),
+    ];
+    for dev in devices {
+        let c = dev.open().unwrap();
+        let a = c.query_device();
+        let what = format!("{:?}", c.local_addr());
+        assert!(
+            a.max_qp > 60_000 && a.max_msg_sz == 1 << 31,
+            "{what}: {a:?}"
+        );
+        assert!(c.create_cq(a.max_cqe as usize).is_ok(), "{what}");
+        assert!(c.create_cq(a.max_cqe as usize + 1).is_err(), "{what}");
+        let cq = c.create_cq(4).unwrap();
+        let pd = c.alloc_pd().unwrap();
+        let most = QpCaps {
+            max_send_wr: a.max_qp_wr,
+            max_recv_wr: a.max_qp_wr,
+            max_send_sge: a.max_send_sge,
+            max_recv_sge: a.max_recv_sge,
+            max_inline_data: a.max_inline_data,
+        };
+        pd.create_qp(&QpInit::rc(&cq, &cq).caps(most))
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let over: [fn(&mut QpCaps); 5] = [
+            |c| c.max_send_wr += 1,
+            |c| c.max_recv_wr += 1,
+            |c| c.max_send_sge += 1,
+            |c| c.max_recv_sge += 1,
+            |c| c.max_inline_data += 1,
+        ];
+        for (k, more) in over.iter().enumerate() {
+            let mut caps = most;
+            more(&mut caps);
+            let r = pd.create_qp(&QpInit::rc(&cq, &cq).caps(caps));
+            assert!(r.is_err(), "{what}: limit {k} plus one was taken");
+        }
+        assert_eq!(pd.create_qp(&QpInit::ud(&cq, &cq)).is_ok(), a.ud, "{what}");
+        if a.max_srq_wr > 0 {
+            let srq = pd.create_srq(a.max_srq_wr, a.max_srq_sge).unwrap();
+            pd.create_qp(&QpInit::rc(&cq, &cq).srq(&srq)).unwrap();
+            assert!(pd.create_srq(a.max_srq_wr + 1, 1).is_err());
+            assert!(pd.create_srq(1, a.max_srq_sge + 1).is_err());
+        } else {
+            let srq = pd.create_srq(1, 1).unwrap();
+            assert!(
+                pd.create_qp(&QpInit::rc(&cq, &cq).srq(&srq)).is_err(),
+                "{what}"
+            );
+        }
+        assert_eq!(a.atomic_cap == AtomicCap::None, c.is_iwarp(), "{what}");
+    }
+    // RoCEv2's READ and atomic depths, through modify.
+    let c = ctx();
+    let a = c.query_device();
+    let (pd, cq) = (c.alloc_pd().unwrap(), c.create_cq(4).unwrap());
+    for (depth, ok) in [
+        (a.max_qp_init_rd_atom, true),
+        (a.max_qp_init_rd_atom + 1, false),
+    ] {
+        let qp = pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
+        let peer = pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
+        let opts = RcOptions {
+            max_rd_atomic: depth.min(255) as u8,
+            max_dest_rd_atomic: depth.min(255) as u8,
+            ..RcOptions::default()
+        };
+        use softrdma::cm::{self, ConnInfo};
+        let (ours, theirs) = (
+            ConnInfo::local(&qp, None).unwrap(),
+            ConnInfo::local(&peer, None).unwrap(),
+        );
+        let r = cm::connect(&qp, &ours, &theirs, &opts);
+        assert_eq!(r.is_ok(), ok, "depth {depth}: {r:?}");
+    }
+    // iWARP's IRD and ORD, through the MPA configuration.
+    let c = Device::iwarp(std::net::Ipv4Addr::LOCALHOST).open().unwrap();
+    let a = c.query_device();
+    let (pd, cq) = (c.alloc_pd().unwrap(), c.create_cq(4).unwrap());
+    let qp = pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
+    let l = softrdma::cm::iwarp::Listener::bind(&c, 0).unwrap();
+    let cfg = softrdma::cm::mpa::MpaConfig {
+        ird: a.max_qp_rd_atom as u16 + 1,
+        ..Default::default()
+    };
+    let e = l
+        .accept(&qp, &cfg, |_| softrdma::cm::mpa::Decision::Accept)
+        .unwrap_err();
+    assert!(e.to_string().contains("at most 128"), "{e}");
+}

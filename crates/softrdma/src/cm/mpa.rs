@@ -292,6 +292,13 @@ pub(crate) fn check_cfg(cfg: &MpaConfig) -> Result<(), MpaError> {
             cfg.revision
         )));
     }
+    let most = u16::from(crate::engine::qp::MAX_RD_ATOMIC);
+    if cfg.ird > most || cfg.ord > most {
+        return Err(MpaError::Protocol(format!(
+            "IRD {} and ORD {}: at most {most} each (siw's and rxe's limit)",
+            cfg.ird, cfg.ord
+        )));
+    }
     if cfg.private_data.len() > room {
         return Err(MpaError::Protocol(format!(
             "{} bytes of private data: at most {room} fit",

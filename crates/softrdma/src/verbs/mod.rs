@@ -483,6 +483,64 @@ pub struct PortAttr {
     pub udp_port: u16,
 }
 
+/// Work requests a send, receive or shared receive queue holds at most.
+const MAX_QP_WR: u32 = 1 << 16;
+/// Completions a CQ holds at most.
+const MAX_CQE: u32 = 1 << 22;
+
+/// Device attributes (`ibv_query_device`): the limits `create_*`, `post_*`
+/// and `modify` enforce on this device, and what it can do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceAttr {
+    /// The softrdma version (ibverbs' firmware version).
+    pub fw_ver: String,
+    /// QPs the device numbers apart (its QP number range).
+    pub max_qp: u32,
+    /// Work requests a send or receive queue holds.
+    pub max_qp_wr: u32,
+    /// Scatter/gather elements of a send work request.
+    pub max_send_sge: u32,
+    /// Scatter/gather elements of a receive work request.
+    pub max_recv_sge: u32,
+    /// Bytes of inline data a send may carry (a QP asks for its own at
+    /// create time).
+    pub max_inline_data: u32,
+    /// Completions a CQ holds.
+    pub max_cqe: u32,
+    /// Incoming RDMA READs and atomics a QP serves at once
+    /// (`max_dest_rd_atomic`; iWARP's IRD).
+    pub max_qp_rd_atom: u32,
+    /// Outgoing RDMA READs and atomics a QP has at once (`max_rd_atomic`;
+    /// iWARP's ORD).
+    pub max_qp_init_rd_atom: u32,
+    /// Atomic operations.
+    pub atomic_cap: AtomicCap,
+    /// Receives an SRQ holds; 0 where the device has no SRQs.
+    pub max_srq_wr: u32,
+    /// Scatter/gather elements of an SRQ's receive; 0 without SRQs.
+    pub max_srq_sge: u32,
+    /// Whether it has UD QPs.
+    pub ud: bool,
+    /// The longest RC message (UD: the port's active MTU).
+    pub max_msg_sz: u64,
+    /// The largest memory region.
+    pub max_mr_size: u64,
+}
+
+/// What a device's atomic operations are atomic against
+/// (`ibv_device_attr.atomic_cap`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AtomicCap {
+    /// No atomic operations (iWARP: RFC 5040 has none).
+    None,
+    /// Atomic against this device's other atomics (IBV_ATOMIC_HCA).
+    Hca,
+    /// Atomic against the CPU's atomics and other devices' too
+    /// (IBV_ATOMIC_GLOB): softrdma runs them as the CPU's own atomic
+    /// read-modify-writes on the target word.
+    Glob,
+}
+
 /// Port states.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PortState {
@@ -516,6 +574,37 @@ impl Context {
     /// Whether this is an iWARP device.
     pub fn is_iwarp(&self) -> bool {
         matches!(self.inner.dev, Provider::Iwarp(_))
+    }
+
+    /// The device's attributes and limits (`ibv_query_device`).
+    pub fn query_device(&self) -> DeviceAttr {
+        let range = &self.inner.qpn_range;
+        let roce = matches!(self.inner.dev, Provider::Udp(_));
+        let max_rd = u32::from(crate::engine::qp::MAX_RD_ATOMIC);
+        DeviceAttr {
+            fw_ver: env!("CARGO_PKG_VERSION").to_string(),
+            max_qp: range.end() - range.start() + 1,
+            max_qp_wr: MAX_QP_WR,
+            max_send_sge: MAX_SGE as u32,
+            max_recv_sge: match &self.inner.dev {
+                Provider::Shm(_) => crate::provider::shm::MAX_RECV_SGE as u32,
+                _ => MAX_SGE as u32,
+            },
+            max_inline_data: crate::engine::MAX_INLINE_DATA,
+            max_cqe: MAX_CQE,
+            max_qp_rd_atom: max_rd,
+            max_qp_init_rd_atom: max_rd,
+            atomic_cap: if self.is_iwarp() {
+                AtomicCap::None
+            } else {
+                AtomicCap::Glob
+            },
+            max_srq_wr: if roce { MAX_QP_WR } else { 0 },
+            max_srq_sge: if roce { MAX_SGE as u32 } else { 0 },
+            ud: roce,
+            max_msg_sz: crate::engine::rc::MAX_MESSAGE_LEN,
+            max_mr_size: usize::MAX as u64,
+        }
     }
 
     /// The port's attributes.
@@ -578,9 +667,9 @@ impl Context {
 
     /// A completion queue holding `capacity` completions.
     pub fn create_cq(&self, capacity: usize) -> Result<Cq> {
-        if capacity == 0 || capacity > 1 << 22 {
+        if capacity == 0 || capacity > MAX_CQE as usize {
             return Err(VerbsError::Invalid(format!(
-                "CQ capacity {capacity} is outside 1..=4194304"
+                "CQ capacity {capacity} is outside 1..={MAX_CQE}"
             )));
         }
         let id = self.inner.next_cq.fetch_add(1, Ordering::Relaxed);
@@ -687,9 +776,9 @@ impl Pd {
 
     /// A shared receive queue of `max_wr` receives with up to `max_sge` SGEs.
     pub fn create_srq(&self, max_wr: u32, max_sge: u32) -> Result<Srq> {
-        if max_wr == 0 || max_wr > 1 << 16 || max_sge as usize > MAX_SGE {
+        if max_wr == 0 || max_wr > MAX_QP_WR || max_sge as usize > MAX_SGE {
             return Err(VerbsError::Invalid(format!(
-                "an SRQ needs 1..=65536 receives and at most {MAX_SGE} SGEs each"
+                "an SRQ needs 1..={MAX_QP_WR} receives and at most {MAX_SGE} SGEs each"
             )));
         }
         Ok(Srq {
@@ -789,8 +878,10 @@ impl Pd {
                 "at most {MAX_SGE} scatter/gather elements per work request"
             )));
         }
-        if caps.max_send_wr == 0 || caps.max_send_wr > 1 << 16 || caps.max_recv_wr > 1 << 16 {
-            return Err(VerbsError::Invalid("queue depths must be 1..=65536".into()));
+        if caps.max_send_wr == 0 || caps.max_send_wr > MAX_QP_WR || caps.max_recv_wr > MAX_QP_WR {
+            return Err(VerbsError::Invalid(format!(
+                "queue depths must be 1..={MAX_QP_WR}"
+            )));
         }
         if caps.max_inline_data > crate::engine::MAX_INLINE_DATA {
             return Err(VerbsError::Invalid(format!(
