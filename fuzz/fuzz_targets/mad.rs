@@ -14,5 +14,10 @@ fuzz_target!(|data: &[u8]| {
     let _ = r.to_string();
     let mut out = [0u8; 24];
     r.emit(&mut Header::new_unchecked(&mut out[..]));
-    assert_eq!(out[..], data[..24]);
+    // Byte for byte, but for the reserved field, which parsing ignores and
+    // emitting zeroes.
+    let mut want = [0u8; 24];
+    want.copy_from_slice(&data[..24]);
+    want[18..20].fill(0);
+    assert_eq!(out, want);
 });
