@@ -1,7 +1,7 @@
 //! MPA Request/Reply frames: parse, emit, compare.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use softrdma_wire::mpa::{StartFrame, StartFrameRepr};
+use softrdma_wire::mpa::{FLAG_ENHANCED, StartFrame, StartFrameRepr};
 
 fuzz_target!(|data: &[u8]| {
     let f = StartFrame::new_unchecked(data);
@@ -14,5 +14,11 @@ fuzz_target!(|data: &[u8]| {
     let mut out = vec![0u8; r.buffer_len()];
     r.emit(&mut StartFrame::new_unchecked(&mut out[..]), ulp)
         .unwrap();
-    assert_eq!(out[..], data[..r.buffer_len()]);
+    // Byte for byte, but for the enhanced bit of a revision 1 frame: a
+    // reserved bit there, which parsing ignores and emitting clears.
+    let mut want = data[..r.buffer_len()].to_vec();
+    if r.revision < 2 {
+        want[16] &= !FLAG_ENHANCED;
+    }
+    assert_eq!(out, want);
 });
