@@ -58,7 +58,7 @@ pub(crate) struct CqInner {
     /// waiters takes it before notifying, so no wake-up is lost.
     sleep: Mutex<()>,
     ready: Condvar,
-    event: OwnedFd,
+    pub(crate) event: OwnedFd,
 }
 
 impl CqInner {
@@ -263,6 +263,16 @@ impl Cq {
         if let Some(c) = self.busy_connections() {
             c.poll();
         }
+    }
+
+    /// A thread that polled is going to sleep on the channel: in busy-poll
+    /// mode the receiving becomes the progress thread's (RoCEv2) or the
+    /// connections' threads' (iWARP, until the guard drops).
+    pub(crate) fn going_to_sleep(&self) -> Option<crate::provider::tcp::AppAsleep> {
+        if let Some(d) = self.busy_device() {
+            crate::provider::udp::app_sleeps(d);
+        }
+        self.busy_connections().map(|c| c.app_sleeps())
     }
 
     /// The CQ's device, if it is in busy-poll mode.
@@ -492,12 +502,7 @@ impl Cq {
                 tv_sec,
                 tv_nsec: i64::from(timeout.subsec_nanos()),
             });
-        // In busy-poll mode the receiving is the progress thread's (RoCEv2)
-        // or the connections' threads' (iWARP) while this one sleeps.
-        if let Some(d) = self.busy_device() {
-            crate::provider::udp::app_sleeps(d);
-        }
-        let _sleeping = self.busy_connections().map(|c| c.app_sleeps());
+        let _sleeping = self.going_to_sleep();
         let deadline = super::deadline_after(timeout);
         loop {
             match rustix::event::poll(&mut fds, ts.as_ref()) {

@@ -14,6 +14,8 @@
 //! # Ok(()) }
 //! ```
 
+#[cfg(feature = "tokio")]
+mod async_cq;
 pub(crate) mod cq;
 mod early;
 pub(crate) mod events;
@@ -42,6 +44,8 @@ pub use crate::engine::{
     WcStatus, WorkCompletion,
 };
 pub use crate::memory::{Access, AccessError};
+#[cfg(feature = "tokio")]
+pub use async_cq::AsyncCq;
 pub use cq::{Cq, CqError};
 pub use events::AsyncEvent;
 
