@@ -271,9 +271,12 @@ def lat_duration_result(out, sizes):
 class Case:
     """One tool pair; `tool` runs in the guest, `ours` on the host."""
 
-    def __init__(self, name, tool, ours, check, timeout=120, pcap=False, ours_check=None):
+    def __init__(self, name, tool, ours, check, timeout=120, pcap=False, ours_check=None,
+                 tool_roles=(True, False)):
         self.name, self.tool, self.ours, self.check, self.timeout = name, tool, ours, check, timeout
         self.pcap = pcap
+        # Whether the tool runs as server (True), client (False), or both.
+        self.tool_roles = tool_roles
         # A check of softrdma's output alone.
         self.ours_check = ours_check
 
@@ -451,6 +454,10 @@ def cases(mtu4200=False):
     perf("send-lat", 64, 100)
     perf("send-lat", 2500, 20)
     perf("atomic-lat", None, 100)
+    # rdma_cm over RoCE is not served yet: a REQ to softrdma's QP 1 gets a
+    # REJ at once, so rping fails in well under its CM's minute of retries.
+    out.append(Case("rping over RoCE: rejected at once", "rping -c -v -C 1 -S 64",
+                    "perf write-bw -x 1", check=None, timeout=30, tool_roles=(False,)))
     return out, p
 
 
@@ -493,9 +500,44 @@ def host_server(guest, job, cmd, port, client, timeout):
 CLOCK_FAILED = "Correlation coefficient r^2"
 
 
+def run_cm_reject(guest, case, port, job):
+    """rdma_cm over RoCE to softrdma (a perf server holding HOST_IP:4791):
+    the tool's REQ earns a REJ, reason 8, and the tool fails within seconds."""
+    bin_ = str(REPO / "target/release/softrdma")
+    with tempfile.TemporaryFile("w+") as out:
+        h = subprocess.Popen(["ip", "netns", "exec", NS, "timeout", str(case.timeout), bin_]
+                             + case.ours.split() + ["--bind", HOST_IP, "-p", str(port)],
+                             stdout=out, stderr=subprocess.STDOUT, text=True)
+        end = time.time() + 30
+        while not host_listening(port) and time.time() < end and h.poll() is None:
+            time.sleep(0.1)
+        t = time.time()
+        guest.start(job, f"{case.tool} -a {HOST_IP} -p {port}")
+        rc, tout = guest.wait(job, case.timeout)
+        took = time.time() - t
+        h.kill()
+        h.wait()
+        out.seek(0)
+        host = out.read()
+    problems = []
+    if rc is None:
+        problems.append(f"the tool did not end in {case.timeout} s")
+    elif rc == 0:
+        problems.append("the tool succeeded")
+    if not re.search(r"RDMA_CM_EVENT_REJECTED, error 8\b", tout):
+        problems.append("no RDMA_CM_EVENT_REJECTED with reason 8")
+    if took > 10:
+        problems.append(f"the refusal took {took:.1f} s")
+    if problems:
+        return "; ".join(problems) + f"\n--- tool:\n{tout}\n--- softrdma:\n{host}"
+    return None
+
+
 def run_case(guest, case, port, tool_is_server, keep_going=True):
     """Runs one case in one role; returns None or what failed."""
     job = re.sub(r"[^A-Za-z0-9]+", "_", case.name) + ("_tsrv" if tool_is_server else "_tcli")
+    if case.name.startswith("rping over RoCE"):
+        return run_cm_reject(guest, case, port, job)
     if case.ours.startswith("rping"):
         return run_rping(guest, case, port, tool_is_server, job)
     ours = [str(REPO / "target/release/softrdma")] + case.ours.split() + ["-p", str(port)]
@@ -672,7 +714,7 @@ def main():
         log(f"{vname}: guest up in {time.time() - t:.0f} s")
         try:
             for c in cs:
-                for tool_is_server in (True, False):
+                for tool_is_server in c.tool_roles:
                     port += 1
                     role = ("Linux server, softrdma client" if tool_is_server
                             else "softrdma server, Linux client")

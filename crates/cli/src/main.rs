@@ -156,12 +156,14 @@ fn hostd(addr: std::net::SocketAddrV4, exit_when_idle: Option<f64>) -> ExitCode 
     let n = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
     eprintln!(
         "softrdma hostd {addr}: {} processes joined ({} of another user refused), {} \
-         datagrams forwarded, {} with no owner, {} dropped on a full connection",
+         datagrams forwarded, {} with no owner, {} dropped on a full connection, {} CM \
+         REQs rejected",
         n(&stats.joined),
         n(&stats.refused),
         n(&stats.forwarded),
         n(&stats.no_owner),
-        n(&stats.overflow)
+        n(&stats.overflow),
+        n(&stats.cm_rejects)
     );
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -10,6 +10,8 @@ use softrdma::cm::{self, ConnInfo, RcOptions};
 use softrdma::provider::hostd::Hostd;
 use softrdma::verbs::*;
 
+mod common;
+
 const T: Duration = Duration::from_secs(10);
 
 struct Daemon {
@@ -285,4 +287,18 @@ fn a_daemon_and_a_process_of_two_users_refuse_each_other() {
     assert_eq!(&hello[..n], b"SRHD1\0");
     drop(child.stdin.take());
     assert!(child.wait().unwrap().success());
+}
+
+/// QP 1 is no process's: the daemon answers a CM REQ with its REJ.
+#[test]
+fn the_daemon_rejects_a_cm_req() {
+    let daemon = Daemon::start("127.0.0.59:4791");
+    common::cm_req_gets_its_rej("127.0.0.59:4791".parse().unwrap(), [127, 0, 0, 96]);
+    assert_eq!(
+        daemon
+            .stats
+            .cm_rejects
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
 }

@@ -7,6 +7,8 @@ use std::time::Duration;
 use softrdma::verbs::*;
 use softrdma::wire::grh;
 
+mod common;
+
 const QKEY: u32 = 0x1111_1111;
 const T: Duration = Duration::from_secs(10);
 
@@ -371,4 +373,13 @@ fn a_destroyed_or_foreign_address_handle_is_refused() {
         .collect();
     got.sort_unstable_by_key(|g| g.0);
     assert_eq!(got, [(3, WcStatus::Success), (5, WcStatus::Success)]);
+}
+
+/// A CM REQ to QP 1 (rdma_cm over RoCEv2, not served yet) is answered at
+/// once with a REJ to the sender's RoCEv2 port: reason 8, the REQ's IDs.
+#[test]
+fn a_cm_req_is_rejected_at_once() {
+    let ctx = Device::udp("127.0.0.1:0".parse().unwrap()).open().unwrap();
+    common::cm_req_gets_its_rej(ctx.local_addr(), [127, 0, 0, 94]);
+    assert_eq!(ctx.stats().cm_rejects, 1);
 }

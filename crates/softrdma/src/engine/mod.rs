@@ -4,6 +4,7 @@
 //! the next timer). No sockets, threads or clocks here; the providers and the
 //! simulator drive the same code.
 
+pub mod gsi;
 pub mod iwarp;
 pub mod qp;
 pub mod rc;

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use rustix::event::{EventfdFlags, PollFd, PollFlags, eventfd};
 use rustix::net::{RecvFlags, SendFlags, SocketAddrUnix, SocketFlags, sockopt};
+use softrdma_wire::icrc::{self, Ipv4Pseudo};
 
 use super::udp::{RxMeta, recv_datagram, roce_socket};
 use super::unix_seqpacket;
@@ -70,6 +71,8 @@ pub struct HostdStats {
     pub connected: AtomicU64,
     /// Processes of another user turned away.
     pub refused: AtomicU64,
+    /// CM REQs (rdma_cm connecting over RoCEv2) answered with a REJ.
+    pub cm_rejects: AtomicU64,
 }
 
 /// The daemon that shares one RoCEv2 address among processes.
@@ -294,6 +297,11 @@ impl Hostd {
     }
 
     fn forward(&self, packet: &[u8], meta: &RxMeta) {
+        // QP 1 is no process's: a CM REQ gets its REJ here.
+        if packet.len() >= 12 && packet[5..8] == [0, 0, 1] {
+            self.answer_gsi(packet, meta.from);
+            return;
+        }
         // The slot is the destination QPN's top byte: BTH byte 5.
         let owner = (packet.len() >= 12)
             .then(|| self.clients[usize::from(packet[5])].as_ref())
@@ -313,6 +321,32 @@ impl Hostd {
             Ok(_) => self.stats.forwarded.fetch_add(1, Ordering::Relaxed),
             Err(_) => self.stats.overflow.fetch_add(1, Ordering::Relaxed),
         };
+    }
+}
+
+impl Hostd {
+    /// A packet for QP 1, its ICRC not yet checked (the daemon checks no
+    /// other's): a CM REQ whose ICRC holds gets its REJ.
+    fn answer_gsi(&self, packet: &[u8], from: SocketAddrV4) {
+        let udp_len = (8 + packet.len()) as u16;
+        let ip = Ipv4Pseudo {
+            src: from.ip().octets(),
+            dst: self.addr.ip().octets(),
+            identification: 0,
+            dont_fragment: true,
+        };
+        let udp = icrc::udp_header(from.port(), self.addr.port(), udp_len);
+        let sound = matches!(
+            icrc::solve_ipv4_identification(&ip.header(udp_len), &udp, packet),
+            Ok(Some(_))
+        );
+        let answered =
+            sound && super::udp::send_cm_rej(&self.udp, self.addr, packet, from).is_some();
+        if answered {
+            self.stats.cm_rejects.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.stats.no_owner.fetch_add(1, Ordering::Relaxed);
+        }
     }
 }
 

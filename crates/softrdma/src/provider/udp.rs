@@ -33,6 +33,7 @@ use spin::mutex::SpinMutex;
 use spin::relax::Yield;
 
 use super::pcap::{PacketMeta, PcapWriter};
+use crate::engine::gsi;
 use crate::engine::rc::MAX_HEADER_LEN;
 use crate::engine::srq::Srq;
 use crate::engine::ud::RecvMeta;
@@ -186,6 +187,8 @@ pub struct DeviceStats {
     /// Dropped: a BTH transport version other than 0, or a P_Key outside
     /// the default partition.
     pub bad_header: AtomicU64,
+    /// CM REQs (rdma_cm connecting over RoCEv2) answered with a REJ.
+    pub cm_rejects: AtomicU64,
     /// Dropped: for an RC QP, from an address that is not its peer's.
     pub wrong_source: AtomicU64,
     /// Send errors from the kernel.
@@ -1507,6 +1510,10 @@ fn receive_datagram(
         if let Some(slot) = run_slot.take_if(|s| s.qpn != dest_qp) {
             holding |= deliver(shared, slot, &mut run, rx, now, &mut receiving.touched);
         }
+        if dest_qp == gsi::GSI_QPN {
+            answer_gsi(shared, packet, rx.from);
+            continue;
+        }
         if run_slot.is_none() {
             run_slot = qp_for(shared, receiving, dest_qp, rx.from);
             if run_slot.is_none() {
@@ -1591,6 +1598,45 @@ fn check_packet(
         return None;
     }
     Some((h.dest_qp(), ident))
+}
+
+/// The UDP port RoCEv2 peers receive on.
+const ROCE_PORT: u16 = 4791;
+
+/// A packet for QP 1 (its ICRC checked): a CM REQ gets its REJ, sent to
+/// the peer's RoCEv2 port; anything else is dropped.
+fn answer_gsi(shared: &Shared, packet: &[u8], from: SocketAddrV4) {
+    let sock = (gsi::GSI_QPN.wrapping_mul(0x61C8_8647) >> 18) as usize % shared.sockets.len();
+    let local = SocketAddrV4::new(*shared.local.ip(), shared.ports[sock]);
+    match send_cm_rej(&shared.sockets[sock], local, packet, from) {
+        None => shared.stats.no_qp.fetch_add(1, Ordering::Relaxed),
+        Some(true) => shared.stats.cm_rejects.fetch_add(1, Ordering::Relaxed),
+        Some(false) => shared.stats.send_errors.fetch_add(1, Ordering::Relaxed),
+    };
+}
+
+/// Sends the REJ for `packet` (BTH through ICRC, its ICRC checked) from
+/// `sock`, bound to `local`, to `from`'s RoCEv2 port, if `packet` is a CM
+/// REQ for QP 1: `Some(sent)`; `None` for anything else.
+pub(crate) fn send_cm_rej(
+    sock: &UdpSocket,
+    local: SocketAddrV4,
+    packet: &[u8],
+    from: SocketAddrV4,
+) -> Option<bool> {
+    let mut rej = [0u8; gsi::REJ_PACKET_LEN];
+    gsi::reject_req(packet, &mut rej)?;
+    let to = SocketAddrV4::new(*from.ip(), ROCE_PORT);
+    let udp_len = (8 + rej.len()) as u16;
+    let ip = Ipv4Pseudo {
+        src: local.ip().octets(),
+        dst: to.ip().octets(),
+        identification: 0,
+        dont_fragment: true,
+    };
+    let udp = icrc::udp_header(local.port(), ROCE_PORT, udp_len);
+    icrc::fill(&ip.header(udp_len), &udp, &mut rej).ok()?;
+    Some(sock.send_to(&rej, to).is_ok())
 }
 
 /// The QP `qpn` names, if it takes packets from `from`.

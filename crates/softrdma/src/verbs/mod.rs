@@ -642,6 +642,7 @@ impl Context {
             bad_icrc: s.bad_icrc.load(Ordering::Relaxed),
             no_qp: s.no_qp.load(Ordering::Relaxed),
             bad_header: s.bad_header.load(Ordering::Relaxed),
+            cm_rejects: s.cm_rejects.load(Ordering::Relaxed),
             wrong_source: s.wrong_source.load(Ordering::Relaxed),
             send_errors: s.send_errors.load(Ordering::Relaxed),
         }
@@ -718,6 +719,9 @@ pub struct DeviceCounters {
     /// Received with a BTH transport version other than 0 or a P_Key
     /// outside the default partition (dropped, as rxe does).
     pub bad_header: u64,
+    /// CM REQs answered with a REJ: rdma_cm over RoCEv2 is not served yet,
+    /// and the peer hears so at once.
+    pub cm_rejects: u64,
     /// Dropped: for an RC QP, from an address that is not its peer's.
     pub wrong_source: u64,
     /// Datagrams the kernel refused to send.

@@ -239,3 +239,63 @@ pub fn modify_to_err_flushes_and_closes(a: &End, b: &End) {
     a.qp.modify(&err, None).unwrap();
     assert_eq!(a.rcq.poll_one().unwrap(), None);
 }
+
+/// Sends a CM REQ (rdma_cm connecting over RoCEv2) from `peer`:4791 to
+/// QP 1 of the RoCEv2 address `to`, and checks the REJ that comes back to
+/// `peer`:4791: reason 8 (invalid service ID), the REQ's transaction and
+/// communication IDs, an ICRC that holds.
+pub fn cm_req_gets_its_rej(to: std::net::SocketAddrV4, peer: [u8; 4]) {
+    use softrdma::wire::icrc::{self, Ipv4Pseudo};
+    use softrdma::wire::{Opcode, Psn, deth, mad, packet};
+    let sock = std::net::UdpSocket::bind((std::net::Ipv4Addr::from(peer), 4791)).unwrap();
+    sock.set_read_timeout(Some(T)).unwrap();
+    let mut req = [0u8; mad::MAD_LEN];
+    mad::Repr {
+        mgmt_class: mad::CLASS_CM,
+        class_version: mad::CM_CLASS_VERSION,
+        method: mad::METHOD_SEND,
+        status: 0,
+        class_specific: 0,
+        transaction_id: 0x1234_5678,
+        attribute_id: mad::CM_REQ,
+        attribute_modifier: 0,
+    }
+    .emit(&mut mad::Header::new_unchecked(&mut req[..24]));
+    req[24..28].copy_from_slice(&[0xaa, 0xbb, 0xcc, 0xdd]);
+    let mut r = packet::Repr::new(Opcode::UD_SEND_ONLY, 1, Psn::new(0), req.len());
+    r.deth = Some(deth::Repr {
+        qkey: deth::GSI_QKEY,
+        src_qp: 1,
+    });
+    let mut p = vec![0u8; r.buffer_len().unwrap()];
+    r.emit(&mut p, &req).unwrap();
+    let pseudo = |src: [u8; 4], dst: [u8; 4], len: usize| {
+        Ipv4Pseudo {
+            src,
+            dst,
+            identification: 0,
+            dont_fragment: true,
+        }
+        .header((8 + len) as u16)
+    };
+    let udp_len = (8 + p.len()) as u16;
+    let udp = icrc::udp_header(4791, to.port(), udp_len);
+    icrc::fill(&pseudo(peer, to.ip().octets(), p.len()), &udp, &mut p).unwrap();
+    sock.send_to(&p, to).unwrap();
+    let mut got = [0u8; 512];
+    let (n, from) = sock.recv_from(&mut got).expect("a REJ");
+    assert_eq!(from.ip(), std::net::IpAddr::from(*to.ip()));
+    let rej = packet::Packet::new_checked(&got[..n]).unwrap();
+    assert_eq!((rej.bth().dest_qp(), rej.deth().unwrap().src_qp()), (1, 1));
+    let m = rej.payload();
+    let h = mad::Repr::parse(&mad::Header::new_checked(&m[..24]).unwrap()).unwrap();
+    assert_eq!(
+        (h.attribute_id, h.transaction_id),
+        (mad::CM_REJ, 0x1234_5678)
+    );
+    assert_eq!(&m[28..32], [0xaa, 0xbb, 0xcc, 0xdd], "remote comm ID");
+    assert_eq!(&m[34..36], [0, 8], "reason: invalid service ID");
+    let udp = icrc::udp_header(from.port(), 4791, (8 + n) as u16);
+    let id = icrc::solve_ipv4_identification(&pseudo(to.ip().octets(), peer, n), &udp, &got[..n]);
+    assert_eq!(id.unwrap(), Some(0), "the REJ's ICRC");
+}

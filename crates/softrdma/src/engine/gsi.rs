@@ -1,0 +1,118 @@
+//! QP 1, the general services interface of a RoCEv2 device. softrdma has no
+//! IB connection manager yet (rdma_cm over RoCE), so a CM REQ gets a REJ at
+//! once, reason 8 ("invalid Service ID"), as Linux answers a REQ that no
+//! listener takes: the peer's rdma_connect fails in milliseconds with
+//! RDMA_CM_EVENT_REJECTED instead of retrying for over a minute. Other MADs
+//! are dropped.
+
+use softrdma_wire::deth::{self, GSI_QKEY};
+use softrdma_wire::mad::{self, MAD_LEN};
+use softrdma_wire::packet::{Packet, Repr};
+use softrdma_wire::{Opcode, Psn};
+
+/// The GSI's QP number.
+pub const GSI_QPN: u32 = 1;
+
+/// A REJ packet: BTH, DETH, the MAD and the ICRC.
+pub const REJ_PACKET_LEN: usize = 12 + 8 + MAD_LEN + 4;
+
+/// The REJ answering `packet` (BTH through ICRC, its ICRC checked), if it is
+/// a CM REQ to the GSI: written into `out` with its ICRC left for the
+/// sender to fill; `None` for anything else.
+pub fn reject_req(packet: &[u8], out: &mut [u8; REJ_PACKET_LEN]) -> Option<()> {
+    let p = Packet::new_checked(packet).ok()?;
+    if p.bth().opcode() != Opcode::UD_SEND_ONLY || p.bth().dest_qp() != GSI_QPN {
+        return None;
+    }
+    let d = p.deth()?;
+    let req = p.payload();
+    if d.qkey() != GSI_QKEY || req.len() < MAD_LEN {
+        return None;
+    }
+    let h = mad::Header::new_checked(&req[..MAD_LEN]).ok()?;
+    let is_req = h.base_version() == mad::BASE_VERSION
+        && h.mgmt_class() == mad::CLASS_CM
+        && h.class_version() == mad::CM_CLASS_VERSION
+        && h.method() == mad::METHOD_SEND
+        && h.attribute_id() == mad::CM_REQ;
+    if !is_req {
+        return None;
+    }
+    let mut rej = [0u8; MAD_LEN];
+    mad::cm_rej_for_req(&req[..MAD_LEN], mad::REJ_INVALID_SERVICE_ID, &mut rej).ok()?;
+    let mut r = Repr::new(Opcode::UD_SEND_ONLY, d.src_qp(), Psn::new(0), MAD_LEN);
+    // As rxe's GSI sends its MADs (WIRE-NOTES 4).
+    r.bth.ack_req = true;
+    r.deth = Some(deth::Repr {
+        qkey: GSI_QKEY,
+        src_qp: GSI_QPN,
+    });
+    r.emit(&mut out[..], &rej).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use softrdma_wire::packet::Packet;
+
+    /// A CM REQ as rxe's GSI sends it, with the REQ's local communication
+    /// ID and transaction ID of `rxe_rping.pcap` frame 3.
+    fn req(attribute: u16) -> Vec<u8> {
+        let mut mad = [0u8; MAD_LEN];
+        mad::Repr {
+            mgmt_class: mad::CLASS_CM,
+            class_version: 2,
+            method: mad::METHOD_SEND,
+            status: 0,
+            class_specific: 0,
+            transaction_id: 0x2_74b8_8d6c,
+            attribute_id: attribute,
+            attribute_modifier: 0,
+        }
+        .emit(&mut mad::Header::new_unchecked(&mut mad[..24]));
+        mad[24..28].copy_from_slice(&0x6c8d_b874u32.to_be_bytes());
+        let mut r = Repr::new(Opcode::UD_SEND_ONLY, GSI_QPN, Psn::new(0), MAD_LEN);
+        r.deth = Some(deth::Repr {
+            qkey: GSI_QKEY,
+            src_qp: GSI_QPN,
+        });
+        let mut p = vec![0u8; r.buffer_len().unwrap()];
+        r.emit(&mut p, &mad).unwrap();
+        p
+    }
+
+    #[test]
+    fn a_cm_req_is_rejected_for_an_invalid_service_id() {
+        let mut out = [0u8; REJ_PACKET_LEN];
+        reject_req(&req(mad::CM_REQ), &mut out).expect("a REJ");
+        let p = Packet::new_checked(&out[..]).unwrap();
+        assert_eq!(
+            (p.bth().opcode(), p.bth().dest_qp(), p.bth().pkey()),
+            (Opcode::UD_SEND_ONLY, GSI_QPN, 0xffff)
+        );
+        let d = p.deth().unwrap();
+        assert_eq!((d.qkey(), d.src_qp()), (GSI_QKEY, GSI_QPN));
+        let m = p.payload();
+        let h = mad::Repr::parse(&mad::Header::new_checked(&m[..24]).unwrap()).unwrap();
+        assert_eq!(h.to_string(), "MAD CM REJ Send tid=0x274b88d6c");
+        // Local comm ID 0, remote = the REQ's local, the REQ rejected, no
+        // ARI, reason 8.
+        assert_eq!(&m[24..36], [0, 0, 0, 0, 0x6c, 0x8d, 0xb8, 0x74, 0, 0, 0, 8]);
+        assert!(m[36..].iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn other_mads_and_packets_get_no_answer() {
+        let mut out = [0u8; REJ_PACKET_LEN];
+        for attr in [mad::CM_REJ, 0x0013, 0x0015] {
+            assert!(reject_req(&req(attr), &mut out).is_none(), "{attr:#x}");
+        }
+        let mut wrong_qkey = req(mad::CM_REQ);
+        wrong_qkey[12] ^= 1;
+        assert!(reject_req(&wrong_qkey, &mut out).is_none());
+        let good = req(mad::CM_REQ);
+        for cut in [0, 12, 20, 100, good.len() - 5] {
+            assert!(reject_req(&good[..cut], &mut out).is_none(), "{cut}");
+        }
+    }
+}
