@@ -161,3 +161,50 @@ fn an_await_ends_with_a_completion_and_the_stream_with_an_overrun() {
         assert!(cq.next().await.is_none());
     });
 }
+
+/// A CQ that always has a completion ready still lets the runtime's other
+/// tasks run (tokio's task budget); two `AsyncCq`s of clones of one CQ live
+/// side by side in one runtime.
+#[test]
+fn a_busy_cq_does_not_starve_other_tasks() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let (a, b) = roce_pair();
+    const N: usize = 500;
+    let c = a.ctx.create_cq(N).unwrap();
+    let deep = QpCaps {
+        max_send_wr: N as u32,
+        max_recv_wr: N as u32,
+        ..caps()
+    };
+    let qp = a.pd.create_qp(&QpInit::rc(&c, &c).caps(deep)).unwrap();
+    let rcq = b.ctx.create_cq(N).unwrap();
+    let peer = b.pd.create_qp(&QpInit::rc(&rcq, &rcq).caps(deep)).unwrap();
+    common::connect_rc(&qp, &peer, None, &RcOptions::default());
+    for k in 0..N as u64 {
+        peer.post_recv(RecvWr::new(k, [b.mr.sge(0, 8)])).unwrap();
+        qp.post_send(SendWr::new(k, SendOp::Send, [a.mr.sge(0, 8)]))
+            .unwrap();
+    }
+    // All arrived; their ACKs a moment later: every send completion waits
+    // in `c` before the runtime starts.
+    assert_eq!(rcq.wait_for(N, T).unwrap().len(), N);
+    std::thread::sleep(Duration::from_millis(200));
+    let rt = runtime();
+    let seen_at = rt.block_on(async {
+        let mut cq = AsyncCq::new(c.clone()).unwrap();
+        let _beside = AsyncCq::new(c.clone()).expect("a second one of the same CQ");
+        let ran = Arc::new(AtomicBool::new(false));
+        let r = ran.clone();
+        tokio::spawn(async move { r.store(true, Ordering::SeqCst) });
+        let mut seen_at = None;
+        for k in 0..N {
+            cq.next().await.unwrap().unwrap();
+            if seen_at.is_none() && ran.load(Ordering::SeqCst) {
+                seen_at = Some(k);
+            }
+        }
+        seen_at
+    });
+    assert!(seen_at.is_some_and(|k| k < N / 2), "{seen_at:?}");
+}

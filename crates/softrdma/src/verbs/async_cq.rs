@@ -5,30 +5,23 @@
 
 use std::future::poll_fn;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, RawFd};
+use std::os::fd::OwnedFd;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
+use tokio::task::coop;
 
-use super::cq::{Cq, CqError, CqInner};
+use super::cq::{Cq, CqError};
 use crate::engine::WorkCompletion;
-
-/// The completion channel's eventfd, kept open by the CQ it belongs to.
-struct Channel(Arc<CqInner>);
-
-impl AsRawFd for Channel {
-    fn as_raw_fd(&self) -> RawFd {
-        self.0.event.as_fd().as_raw_fd()
-    }
-}
 
 /// A CQ whose completions are awaited (`next`) or streamed
 /// (`futures_core::Stream`): a task waits for them on tokio's reactor, and
 /// no thread polls. The stream ends after an error (a CQ overrun), which it
-/// yields first.
+/// yields first, or without one if the reactor drops the descriptor (the
+/// runtime shutting down). A CQ that always has a completion ready still
+/// yields to the runtime when the task's budget runs out (tokio's `coop`).
 ///
 /// ```no_run
 /// # async fn f(cq: softrdma::verbs::Cq) -> Result<(), Box<dyn std::error::Error>> {
@@ -38,7 +31,9 @@ impl AsRawFd for Channel {
 /// ```
 pub struct AsyncCq {
     cq: Cq,
-    channel: AsyncFd<Channel>,
+    /// A duplicate of the completion channel's eventfd: each `AsyncCq` of
+    /// one CQ registers its own with the reactor.
+    channel: AsyncFd<OwnedFd>,
     /// In busy-poll mode, iWARP's receive threads receive while this waits.
     asleep: Option<crate::provider::tcp::AppAsleep>,
     ended: bool,
@@ -54,17 +49,21 @@ impl std::fmt::Debug for AsyncCq {
 }
 
 impl AsyncCq {
-    /// Takes `cq` over; must run inside a tokio runtime with I/O enabled.
-    /// Its completion channel is this one's: no other thread should wait
-    /// on a clone of `cq` meanwhile.
+    /// Takes `cq` over. Its completion channel's events are this one's to
+    /// consume: others waiting on the channel of a clone of `cq` (another
+    /// `AsyncCq`, `Cq::wait_event`) take events it would have woken for,
+    /// and the one that polls first gets a completion.
+    ///
+    /// # Panics
+    ///
+    /// Outside a tokio runtime with I/O enabled (as `AsyncFd`).
     pub fn new(cq: Cq) -> io::Result<AsyncCq> {
-        // SAFETY: `Channel` holds the CQ's `CqInner`, which owns the eventfd:
-        // it stays open, and `as_raw_fd` names it, for as long as the
-        // `AsyncFd` owns the `Channel`.
-        let channel = unsafe {
-            AsyncFd::register_with_interest(Channel(cq.inner.clone()), Interest::READABLE)
-        }
-        .map_err(io::Error::from)?;
+        let fd = cq.inner.event.try_clone()?;
+        // SAFETY: the `AsyncFd` owns `fd`, a descriptor of its own (a
+        // duplicate): it stays open and the same until the `AsyncFd` drops
+        // it or gives it back.
+        let channel = unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }
+            .map_err(io::Error::from)?;
         Ok(AsyncCq {
             cq,
             channel,
@@ -78,8 +77,10 @@ impl AsyncCq {
         &self.cq
     }
 
-    /// Gives the CQ back.
+    /// Gives the CQ back, its channel's pending events consumed (it may
+    /// still be armed for one more).
     pub fn into_inner(self) -> Cq {
+        self.cq.take_events();
         self.cq
     }
 
@@ -98,14 +99,17 @@ impl AsyncCq {
         if self.ended {
             return Poll::Ready(None);
         }
+        let budget = ready!(coop::poll_proceed(cx));
         loop {
             if let Some(done) = self.look() {
+                budget.made_progress();
                 return Poll::Ready(Some(done));
             }
             // Armed, then looked at again: a completion that came between
             // the first look and the arm fires no event.
             self.cq.req_notify(false);
             if let Some(done) = self.look() {
+                budget.made_progress();
                 return Poll::Ready(Some(done));
             }
             if self.asleep.is_none() {
