@@ -103,6 +103,9 @@ pub struct UdQp {
     completions: VecDeque<(CqKind, WorkCompletion, bool)>,
     /// How many completions are held.
     held: usize,
+    /// Datagrams handed out by `poll_transmit` and not yet reported in the
+    /// socket (`transmitted`), signaled or not.
+    unsent: usize,
     stats: UdStats,
     srq: Option<Arc<Mutex<Srq>>>,
     events: VecDeque<QpEvent>,
@@ -130,6 +133,7 @@ impl UdQp {
             rq: VecDeque::new(),
             completions: VecDeque::new(),
             held: 0,
+            unsent: 0,
             stats: UdStats::default(),
             srq: None,
             events: VecDeque::new(),
@@ -147,7 +151,7 @@ impl UdQp {
     /// The next asynchronous event.
     pub fn poll_event(&mut self) -> Option<QpEvent> {
         // SQD sends nothing new: drained once what was sent is in the socket.
-        if self.sq_draining && self.state == QpState::Sqd && self.held == 0 {
+        if self.sq_draining && self.state == QpState::Sqd && self.unsent == 0 {
             self.sq_draining = false;
             self.events.push_back(QpEvent::SqDrained);
         }
@@ -352,6 +356,7 @@ impl UdQp {
             len += w.len;
         }
         self.stats.sent += 1;
+        self.unsent += 1;
         if w.wr.flags.signaled {
             // A UD send is complete once it is on the wire: held until the
             // provider has handed the datagram to the kernel, so that the
@@ -463,6 +468,7 @@ impl UdQp {
     /// The datagrams [`UdQp::poll_transmit`] gave are in the socket: their
     /// completions may go to the application.
     pub fn transmitted(&mut self) {
+        self.unsent = 0;
         if self.held > 0 {
             for c in &mut self.completions {
                 c.2 = false;

@@ -323,3 +323,26 @@ fn post_rules() {
         .collect();
     assert_eq!(got, [(1, WcStatus::LocProtErr), (2, WcStatus::WrFlushErr)]);
 }
+
+/// In SQD a UD QP is drained once every datagram it handed out is in the
+/// socket, unsignaled ones included.
+#[test]
+fn sq_drained_waits_for_unsignaled_datagrams_too() {
+    let mut a = node(0x20, QKEY);
+    let wr = SendWr {
+        flags: crate::engine::SendFlags::default(),
+        ..SendWr::new(1, SendOp::Send, vec![a.sge(0, 5)]).to(dest(9, 0x21, QKEY))
+    };
+    a.qp.post_send(wr).unwrap();
+    let (mut buf, mut pieces) = (vec![0u8; 64 + 4096], vec![]);
+    assert!(a.qp.poll_transmit(&a.mrs, &mut buf, &mut pieces).is_some());
+    a.qp.modify(&QpAttr {
+        state: Some(QpState::Sqd),
+        ..QpAttr::default()
+    })
+    .unwrap();
+    assert_eq!(a.qp.poll_event(), None, "a datagram not yet in the socket");
+    a.qp.transmitted();
+    assert_eq!(a.qp.poll_event(), Some(QpEvent::SqDrained));
+    assert_eq!(a.qp.poll_event(), None);
+}
