@@ -398,7 +398,7 @@ pub enum QpEvent {
     /// A QP moved to SQD has no sends outstanding: every one started before
     /// is acknowledged, or for UD on the wire (IBV_EVENT_SQ_DRAINED).
     SqDrained,
-    /// An RC QP in RTR received its first packet (IBV_EVENT_COMM_EST).
+    /// An RC QP in RTR received its first request (IBV_EVENT_COMM_EST).
     CommEstablished,
 }
 

@@ -28,7 +28,7 @@ pub enum AsyncEvent {
         /// The QP.
         qpn: u32,
     },
-    /// An RC QP still in RTR received its first packet: the peer is in RTS
+    /// An RC QP still in RTR received its first request: the peer is in RTS
     /// (IBV_EVENT_COMM_EST). Once per connection.
     CommEstablished {
         /// The QP.

@@ -322,17 +322,19 @@ impl RcQp {
             self.stats.dropped += 1;
             return;
         }
-        // The first packet in RTR: the connection works before this side
-        // went to RTS (qib, hfi1; rdma_cm takes it for a lost RTU).
-        if self.state == QpState::Rtr && !self.comm_established {
-            self.comm_established = true;
-            self.events.push_back(QpEvent::CommEstablished);
-        }
         match info.operation {
             Operation::ReadResponse | Operation::Acknowledge | Operation::AtomicAcknowledge => {
                 self.complete_packet(now, &p)
             }
-            _ => self.respond_packet(&p, mrs),
+            _ => {
+                // The first request in RTR: the peer is in RTS before this
+                // side (qib, hfi1; rdma_cm takes it for a lost RTU).
+                if self.state == QpState::Rtr && !self.comm_established {
+                    self.comm_established = true;
+                    self.events.push_back(QpEvent::CommEstablished);
+                }
+                self.respond_packet(&p, mrs)
+            }
         }
         self.report_completions();
     }
