@@ -481,11 +481,7 @@ fn query_device_reports_the_limits_the_verbs_enforce() {
             assert!(pd.create_srq(a.max_srq_wr + 1, 1).is_err());
             assert!(pd.create_srq(1, a.max_srq_sge + 1).is_err());
         } else {
-            let srq = pd.create_srq(1, 1).unwrap();
-            assert!(
-                pd.create_qp(&QpInit::rc(&cq, &cq).srq(&srq)).is_err(),
-                "{what}"
-            );
+            assert!(pd.create_srq(1, 1).is_err(), "{what}");
         }
         assert_eq!(a.atomic_cap == AtomicCap::None, c.is_iwarp(), "{what}");
     }

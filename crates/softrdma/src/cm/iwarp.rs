@@ -16,6 +16,7 @@ pub const FIRST_FPDU_DELAY: std::time::Duration = std::time::Duration::from_mill
 
 /// Why a connection failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ConnectError {
     /// The TCP connection.
     #[error("TCP connection to {to}: {source}")]

@@ -495,6 +495,7 @@ const MAX_CQE: u32 = 1 << 22;
 /// Device attributes (`ibv_query_device`): the limits `create_*`, `post_*`
 /// and `modify` enforce on this device, and what it can do.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DeviceAttr {
     /// The softrdma version (ibverbs' firmware version).
     pub fw_ver: String,
@@ -512,10 +513,11 @@ pub struct DeviceAttr {
     /// Completions a CQ holds.
     pub max_cqe: u32,
     /// Incoming RDMA READs and atomics a QP serves at once
-    /// (`max_dest_rd_atomic`; iWARP's IRD).
+    /// (`max_dest_rd_atomic`; iWARP's IRD). Shared memory has no such
+    /// limit (the initiator reads the peer's memory itself).
     pub max_qp_rd_atom: u32,
     /// Outgoing RDMA READs and atomics a QP has at once (`max_rd_atomic`;
-    /// iWARP's ORD).
+    /// iWARP's ORD); shared memory, as above.
     pub max_qp_init_rd_atom: u32,
     /// Atomic operations.
     pub atomic_cap: AtomicCap,
@@ -525,7 +527,8 @@ pub struct DeviceAttr {
     pub max_srq_sge: u32,
     /// Whether it has UD QPs.
     pub ud: bool,
-    /// The longest RC message (UD: the port's active MTU).
+    /// The longest RC message (a UD message is one packet: the port's
+    /// active MTU, `query_port`).
     pub max_msg_sz: u64,
     /// The largest memory region.
     pub max_mr_size: u64,
@@ -534,6 +537,7 @@ pub struct DeviceAttr {
 /// What a device's atomic operations are atomic against
 /// (`ibv_device_attr.atomic_cap`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum AtomicCap {
     /// No atomic operations (iWARP: RFC 5040 has none).
     None,
@@ -707,6 +711,7 @@ impl Context {
 
 /// Device counters (RoCEv2; zero on iWARP).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct DeviceCounters {
     /// Datagrams sent.
     pub sent: u64,
@@ -784,6 +789,11 @@ impl Pd {
 
     /// A shared receive queue of `max_wr` receives with up to `max_sge` SGEs.
     pub fn create_srq(&self, max_wr: u32, max_sge: u32) -> Result<Srq> {
+        if !matches!(self.ctx.inner.dev, Provider::Udp(_)) {
+            return Err(VerbsError::Invalid(
+                "shared receive queues are not supported on iWARP and shm devices yet".into(),
+            ));
+        }
         if max_wr == 0 || max_wr > MAX_QP_WR || max_sge as usize > MAX_SGE {
             return Err(VerbsError::Invalid(format!(
                 "an SRQ needs 1..={MAX_QP_WR} receives and at most {MAX_SGE} SGEs each"
