@@ -285,11 +285,18 @@ impl StartFrameRepr {
     }
 
     /// Writes the frame with `ulp_private_data` (whose length must match).
+    /// An IRD/ORD block needs revision 2 (revision 1 has no enhanced flag).
     pub fn emit<T: AsRef<[u8]> + AsMut<[u8]>>(
         &self,
         f: &mut StartFrame<T>,
         ulp_private_data: &[u8],
     ) -> Result<()> {
+        if self.ird_ord.is_some() && self.revision < 2 {
+            return Err(Error::InvalidField {
+                field: "MPA IRD/ORD block below revision 2",
+                value: self.revision.into(),
+            });
+        }
         let pd_len = self.buffer_len() - START_FRAME_HEADER_LEN;
         if ulp_private_data.len() != self.ulp_private_data_len || pd_len > MAX_PRIVATE_DATA {
             return Err(Error::InvalidField {
@@ -717,6 +724,14 @@ mod tests {
         rev1[17] = 1;
         let r = StartFrameRepr::parse(&StartFrame::new_unchecked(&rev1[..])).unwrap();
         assert_eq!((r.ird_ord, r.ulp_private_data_len), (None, 4));
+        // Nor is one written with the flag.
+        let mut r1 = StartFrameRepr::parse(&StartFrame::new_unchecked(&REP[..])).unwrap();
+        r1.revision = 1;
+        let mut buf = [0u8; 24];
+        assert!(
+            r1.emit(&mut StartFrame::new_unchecked(&mut buf[..]), &[])
+                .is_err()
+        );
         // Revision 2 with the flag but no room for the block.
         let mut bad = REP;
         bad[19] = 3;

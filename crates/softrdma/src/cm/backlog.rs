@@ -97,11 +97,12 @@ where
         deadline: Option<Instant>,
         give_up: impl Fn() -> bool,
     ) -> Option<Result<T, E>> {
-        let mut queue = self.shared.queue.lock().expect("backlog lock");
+        let lock = || self.shared.queue.lock().expect("backlog lock");
         let next = loop {
-            if let Some(next) = queue.pop_front() {
+            if let Some(next) = lock().pop_front() {
                 break next;
             }
+            // Asked with the queue unlocked: it takes the QP's locks.
             if give_up() {
                 return None;
             }
@@ -112,12 +113,20 @@ where
                 },
                 None => GIVE_UP_CHECK,
             };
-            queue = self
+            // Looked at again under the lock the wait releases: a push since
+            // the last look notified no one.
+            let mut queue = lock();
+            if let Some(next) = queue.pop_front() {
+                break next;
+            }
+            let (mut queue, _) = self
                 .shared
                 .ready
                 .wait_timeout(queue, wait)
-                .expect("backlog lock")
-                .0;
+                .expect("backlog lock");
+            if let Some(next) = queue.pop_front() {
+                break next;
+            }
         };
         self.shared.pending.fetch_sub(1, Ordering::AcqRel);
         Some(next)
