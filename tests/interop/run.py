@@ -515,8 +515,14 @@ def run_cm_reject(guest, case, port, job):
         guest.start(job, f"{case.tool} -a {HOST_IP} -p {port}")
         rc, tout = guest.wait(job, case.timeout)
         took = time.time() - t
-        h.kill()
-        h.wait()
+        # `timeout` passes a TERM on to the server (a KILL would leave it
+        # holding HOST_IP:4791 for the next cases).
+        h.terminate()
+        try:
+            h.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            h.kill()
+            h.wait()
         out.seek(0)
         host = out.read()
     problems = []
