@@ -322,9 +322,7 @@ impl Hostd {
             Err(_) => self.stats.overflow.fetch_add(1, Ordering::Relaxed),
         };
     }
-}
 
-impl Hostd {
     /// A packet for QP 1, its ICRC not yet checked (the daemon checks no
     /// other's): a CM REQ whose ICRC holds gets its REJ.
     fn answer_gsi(&self, packet: &[u8], from: SocketAddrV4) {
@@ -340,13 +338,13 @@ impl Hostd {
             icrc::solve_ipv4_identification(&ip.header(udp_len), &udp, packet),
             Ok(Some(_))
         );
-        let answered =
-            sound && super::udp::send_cm_rej(&self.udp, self.addr, packet, from).is_some();
-        if answered {
-            self.stats.cm_rejects.fetch_add(1, Ordering::Relaxed);
-        } else {
-            self.stats.no_owner.fetch_add(1, Ordering::Relaxed);
-        }
+        let sent = sound.then(|| super::udp::send_cm_rej(&self.udp, self.addr, packet, from));
+        match sent.flatten() {
+            Some(true) => self.stats.cm_rejects.fetch_add(1, Ordering::Relaxed),
+            // Not a sound REQ, or a REJ the socket would not take (the
+            // peer's CM retries): dropped as no process's.
+            _ => self.stats.no_owner.fetch_add(1, Ordering::Relaxed),
+        };
     }
 }
 
