@@ -381,5 +381,10 @@ fn a_destroyed_or_foreign_address_handle_is_refused() {
 fn a_cm_req_is_rejected_at_once() {
     let ctx = Device::udp("127.0.0.1:0".parse().unwrap()).open().unwrap();
     common::cm_req_gets_its_rej(ctx.local_addr(), [127, 0, 0, 94]);
+    // Counted once the send returns, which may be after the REJ arrived.
+    let t = std::time::Instant::now();
+    while ctx.stats().cm_rejects == 0 && t.elapsed() < T {
+        std::thread::sleep(Duration::from_millis(1));
+    }
     assert_eq!(ctx.stats().cm_rejects, 1);
 }
