@@ -452,6 +452,15 @@ impl RcQp {
         }
     }
 
+    /// Whether a receive WQE is waiting (it may be gone when taken, if
+    /// another QP takes from the same SRQ).
+    fn has_recv(&self) -> bool {
+        match &self.srq {
+            Some(s) => !s.lock().expect("SRQ lock").is_empty(),
+            None => !self.resp.rq.is_empty(),
+        }
+    }
+
     /// The next receive WQE: from the SRQ if the QP has one.
     fn next_recv(&mut self) -> Option<RecvWr> {
         match &self.srq {

@@ -292,15 +292,20 @@ impl RcQp {
         Ok(())
     }
 
+    /// RNR-NAKs the expected PSN: no receive WQE for it.
+    fn rnr_nak(&mut self) {
+        self.stats.rnr_naks_sent += 1;
+        let epsn = self.resp.epsn;
+        self.queue_nak(
+            epsn,
+            Syndrome::RnrNak(RnrTimer::from_code(self.min_rnr_timer)),
+        );
+    }
+
     /// Takes the next receive WQE with its buffers resolved, or RNR-NAKs.
     fn take_recv(&mut self, mrs: &MrTable) -> Result<Option<(RecvWr, SegList, u64)>, Refusal> {
         let Some(wqe) = self.next_recv() else {
-            self.stats.rnr_naks_sent += 1;
-            let epsn = self.resp.epsn;
-            self.queue_nak(
-                epsn,
-                Syndrome::RnrNak(RnrTimer::from_code(self.min_rnr_timer)),
-            );
+            self.rnr_nak();
             return Ok(None);
         };
         let mut segs = SegList::with_capacity(wqe.sgl.len());
@@ -401,8 +406,15 @@ impl RcQp {
         let psn = p.bth().psn();
         let payload = p.payload();
         // WRITE with immediate consumes a receive WQE at its last packet (the
-        // one with the immediate).
+        // one with the immediate). None waiting: RNR before any other check,
+        // as rxe's responder looks for it before the rkey. (A peek: one
+        // posted meanwhile waits for the retry; one another QP takes from
+        // the SRQ meanwhile is missed at the take below, which RNR-NAKs.)
         let needs_recv = info.has_immediate();
+        if needs_recv && !self.has_recv() {
+            self.rnr_nak();
+            return Ok(());
+        }
         if info.position == Position::Only && !needs_recv {
             // Every packet of a WRITE without immediate is a WRITE ONLY (see
             // the requester): it borrows its region for its one packet. A

@@ -1688,3 +1688,25 @@ fn a_write_with_immediate_refused_for_want_of_a_receive_lands_once_one_is_posted
     assert_eq!(statuses(&p, 1), [(r, WcStatus::Success)]);
     assert_eq!(p.read_mem(1, 64, 4), b"late");
 }
+
+#[test]
+fn a_write_with_immediate_finds_no_receive_before_its_rkey_is_checked() {
+    // As rxe: no receive is an RNR NAK, even with a bad rkey; with one
+    // posted, the retry fails on the rkey.
+    let mut p = Pair::new(Setup::default());
+    let op = SendOp::WriteWithImm {
+        remote_addr: IOVA[1],
+        rkey: RKEY[1] ^ 1,
+        imm: 9,
+    };
+    let s = p.send(0, op, vec![Pair::sge(0, 0, 4)]);
+    let sent = take_packets(&mut p, 0, 10);
+    exchange(&mut p, &sent);
+    let stats = p.sim.ends[1].qp.stats();
+    assert_eq!(stats.rnr_naks_sent, 1);
+    assert_eq!(p.sim.ends[1].qp.state(), QpState::Rts);
+    let r = p.recv(1, vec![]);
+    p.run([1, 1]);
+    assert_eq!(statuses(&p, 0), [(s, WcStatus::RemAccessErr)]);
+    assert_eq!(statuses(&p, 1)[0].0, r);
+}
