@@ -293,20 +293,6 @@ const fn valid_layer_etype(layer: u8, etype: u8) -> bool {
     }
 }
 
-/// The error codes RFC 5040 4.8, RFC 5041 7.2 and RFC 5044 8 (with RFC 6581's
-/// additions) define for a layer and error type.
-const fn defined_code(layer: u8, etype: u8, code: u8) -> bool {
-    match (layer, etype) {
-        (0 | 1, 0) => code == 0x00,
-        (0, 1) => matches!(code, 0x00..=0x04 | 0x09 | 0xff),
-        (0, 2) => matches!(code, 0x05..=0x09 | 0xff),
-        (1, 1) => code <= 0x04,
-        (1, 2) => matches!(code, 0x01..=0x06),
-        (2, 0) => matches!(code, 0x01..=0x07),
-        _ => false,
-    }
-}
-
 impl TermControl {
     /// Decodes the 4-byte control word in the given encoding.
     pub const fn decode(w: [u8; 4], enc: TermEncoding) -> TermControl {
@@ -373,7 +359,9 @@ impl TermControl {
         if siw_ok && !rfc_ok {
             return TermEncoding::Siw;
         }
-        if siw_ok && defined_code(lo, hi, code) && !defined_code(hi, lo, code) {
+        let siw_named = named(Layer::from_code(lo), hi, code).is_some();
+        let rfc_named = named(Layer::from_code(hi), lo, code).is_some();
+        if siw_ok && siw_named && !rfc_named {
             return TermEncoding::Siw;
         }
         TermEncoding::Rfc
@@ -381,43 +369,58 @@ impl TermControl {
 
     /// What the error means, per RFC 5040 4.8, RFC 5041 7.2 and RFC 5044 8.
     pub const fn description(&self) -> &'static str {
-        match (self.layer, self.etype, self.code) {
-            (Layer::Rdmap, 0, _) => "RDMAP local catastrophic error",
-            (Layer::Rdmap, 1, 0x00) => "RDMAP invalid STag",
-            (Layer::Rdmap, 1, 0x01) => "RDMAP base or bounds violation",
-            (Layer::Rdmap, 1, 0x02) => "RDMAP access rights violation",
-            (Layer::Rdmap, 1, 0x03) => "RDMAP STag not associated with RDMAP stream",
-            (Layer::Rdmap, 1, 0x04) => "RDMAP TO wrap",
-            (Layer::Rdmap, 1, 0x09) => "RDMAP STag cannot be invalidated",
-            (Layer::Rdmap, 1, _) => "RDMAP remote protection error",
-            (Layer::Rdmap, 2, 0x05) => "RDMAP invalid RDMAP version",
-            (Layer::Rdmap, 2, 0x06) => "RDMAP unexpected opcode",
-            (Layer::Rdmap, 2, 0x07) => "RDMAP catastrophic error, localized to stream",
-            (Layer::Rdmap, 2, 0x08) => "RDMAP catastrophic error, global",
-            (Layer::Rdmap, 2, 0x09) => "RDMAP STag cannot be invalidated",
-            (Layer::Rdmap, 2, _) => "RDMAP remote operation error",
-            (Layer::Ddp, 0, _) => "DDP local catastrophic error",
-            (Layer::Ddp, 1, 0x00) => "DDP tagged: invalid STag",
-            (Layer::Ddp, 1, 0x01) => "DDP tagged: base or bounds violation",
-            (Layer::Ddp, 1, 0x02) => "DDP tagged: STag not associated with DDP stream",
-            (Layer::Ddp, 1, 0x03) => "DDP tagged: TO wrap",
-            (Layer::Ddp, 1, 0x04) => "DDP tagged: invalid DDP version",
-            (Layer::Ddp, 2, 0x01) => "DDP untagged: invalid QN",
-            (Layer::Ddp, 2, 0x02) => "DDP untagged: invalid MSN, no buffer available",
-            (Layer::Ddp, 2, 0x03) => "DDP untagged: invalid MSN range",
-            (Layer::Ddp, 2, 0x04) => "DDP untagged: invalid MO",
-            (Layer::Ddp, 2, 0x05) => "DDP untagged: message too long for the buffer",
-            (Layer::Ddp, 2, 0x06) => "DDP untagged: invalid DDP version",
-            (Layer::Llp, 0, 0x01) => "MPA: TCP connection closed, terminated or lost",
-            (Layer::Llp, 0, 0x02) => "MPA: CRC error",
-            (Layer::Llp, 0, 0x03) => "MPA: marker and ULPDU length mismatch",
-            (Layer::Llp, 0, 0x04) => "MPA: invalid request or reply frame",
-            (Layer::Llp, 0, 0x05) => "MPA: local catastrophic error",
-            (Layer::Llp, 0, 0x06) => "MPA: insufficient IRD resources",
-            (Layer::Llp, 0, 0x07) => "MPA: no matching RTR option",
+        if let Some(d) = named(self.layer, self.etype, self.code) {
+            return d;
+        }
+        match (self.layer, self.etype) {
+            (Layer::Rdmap, 0) => "RDMAP local catastrophic error",
+            (Layer::Rdmap, 1) => "RDMAP remote protection error",
+            (Layer::Rdmap, 2) => "RDMAP remote operation error",
+            (Layer::Ddp, 0) => "DDP local catastrophic error",
             _ => "undefined error",
         }
     }
+}
+
+/// The errors RFC 5040 4.8, RFC 5041 7.2 and RFC 5044 8 (with RFC 6581's
+/// additions) define, by layer, error type and code.
+const fn named(layer: Layer, etype: u8, code: u8) -> Option<&'static str> {
+    Some(match (layer, etype, code) {
+        (Layer::Rdmap, 0, 0x00) => "RDMAP local catastrophic error",
+        (Layer::Rdmap, 1, 0x00) => "RDMAP invalid STag",
+        (Layer::Rdmap, 1, 0x01) => "RDMAP base or bounds violation",
+        (Layer::Rdmap, 1, 0x02) => "RDMAP access rights violation",
+        (Layer::Rdmap, 1, 0x03) => "RDMAP STag not associated with RDMAP stream",
+        (Layer::Rdmap, 1, 0x04) => "RDMAP TO wrap",
+        (Layer::Rdmap, 1, 0x09) => "RDMAP STag cannot be invalidated",
+        (Layer::Rdmap, 1, 0xff) => "RDMAP remote protection error",
+        (Layer::Rdmap, 2, 0x05) => "RDMAP invalid RDMAP version",
+        (Layer::Rdmap, 2, 0x06) => "RDMAP unexpected opcode",
+        (Layer::Rdmap, 2, 0x07) => "RDMAP catastrophic error, localized to stream",
+        (Layer::Rdmap, 2, 0x08) => "RDMAP catastrophic error, global",
+        (Layer::Rdmap, 2, 0x09) => "RDMAP STag cannot be invalidated",
+        (Layer::Rdmap, 2, 0xff) => "RDMAP remote operation error",
+        (Layer::Ddp, 0, 0x00) => "DDP local catastrophic error",
+        (Layer::Ddp, 1, 0x00) => "DDP tagged: invalid STag",
+        (Layer::Ddp, 1, 0x01) => "DDP tagged: base or bounds violation",
+        (Layer::Ddp, 1, 0x02) => "DDP tagged: STag not associated with DDP stream",
+        (Layer::Ddp, 1, 0x03) => "DDP tagged: TO wrap",
+        (Layer::Ddp, 1, 0x04) => "DDP tagged: invalid DDP version",
+        (Layer::Ddp, 2, 0x01) => "DDP untagged: invalid QN",
+        (Layer::Ddp, 2, 0x02) => "DDP untagged: invalid MSN, no buffer available",
+        (Layer::Ddp, 2, 0x03) => "DDP untagged: invalid MSN range",
+        (Layer::Ddp, 2, 0x04) => "DDP untagged: invalid MO",
+        (Layer::Ddp, 2, 0x05) => "DDP untagged: message too long for the buffer",
+        (Layer::Ddp, 2, 0x06) => "DDP untagged: invalid DDP version",
+        (Layer::Llp, 0, 0x01) => "MPA: TCP connection closed, terminated or lost",
+        (Layer::Llp, 0, 0x02) => "MPA: CRC error",
+        (Layer::Llp, 0, 0x03) => "MPA: marker and ULPDU length mismatch",
+        (Layer::Llp, 0, 0x04) => "MPA: invalid request or reply frame",
+        (Layer::Llp, 0, 0x05) => "MPA: local catastrophic error",
+        (Layer::Llp, 0, 0x06) => "MPA: insufficient IRD resources",
+        (Layer::Llp, 0, 0x07) => "MPA: no matching RTR option",
+        _ => return None,
+    })
 }
 
 impl fmt::Display for TermControl {

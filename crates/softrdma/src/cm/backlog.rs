@@ -77,9 +77,35 @@ where
         })
     }
 
+    /// The next connection for an `accept` whose QP `usable` checks:
+    /// `Ok(None)` once `deadline` passes; `usable`'s error when the QP can
+    /// take none, checked while this waits and again when one comes (moved
+    /// to ERR just then: the connection, not yet answered, is left for the
+    /// next accept).
+    pub(crate) fn next_for<Q>(
+        &self,
+        deadline: Option<Instant>,
+        usable: impl Fn() -> Result<(), Q>,
+    ) -> Result<Option<Result<T, E>>, Q> {
+        let Some(next) = self.next(deadline, || usable().is_err()) else {
+            usable()?;
+            return Ok(None);
+        };
+        match next {
+            Ok(conn) => match usable() {
+                Ok(()) => Ok(Some(Ok(conn))),
+                Err(e) => {
+                    self.put_back(conn);
+                    Err(e)
+                }
+            },
+            Err(e) => Ok(Some(Err(e))),
+        }
+    }
+
     /// Puts a connection taken by [`next`](Self::next) back at the front,
     /// for the next `accept` (this one's QP could not take it).
-    pub(crate) fn put_back(&self, conn: T) {
+    fn put_back(&self, conn: T) {
         self.shared.pending.fetch_add(1, Ordering::AcqRel);
         self.shared
             .queue
@@ -92,11 +118,7 @@ where
     /// The next connection readied, or the error of one that failed to be;
     /// `None` once `deadline` passes or `give_up` says so (asked every
     /// [`GIVE_UP_CHECK`] while none comes).
-    pub(crate) fn next(
-        &self,
-        deadline: Option<Instant>,
-        give_up: impl Fn() -> bool,
-    ) -> Option<Result<T, E>> {
+    fn next(&self, deadline: Option<Instant>, give_up: impl Fn() -> bool) -> Option<Result<T, E>> {
         let lock = || self.shared.queue.lock().expect("backlog lock");
         let next = loop {
             if let Some(next) = lock().pop_front() {

@@ -170,24 +170,16 @@ impl Listener {
         mpa::check_cfg(cfg)?;
         let next = self
             .backlog
-            .next(deadline.map(|d| d.0), || qp.check_unconnected().is_err());
+            .next_for(deadline.map(|d| d.0), || qp.check_unconnected())?;
         let Some(arrived) = next else {
-            qp.check_unconnected()?;
             return Err(ConnectError::NoClient {
                 waited: deadline.map_or(Duration::ZERO, |d| d.1),
             });
         };
-        let arrived = arrived?;
-        // The QP may have been moved to ERR just now: the connection, not
-        // yet answered, waits for the next accept.
-        if let Err(e) = qp.check_unconnected() {
-            self.backlog.put_back(arrived);
-            return Err(e.into());
-        }
         let Arrived {
             mut stream,
             request,
-        } = arrived;
+        } = arrived?;
         if let Some(tos) = cfg.tos {
             socket2::SockRef::from(&stream)
                 .set_tos_v4(u32::from(tos))

@@ -133,23 +133,15 @@ impl Listener {
         qp.check_unconnected()?;
         let next = self
             .backlog
-            .next(deadline.map(|d| d.0), || qp.check_unconnected().is_err());
+            .next_for(deadline.map(|d| d.0), || qp.check_unconnected())?;
         let Some(sock) = next else {
-            qp.check_unconnected()?;
             let waited = deadline.map_or(Duration::ZERO, |d| d.1);
             return Err(io_err(
                 format!("no shm connection came within {waited:?}"),
                 std::io::ErrorKind::TimedOut.into(),
             ));
         };
-        let sock = sock?;
-        // The QP may have been moved to ERR just now: the connection, not
-        // yet answered, waits for the next accept.
-        if let Err(e) = qp.check_unconnected() {
-            self.backlog.put_back(sock);
-            return Err(e);
-        }
-        qp.attach_shm(sock, TIMEOUT, true)
+        qp.attach_shm(sock?, TIMEOUT, true)
     }
 }
 

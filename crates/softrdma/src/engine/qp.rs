@@ -314,6 +314,13 @@ fn table(t: QpType, from: QpState, to: QpState) -> Option<(u32, u32)> {
     })
 }
 
+/// Whether IBV_EVENT_SQ_DRAINED is owed after a move from `from` to `to`,
+/// `owed` telling whether it was before: once per move from RTS to SQD,
+/// until raised or SQD is left.
+pub(crate) fn sq_drain_owed(owed: bool, from: QpState, to: QpState) -> bool {
+    to == QpState::Sqd && (owed || from == QpState::Rts)
+}
+
 /// Most READ/atomic requests in flight in either direction (rxe allows 128).
 pub const MAX_RD_ATOMIC: u8 = 128;
 

@@ -203,8 +203,7 @@ impl UdQp {
         if let Some(p) = attr.sq_psn {
             self.psn = Psn::new(p);
         }
-        // IBV_EVENT_SQ_DRAINED is owed once per move from RTS to SQD.
-        self.sq_draining = to == QpState::Sqd && (self.sq_draining || self.state == QpState::Rts);
+        self.sq_draining = super::qp::sq_drain_owed(self.sq_draining, self.state, to);
         match to {
             QpState::Reset => {
                 let mtu = Mtu::from_bytes(self.mtu).unwrap_or(Mtu::Mtu1024);

@@ -1088,9 +1088,14 @@ fn cached_flow(
 /// (UDP_SEGMENT), which the kernel cuts into datagrams numbered from IP ID
 /// 0 (each ICRC covers its ID). Zero copy here: headers, region memory and
 /// ICRCs go to the kernel as one gather list.
+/// The socket a QP sends from: rxe's hash_32 of the QPN (WIRE-NOTES 1.1)
+/// picks it.
+fn socket_for(shared: &Shared, qpn: u32) -> usize {
+    (qpn.wrapping_mul(0x61C8_8647) >> 18) as usize % shared.sockets.len()
+}
+
 fn send_packets(shared: &Shared, peer: SocketAddrV4, tx: &mut [TxSlot], qpn: u32) {
-    // rxe's hash_32 of the QPN (WIRE-NOTES 1.1) picks the socket.
-    let sock = (qpn.wrapping_mul(0x61C8_8647) >> 18) as usize % shared.sockets.len();
+    let sock = socket_for(shared, qpn);
     let ip = Ipv4Pseudo {
         src: shared.local.ip().octets(),
         dst: peer.ip().octets(),
@@ -1606,7 +1611,7 @@ const ROCE_PORT: u16 = 4791;
 /// A packet for QP 1 (its ICRC checked): a CM REQ gets its REJ, sent to
 /// the peer's RoCEv2 port; anything else is dropped.
 fn answer_gsi(shared: &Shared, packet: &[u8], from: SocketAddrV4) {
-    let sock = (gsi::GSI_QPN.wrapping_mul(0x61C8_8647) >> 18) as usize % shared.sockets.len();
+    let sock = socket_for(shared, gsi::GSI_QPN);
     let local = SocketAddrV4::new(*shared.local.ip(), shared.ports[sock]);
     match send_cm_rej(&shared.sockets[sock], local, packet, from) {
         None => shared.stats.no_qp.fetch_add(1, Ordering::Relaxed),

@@ -124,11 +124,6 @@ impl Pd {
         if init.qp_type != QpType::Rc {
             return Err(VerbsError::Invalid("iWARP has RC QPs only (no UD)".into()));
         }
-        if init.srq.is_some() {
-            return Err(VerbsError::Invalid(
-                "shared receive queues are not supported on iWARP devices yet".into(),
-            ));
-        }
         let qpn = self.ctx.inner.next_qpn();
         Ok(Qp {
             ctx: self.ctx.clone(),

@@ -907,6 +907,8 @@ impl Pd {
                 crate::engine::MAX_INLINE_DATA
             )));
         }
+        // An SRQ is of a RoCEv2 device (`create_srq`): an iWARP or shm QP
+        // is refused one here.
         self.check_same_context(init)?;
         if let Provider::Iwarp(_) = &self.ctx.inner.dev {
             return self.create_iwarp_qp(init);

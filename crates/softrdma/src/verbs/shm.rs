@@ -95,11 +95,6 @@ impl Pd {
                 "the shared-memory provider has RC QPs only".into(),
             ));
         }
-        if init.srq.is_some() {
-            return Err(VerbsError::Invalid(
-                "shared receive queues are not supported on shm devices yet".into(),
-            ));
-        }
         if init.caps.max_recv_sge as usize > MAX_RECV_SGE {
             // A receive's SGEs live in a fixed slot of the shared ring.
             return Err(VerbsError::Invalid(format!(

@@ -267,8 +267,7 @@ impl RcQp {
             self.rnr_retry = v;
             self.req.rnr_left = v;
         }
-        // IBV_EVENT_SQ_DRAINED is owed once per move from RTS to SQD.
-        self.sq_draining = to == QpState::Sqd && (self.sq_draining || self.state == QpState::Rts);
+        self.sq_draining = crate::engine::qp::sq_drain_owed(self.sq_draining, self.state, to);
         match to {
             QpState::Reset => {
                 let mut fresh = RcQp::new(self.qpn, self.pd, self.caps);
