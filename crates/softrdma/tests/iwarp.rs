@@ -881,7 +881,6 @@ fn a_crc_error_is_answered_with_a_terminate_before_the_end() {
 /// given a time gives up when it passes.
 #[test]
 fn a_qp_moved_to_err_while_accepting_ends_the_wait() {
-    use std::sync::mpsc;
     let server = end([127, 0, 0, 2]);
     let listener = std::sync::Arc::new(Listener::bind(&server.ctx, 0).unwrap());
     let at = listener.local_addr();
@@ -890,24 +889,15 @@ fn a_qp_moved_to_err_while_accepting_ends_the_wait() {
         std::sync::Arc::new(server.pd.create_qp(&init).unwrap())
     };
     let (first, second) = (new_qp(), new_qp());
-    let (tx, rx) = mpsc::channel();
-    let l = listener.clone();
-    let qp = first.clone();
-    std::thread::spawn(move || {
-        let r = l.accept(&qp, &MpaConfig::default(), |_| Decision::Accept);
-        let _ = tx.send(r.map(|_| ()).map_err(|e| e.to_string()));
-    });
-    std::thread::sleep(Duration::from_millis(50));
-    let err = QpAttr {
-        state: Some(QpState::Err),
-        ..QpAttr::default()
+    let accept = |qp: &std::sync::Arc<Qp>| {
+        let (l, qp) = (listener.clone(), qp.clone());
+        common::in_background(move || {
+            l.accept(&qp, &MpaConfig::default(), |_| Decision::Accept)
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        })
     };
-    first.modify(&err, None).unwrap();
-    let e = rx
-        .recv_timeout(common::T)
-        .expect("the first accept returned")
-        .unwrap_err();
-    assert!(e.contains("moved to ERR"), "{e}");
+    common::err_ends_the_waiting_accept(&first, &accept(&first));
     let started = std::time::Instant::now();
     let e = listener
         .accept_timeout(
@@ -923,14 +913,8 @@ fn a_qp_moved_to_err_while_accepting_ends_the_wait() {
     let connecting = std::thread::spawn(move || {
         iwarp::connect(&client.qp, at, &MpaConfig::default()).map(|_| client)
     });
-    let (tx, rx) = mpsc::channel();
-    let l = listener.clone();
-    let qp = second.clone();
-    std::thread::spawn(move || {
-        let r = l.accept(&qp, &MpaConfig::default(), |_| Decision::Accept);
-        let _ = tx.send(r.map(|_| ()).map_err(|e| e.to_string()));
-    });
-    rx.recv_timeout(common::T)
+    accept(&second)
+        .recv_timeout(common::T)
         .expect("the second accept took the client")
         .unwrap();
     let client = connecting.join().unwrap().unwrap();

@@ -649,19 +649,6 @@ fn an_accept_ends_at_its_time_or_when_its_qp_fails() {
     assert!(e.to_string().contains("no shm connection came"), "{e}");
     let qp = std::sync::Arc::new(server.qp);
     let (l, waiting) = (listener.clone(), qp.clone());
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(l.accept(&waiting).map_err(|e| e.to_string()));
-    });
-    std::thread::sleep(Duration::from_millis(50));
-    let err = QpAttr {
-        state: Some(QpState::Err),
-        ..QpAttr::default()
-    };
-    qp.modify(&err, None).unwrap();
-    let e = rx
-        .recv_timeout(T)
-        .expect("the accept returned")
-        .unwrap_err();
-    assert!(e.contains("moved to ERR"), "{e}");
+    let accepted = common::in_background(move || l.accept(&waiting).map_err(|e| e.to_string()));
+    common::err_ends_the_waiting_accept(&qp, &accepted);
 }

@@ -299,3 +299,33 @@ pub fn cm_req_gets_its_rej(to: std::net::SocketAddrV4, peer: [u8; 4]) {
     let id = icrc::solve_ipv4_identification(&pseudo(to.ip().octets(), peer, n), &udp, &got[..n]);
     assert_eq!(id.unwrap(), Some(0), "the REJ's ICRC");
 }
+
+/// Runs `accept` on a thread of its own; its result comes on the channel.
+pub fn in_background(
+    accept: impl FnOnce() -> Result<(), String> + Send + 'static,
+) -> std::sync::mpsc::Receiver<Result<(), String>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(accept());
+    });
+    rx
+}
+
+/// Moves `qp` to ERR while an accept for it waits (`accepted` brings its
+/// result): the accept ends, saying why.
+pub fn err_ends_the_waiting_accept(
+    qp: &Qp,
+    accepted: &std::sync::mpsc::Receiver<Result<(), String>>,
+) {
+    std::thread::sleep(Duration::from_millis(50));
+    let err = QpAttr {
+        state: Some(QpState::Err),
+        ..QpAttr::default()
+    };
+    qp.modify(&err, None).unwrap();
+    let e = accepted
+        .recv_timeout(T)
+        .expect("the accept returned")
+        .unwrap_err();
+    assert!(e.contains("moved to ERR"), "{e}");
+}

@@ -49,6 +49,16 @@ struct Pair {
     wire: [Vec<u8>; 2],
 }
 
+/// A READ of `len` bytes from the start of side 1's memory to `off` in side
+/// 0's.
+fn read(wr_id: u64, off: u64, len: u32) -> SendWr {
+    let op = SendOp::Read {
+        remote_addr: IOVA[1],
+        rkey: RKEY[1],
+    };
+    SendWr::new(wr_id, op, vec![sge(0, off, len)])
+}
+
 fn sge(i: usize, off: u64, len: u32) -> Sge {
     Sge {
         addr: IOVA[i] + off,
@@ -465,17 +475,7 @@ fn a_bad_read_fails_the_read_with_rem_access_err() {
         Access::LOCAL_WRITE | Access::REMOTE_WRITE,
         true,
     );
-    p.post(
-        0,
-        SendWr::new(
-            1,
-            SendOp::Read {
-                remote_addr: IOVA[1],
-                rkey: RKEY[1],
-            },
-            vec![sge(0, 0, 100)],
-        ),
-    );
+    p.post(0, read(1, 0, 100));
     p.post(0, SendWr::new(2, SendOp::Send, vec![sge(0, 0, 8)]));
     p.run();
     let t = p.s[1].qp.own_terminate().unwrap();
@@ -589,17 +589,7 @@ fn a_write_completes_once_transmitted_and_is_flushed_if_its_write_fails() {
 fn a_lost_connection_flushes_everything() {
     let mut p = Pair::new();
     p.recv(0, 5, vec![sge(0, 0, 8)]);
-    p.post(
-        0,
-        SendWr::new(
-            1,
-            SendOp::Read {
-                remote_addr: IOVA[1],
-                rkey: RKEY[1],
-            },
-            vec![sge(0, 0, 8)],
-        ),
-    );
+    p.post(0, read(1, 0, 8));
     p.transmit(0);
     p.s[0].qp.connection_lost();
     while let Some(c) = p.s[0].qp.poll_completion() {
@@ -619,17 +609,7 @@ fn ord_limits_outstanding_reads_and_fence_waits_for_them() {
     };
     let mut p = Pair::with(cfg, Access::ALL, false);
     for k in 0..3 {
-        p.post(
-            0,
-            SendWr::new(
-                k,
-                SendOp::Read {
-                    remote_addr: IOVA[1],
-                    rkey: RKEY[1],
-                },
-                vec![sge(0, k * 64, 64)],
-            ),
-        );
+        p.post(0, read(k, k * 64, 64));
     }
     // One Read Request goes out at a time.
     let mut buf = vec![0u8; MAX_HEADER_LEN];
@@ -648,17 +628,7 @@ fn ord_limits_outstanding_reads_and_fence_waits_for_them() {
     );
     let mut p = Pair::with(cfg, Access::ALL, false);
     for k in 0..3 {
-        p.post(
-            0,
-            SendWr::new(
-                k,
-                SendOp::Read {
-                    remote_addr: IOVA[1],
-                    rkey: RKEY[1],
-                },
-                vec![sge(0, k * 64, 64)],
-            ),
-        );
+        p.post(0, read(k, k * 64, 64));
     }
     p.run();
     assert_eq!(p.statuses(0, CqKind::Send).len(), 3);
@@ -770,17 +740,7 @@ fn an_rtr_read_counts_against_ord() {
         ..IwarpConfig::default()
     };
     let mut p = Pair::of(initiator, responder);
-    p.post(
-        0,
-        SendWr::new(
-            1,
-            SendOp::Read {
-                remote_addr: IOVA[1],
-                rkey: RKEY[1],
-            },
-            vec![sge(0, 0, 64)],
-        ),
-    );
+    p.post(0, read(1, 0, 64));
     let mut buf = vec![0u8; MAX_HEADER_LEN];
     let mut pieces = Vec::new();
     let s = &mut p.s[0];
@@ -795,17 +755,7 @@ fn an_rtr_read_counts_against_ord() {
     // From the start, with the RTR answered: the READ runs.
     let mut p = Pair::of(initiator, responder);
     p.s[1].mem.write(0, b"readable");
-    p.post(
-        0,
-        SendWr::new(
-            1,
-            SendOp::Read {
-                remote_addr: IOVA[1],
-                rkey: RKEY[1],
-            },
-            vec![sge(0, 0, 8)],
-        ),
-    );
+    p.post(0, read(1, 0, 8));
     p.run();
     assert_eq!(p.statuses(0, CqKind::Send), [(1, WcStatus::Success)]);
     assert!(p.s[1].qp.own_terminate().is_none());
@@ -893,16 +843,6 @@ fn a_lone_small_send_is_the_posters_to_send() {
 
 #[test]
 fn a_lone_small_read_is_a_lone_response_and_anything_more_is_not() {
-    let read = |id, len| {
-        SendWr::new(
-            id,
-            SendOp::Read {
-                remote_addr: IOVA[1],
-                rkey: RKEY[1],
-            },
-            vec![sge(0, 0, len)],
-        )
-    };
     let cfg = IwarpConfig {
         ord: 2,
         ird: 2,
@@ -911,13 +851,13 @@ fn a_lone_small_read_is_a_lone_response_and_anything_more_is_not() {
     let mut p = Pair::with(cfg, Access::ALL, true);
     assert!(!p.s[1].qp.lone_response_within(4096), "nothing to answer");
     // One READ of 4 KiB: the answer is lone and small.
-    p.post(0, read(1, 4096));
+    p.post(0, read(1, 0, 4096));
     p.transmit(0);
     p.receive(0);
     assert!(p.s[1].qp.lone_response_within(4096));
     assert!(!p.s[1].qp.lone_response_within(4095), "larger than allowed");
     // A second READ waiting behind it: no longer lone.
-    p.post(0, read(2, 16));
+    p.post(0, read(2, 0, 16));
     p.transmit(0);
     p.receive(0);
     assert!(!p.s[1].qp.lone_response_within(1 << 20));
@@ -926,7 +866,7 @@ fn a_lone_small_read_is_a_lone_response_and_anything_more_is_not() {
     // A READ to answer with a SEND of the responder's own ready: not lone.
     p.recv(0, 7, vec![sge(0, 0, 64)]);
     p.post(1, SendWr::new(3, SendOp::Send, vec![sge(1, 0, 8)]));
-    p.post(0, read(4, 8));
+    p.post(0, read(4, 0, 8));
     p.transmit(0);
     p.receive(0);
     assert!(p.s[1].qp.wants_transmit());
