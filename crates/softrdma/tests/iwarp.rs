@@ -580,12 +580,9 @@ fn peer_closes_mid_transfer(busy: bool) {
     );
 }
 
-/// A peer that completes MPA and then never reads: posting goes on without
-/// blocking (once the socket is full, WRITEs wait in the QP; before, a post
-/// sent on the poster's thread blocked in the socket until the peer closed).
-#[test]
-fn posting_to_a_peer_that_stops_reading_does_not_block() {
-    use std::time::Instant;
+/// An end connected (MPA done) to a peer that never reads, and the peer's
+/// socket, which the caller holds open.
+fn connected_to_a_peer_that_never_reads() -> (End, std::net::TcpStream) {
     let l = std::net::TcpListener::bind("127.0.0.2:0").unwrap();
     let std::net::SocketAddr::V4(at) = l.local_addr().unwrap() else {
         unreachable!("bound to IPv4")
@@ -598,7 +595,16 @@ fn posting_to_a_peer_that_stops_reading_does_not_block() {
     });
     let c = end([127, 0, 0, 1]);
     iwarp::connect(&c.qp, at, &MpaConfig::default()).unwrap();
-    let _peer = held_rx.recv().unwrap();
+    (c, held_rx.recv().unwrap())
+}
+
+/// A peer that completes MPA and then never reads: posting goes on without
+/// blocking (once the socket is full, WRITEs wait in the QP; before, a post
+/// sent on the poster's thread blocked in the socket until the peer closed).
+#[test]
+fn posting_to_a_peer_that_stops_reading_does_not_block() {
+    use std::time::Instant;
+    let (c, _peer) = connected_to_a_peer_that_never_reads();
     // The posts run on a thread of their own, so that a post that blocks
     // fails the test instead of hanging it.
     let (done_tx, done_rx) = std::sync::mpsc::channel();
@@ -640,6 +646,72 @@ fn posting_to_a_peer_that_stops_reading_does_not_block() {
     assert!(slowest < Duration::from_secs(1), "a post took {slowest:?}");
     // The QP still answers.
     assert_eq!(c.qp.state(), QpState::Rts);
+}
+
+/// A move to ERR waits (up to 2 s) for a transmit thread stuck in a full
+/// socket; other threads' posts and looks at the QP do not wait with it
+/// (they waited on the connection's lock for the whole 2 s).
+#[test]
+fn a_slow_move_to_err_holds_up_no_other_thread() {
+    use std::time::Instant;
+    let (c, _peer) = connected_to_a_peer_that_never_reads();
+    // 64 MiB fill the socket and the peer's (a few MiB each): the transmit
+    // thread blocks in its write.
+    for k in 0..64u64 {
+        c.qp.post_send(SendWr::new(
+            k,
+            SendOp::Write {
+                remote_addr: 0x1000,
+                rkey: 0x1234,
+            },
+            vec![c.mr.sge(0, 1 << 20)],
+        ))
+        .unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let c = std::sync::Arc::new(c);
+    let mover = c.clone();
+    let t0 = Instant::now();
+    let moving = std::thread::spawn(move || {
+        let err = QpAttr {
+            state: Some(QpState::Err),
+            ..QpAttr::default()
+        };
+        mover.qp.modify(&err, None).unwrap();
+        t0.elapsed()
+    });
+    // The move is in its wait for the transmit thread by now.
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    assert_eq!(c.qp.state(), QpState::Err);
+    c.qp.post_send(SendWr::new(
+        99,
+        SendOp::Write {
+            remote_addr: 0x1000,
+            rkey: 0x1234,
+        },
+        vec![c.mr.sge(0, 8)],
+    ))
+    .unwrap();
+    let other = t.elapsed();
+    let took = moving.join().unwrap();
+    assert!(
+        took > Duration::from_millis(500),
+        "the transmit thread was not stuck ({took:?}): the test shows nothing"
+    );
+    assert!(
+        other < Duration::from_millis(300),
+        "a look and a post took {other:?}"
+    );
+    // Every WRITE is flushed (or was written), the last one too.
+    let mut seen = 0;
+    while let Some(wc) = c.scq.wait(Duration::from_secs(1)).unwrap() {
+        seen += 1;
+        if wc.wr_id == 99 {
+            assert_eq!(wc.status, WcStatus::WrFlushErr);
+        }
+    }
+    assert_eq!(seen, 65);
 }
 
 /// `modify` to ERR (rping and rdma_cm users flush this way before

@@ -399,12 +399,41 @@ impl TcpQp {
     /// before the socket closes. Returns with the flushes in the CQs and the
     /// threads ended; again, does nothing.
     pub fn shut_down(&mut self) {
+        if let Some(rest) = self.begin_shut_down() {
+            rest.finish();
+        }
+    }
+
+    /// The part of [`TcpQp::shut_down`] that must not wait: the QP is in
+    /// ERR and its work flushed when this returns. The rest waits for the
+    /// threads; a caller holding a lock others need finishes it after
+    /// letting go. `None` if the threads were ended before.
+    pub(crate) fn begin_shut_down(&mut self) -> Option<ShutDownRest> {
         if self.threads.is_empty() {
-            return;
+            return None;
         }
         self.shared.engine.lock().expect("QP lock").to_error();
         self.shared.drain();
         self.shared.close();
+        Some(ShutDownRest {
+            shared: self.shared.clone(),
+            threads: std::mem::take(&mut self.threads),
+        })
+    }
+}
+
+/// What is left of a shut-down once the QP is in ERR: the transmit thread's
+/// last send and the joins.
+#[must_use = "finish() ends the threads"]
+pub(crate) struct ShutDownRest {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl ShutDownRest {
+    /// Gives the transmit thread up to 2 s to send a Terminate it owes,
+    /// closes the socket and joins the threads.
+    pub(crate) fn finish(mut self) {
         let t0 = std::time::Instant::now();
         while self
             .threads

@@ -74,8 +74,16 @@ impl IwarpSlot {
     /// sees it go), receives kept for one are flushed.
     pub(crate) fn to_error(&self) {
         self.before.fail_and_flush(self.qpn, &self.recv_cq);
-        if let Some(c) = &mut *self.conn.lock().expect("conn lock") {
-            c.shut_down();
+        // The wait for the threads runs with the lock let go: posts and
+        // polls on other threads see ERR at once, not after up to 2 s.
+        let rest = self
+            .conn
+            .lock()
+            .expect("conn lock")
+            .as_mut()
+            .and_then(|c| c.begin_shut_down());
+        if let Some(rest) = rest {
+            rest.finish();
         }
     }
 
