@@ -185,15 +185,22 @@ impl ShmDevice {
     /// soon as the application can hand it out.
     pub(crate) fn registered(&self, r: SharedRegion) {
         let mut regions = self.regions.lock().expect("shm regions lock");
-        for qp in self.live_qps(r.pd).into_iter().filter(|_| r.shared()) {
+        // Every peer is told first, then the answers are awaited together:
+        // slow peers cost one wait, not one each.
+        let told: Vec<Arc<ShmQp>> = self
+            .live_qps(r.pd)
+            .into_iter()
+            .filter(|_| r.shared())
             // A peer that can't be told of it would refuse its key: the
-            // connection ends. One slow to map it learns of it all the same.
-            if qp.send_region(&r).is_err() {
-                qp.fail();
-            } else if !qp.slow_to_ack.load(Ordering::Acquire) && !qp.wait_ack(REGION, r.lkey) {
-                // It learns of the region all the same, when it reads; but
-                // a peer that never answers would cost every register here
-                // its second.
+            // connection ends.
+            .filter(|qp| qp.send_region(&r).is_ok() || qp.fail_and_forget())
+            .collect();
+        let deadline = Instant::now() + ACK_WAIT;
+        for qp in told {
+            // One slow to map it learns of it all the same, when it reads;
+            // but a peer that never answers would cost every register here
+            // its second.
+            if !qp.slow_to_ack.load(Ordering::Acquire) && !qp.wait_ack(REGION, r.lkey, deadline) {
                 qp.slow_to_ack.store(true, Ordering::Release);
             }
         }
@@ -210,8 +217,20 @@ impl ShmDevice {
         };
         let r = regions.remove(at);
         drop(regions);
-        for qp in self.live_qps(r.pd).into_iter().filter(|_| r.shared()) {
-            qp.revoke(r.lkey, r.rkey);
+        // A peer that doesn't answer may still reach the region: the
+        // connection ends (its QP fails and lets go of every region). Every
+        // peer is told first, so that slow ones cost one wait, not one each.
+        let told: Vec<Arc<ShmQp>> = self
+            .live_qps(r.pd)
+            .into_iter()
+            .filter(|_| r.shared())
+            .filter(|qp| qp.send_revoke(r.lkey, r.rkey).is_ok() || qp.fail_and_forget())
+            .collect();
+        let deadline = Instant::now() + ACK_WAIT;
+        for qp in told {
+            if !qp.wait_ack(REVOKE, r.lkey, deadline) {
+                qp.fail();
+            }
         }
     }
 
@@ -1114,13 +1133,10 @@ impl ShmQp {
         send_msg(self.sock.as_fd(), &r.message(), &[r.fd.as_fd()])
     }
 
-    /// Asks the peer to unmap a region and waits (at most [`ACK_WAIT`]) for
-    /// it. A peer that doesn't answer may still reach the region: the
-    /// connection ends (its QP fails and lets go of every region).
-    fn revoke(&self, lkey: u32, rkey: u32) {
-        if !(self.send_revoke(lkey, rkey).is_ok() && self.wait_ack(REVOKE, lkey)) {
-            self.fail();
-        }
+    /// Fails the QP; false, for a filter that drops it.
+    fn fail_and_forget(&self) -> bool {
+        self.fail();
+        false
     }
 
     fn send_revoke(&self, lkey: u32, rkey: u32) -> io::Result<()> {
@@ -1131,10 +1147,9 @@ impl ShmQp {
         send_msg(self.sock.as_fd(), &m, &[])
     }
 
-    /// Waits (at most [`ACK_WAIT`], or until the connection fails) for the
+    /// Waits (until `deadline`, or until the connection fails) for the
     /// peer's acknowledgement of `what` for `lkey`; whether it came.
-    fn wait_ack(&self, what: u8, lkey: u32) -> bool {
-        let deadline = Instant::now() + ACK_WAIT;
+    fn wait_ack(&self, what: u8, lkey: u32, deadline: Instant) -> bool {
         let mut acks = self.acks.lock().expect("acks lock");
         while !acks.contains(&(what, lkey)) {
             let left = deadline.saturating_duration_since(Instant::now());

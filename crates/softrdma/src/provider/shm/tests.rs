@@ -127,15 +127,17 @@ fn the_peers_wake_up_descriptor_is_made_non_blocking() {
 /// A peer that stops reading after the exchange (a process stopped, hung):
 /// a deregistration it can't acknowledge ends the connection, since the
 /// peer might still reach the region; registers never block on it.
-#[test]
-fn a_peer_that_stops_answering_is_dropped_when_a_region_is_revoked() {
-    let ctx = Device::shm().open().unwrap();
-    let pd = ctx.alloc_pd().unwrap();
-    let cq = ctx.create_cq(16).unwrap();
-    let qp = pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
-    let name = format!("unit-{}-mute", std::process::id());
-    let l = Listener::bind(&ctx, &name).unwrap();
-    // The made-up peer: HELLO, READY, then silence (it never reads).
+/// A QP of `pd` connected to a made-up peer: HELLO, READY, then silence
+/// (it never reads). Keep what it returns alive as long as the peer.
+fn connected_to_a_mute_peer(
+    ctx: &crate::verbs::Context,
+    pd: &crate::verbs::Pd,
+    cq: &crate::verbs::Cq,
+    name: &str,
+) -> (crate::verbs::Qp, impl Sized + use<>) {
+    let qp = pd.create_qp(&QpInit::rc(cq, cq)).unwrap();
+    let name = format!("unit-{}-{name}", std::process::id());
+    let l = Listener::bind(ctx, &name).unwrap();
     let peer = crate::provider::unix_seqpacket(rustix::net::SocketFlags::empty()).unwrap();
     rustix::net::connect(
         &peer,
@@ -143,11 +145,20 @@ fn a_peer_that_stops_answering_is_dropped_when_a_region_is_revoked() {
             .unwrap(),
     )
     .unwrap();
-    let (event, _other_end) = std::os::unix::net::UnixStream::pair().unwrap();
-    let _inbox = send_hello(peer.as_fd(), event.as_fd());
+    let (event, other_end) = std::os::unix::net::UnixStream::pair().unwrap();
+    let inbox = send_hello(peer.as_fd(), event.as_fd());
     send_msg(peer.as_fd(), &[READY], &[]).unwrap();
     l.accept(&qp).unwrap();
     assert_eq!(qp.state(), QpState::Rts);
+    (qp, (peer, event, other_end, inbox))
+}
+
+#[test]
+fn a_peer_that_stops_answering_is_dropped_when_a_region_is_revoked() {
+    let ctx = Device::shm().open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let (qp, _peer) = connected_to_a_mute_peer(&ctx, &pd, &cq, "mute");
     // Unacknowledged, a registration waits its second and goes on.
     let t = Instant::now();
     let mr = pd.register(4096, crate::memory::Access::ALL).unwrap();
@@ -176,6 +187,32 @@ fn a_peer_that_stops_answering_is_dropped_when_a_region_is_revoked() {
         "{:?}",
         t.elapsed()
     );
+}
+
+/// Peers that stop answering are waited for together: three cost a
+/// registration and a deregistration one wait each, not three (each was
+/// waited for in turn).
+#[test]
+fn mute_peers_cost_one_wait_not_one_each() {
+    let ctx = Device::shm().open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let peers: Vec<_> = (0..3)
+        .map(|k| connected_to_a_mute_peer(&ctx, &pd, &cq, &format!("mute{k}")))
+        .collect();
+    let t = Instant::now();
+    let mr = pd.register(4096, crate::memory::Access::ALL).unwrap();
+    let took = t.elapsed();
+    assert!(took >= ACK_WAIT, "no wait: {took:?}");
+    assert!(took < 2 * ACK_WAIT, "{took:?}");
+    let t = Instant::now();
+    drop(mr);
+    let took = t.elapsed();
+    assert!(took >= ACK_WAIT, "no wait: {took:?}");
+    assert!(took < 2 * ACK_WAIT, "{took:?}");
+    for (qp, _) in &peers {
+        assert_eq!(qp.state(), QpState::Err);
+    }
 }
 
 /// Each region a peer announces is a mapping here: a peer announcing one
