@@ -235,7 +235,7 @@ impl SendWr {
 
 /// An address handle's number, as the provider hands them out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct AhId(pub u32);
+pub struct AhId(pub u64);
 
 /// The destination of a UD send: an address handle, the remote QP and its Q_Key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -488,7 +488,7 @@ pub enum PostError {
     #[error(
         "address handle {0} is not one of this QP's protection domain (destroyed, or another's)"
     )]
-    BadAh(u32),
+    BadAh(u64),
     /// An atomic whose remote address is not 8-byte aligned.
     #[error("atomic operations need an 8-byte-aligned remote address, not {0:#x}")]
     MisalignedAtomic(u64),

@@ -93,7 +93,7 @@ impl fmt::Display for Access {
 }
 
 /// A protection domain's number.
-pub type PdId = u32;
+pub type PdId = u64;
 
 /// Why an access to registered memory is refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]

@@ -82,7 +82,7 @@ pub(crate) struct QpSlot {
     pub send_cq: Arc<CqInner>,
     pub recv_cq: Arc<CqInner>,
     /// The SRQ the QP takes receives from, with its number.
-    pub srq: Option<(u32, Arc<Mutex<Srq>>)>,
+    pub srq: Option<(u64, Arc<Mutex<Srq>>)>,
     /// Which thread transmits for the QP.
     tx: TransmitTurn,
     /// Whether packets were handled since a transmit last found nothing to
@@ -142,7 +142,7 @@ impl QpSlot {
         qp: QpEngine,
         send_cq: Arc<CqInner>,
         recv_cq: Arc<CqInner>,
-        srq: Option<(u32, Arc<Mutex<Srq>>)>,
+        srq: Option<(u64, Arc<Mutex<Srq>>)>,
     ) -> QpSlot {
         QpSlot {
             qpn: qp.qpn(),
@@ -202,7 +202,7 @@ pub(crate) struct Shared {
     pub qps: RwLock<HashMap<u32, Arc<QpSlot>, KeyHash>>,
     /// Address handles: where UD sends go.
     /// Address handles: where each sends, and its protection domain.
-    pub ahs: RwLock<HashMap<u32, (SocketAddrV4, PdId)>>,
+    pub ahs: RwLock<HashMap<u64, (SocketAddrV4, PdId)>>,
     /// Asynchronous events.
     pub events: Arc<EventQueue>,
     port_up: AtomicBool,

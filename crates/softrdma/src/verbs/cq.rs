@@ -40,7 +40,7 @@ struct State {
 #[derive(Debug)]
 pub(crate) struct CqInner {
     /// The CQ's number, for events.
-    pub(crate) id: u32,
+    pub(crate) id: u64,
     /// Where a CQ error is reported.
     events: Option<std::sync::Arc<super::events::EventQueue>>,
     capacity: usize,
@@ -64,7 +64,7 @@ pub(crate) struct CqInner {
 impl CqInner {
     pub(crate) fn new(
         capacity: usize,
-        id: u32,
+        id: u64,
         events: Option<std::sync::Arc<super::events::EventQueue>>,
     ) -> std::io::Result<CqInner> {
         Ok(CqInner {
@@ -215,7 +215,7 @@ pub struct Cq {
 impl Cq {
     pub(crate) fn new(
         capacity: usize,
-        id: u32,
+        id: u64,
         events: Option<Arc<super::events::EventQueue>>,
     ) -> std::io::Result<Cq> {
         Ok(Cq {
@@ -300,7 +300,7 @@ impl Cq {
     }
 
     /// The CQ's number (as async events name it).
-    pub fn id(&self) -> u32 {
+    pub fn id(&self) -> u64 {
         self.inner.id
     }
 

@@ -37,13 +37,13 @@ pub enum AsyncEvent {
     /// A CQ overran: completions were lost (IBV_EVENT_CQ_ERR).
     CqError {
         /// The CQ's number.
-        cq: u32,
+        cq: u64,
     },
     /// An SRQ fell below its armed limit (IBV_EVENT_SRQ_LIMIT_REACHED); the
     /// limit is disarmed until armed again.
     SrqLimitReached {
         /// The SRQ's number.
-        srq: u32,
+        srq: u64,
     },
     /// The port is up (IBV_EVENT_PORT_ACTIVE).
     PortActive,

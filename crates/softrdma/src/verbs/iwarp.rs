@@ -30,7 +30,7 @@ pub struct IwarpQpStats {
 #[derive(Debug)]
 pub(crate) struct IwarpSlot {
     pub(crate) qpn: u32,
-    pd: u32,
+    pd: crate::memory::PdId,
     caps: QpCaps,
     send_cq: Arc<CqInner>,
     recv_cq: Arc<CqInner>,
@@ -132,7 +132,7 @@ impl Pd {
         if init.qp_type != QpType::Rc {
             return Err(VerbsError::Invalid("iWARP has RC QPs only (no UD)".into()));
         }
-        let qpn = self.ctx.inner.next_qpn();
+        let qpn = self.ctx.inner.take_cm_qpn()?;
         Ok(Qp {
             ctx: self.ctx.clone(),
             kind: QpKind::Iwarp(Arc::new(IwarpSlot {

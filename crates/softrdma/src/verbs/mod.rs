@@ -34,7 +34,7 @@ pub(crate) fn deadline_after(timeout: std::time::Duration) -> std::time::Instant
 
 use std::fmt;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 pub use crate::engine::qp::{Mtu, QpType};
@@ -54,7 +54,7 @@ use crate::engine::rc::RcQp;
 use crate::engine::ud::UdQp;
 pub use crate::engine::ud::UdStats;
 pub use crate::engine::{AhId, UdDest};
-use crate::memory::{MrTable, Region, RegionMemory};
+use crate::memory::{MrTable, PdId, Region, RegionMemory};
 use crate::provider::udp::{MAX_SGE, QpSlot, UdpDevice};
 use events::EventQueue;
 
@@ -293,12 +293,13 @@ impl Device {
         Ok(Context {
             inner: Arc::new(ContextInner {
                 dev,
-                next_pd: AtomicU32::new(1),
-                next_ah: AtomicU32::new(1),
-                next_cq: AtomicU32::new(1),
-                next_srq: AtomicU32::new(1),
+                next_pd: AtomicU64::new(1),
+                next_ah: AtomicU64::new(1),
+                next_cq: AtomicU64::new(1),
+                next_srq: AtomicU64::new(1),
                 qpn_range: qpn_range(slot),
                 next_qpn: Mutex::new(*qpn_range(slot).start()),
+                cm_qpns: Mutex::new(std::collections::HashSet::new()),
                 gids,
                 active_mtu: Mtu::for_link(link_mtu),
             }),
@@ -338,16 +339,38 @@ pub(crate) struct IwarpDevice {
 }
 
 impl ContextInner {
-    /// The next QPN of the device's range (iWARP and shm QPs: no table).
-    fn next_qpn(&self) -> u32 {
+    /// The next QPN of the device's range that `in_use` does not claim.
+    fn take_qpn(&self, in_use: impl Fn(u32) -> bool) -> Result<u32> {
         let mut next = self.next_qpn.lock().expect("QPN lock");
-        let q = *next;
-        *next = if q >= *self.qpn_range.end() {
-            *self.qpn_range.start()
-        } else {
-            q + 1
-        };
-        q
+        let range = &self.qpn_range;
+        let first = *next;
+        loop {
+            let q = *next;
+            *next = if q >= *range.end() {
+                *range.start()
+            } else {
+                q + 1
+            };
+            if !in_use(q) {
+                return Ok(q);
+            }
+            if *next == first {
+                return Err(VerbsError::Invalid(format!(
+                    "all {} QP numbers of the device are in use",
+                    range.clone().count()
+                )));
+            }
+        }
+    }
+
+    /// A QPN for an iWARP or shm QP, which have no QP table: their numbers
+    /// appear only in completions and events, where two live QPs must not
+    /// share one. Given back by [`Qp`]'s drop.
+    pub(crate) fn take_cm_qpn(&self) -> Result<u32> {
+        let mut live = self.cm_qpns.lock().expect("QPN set lock");
+        let q = self.take_qpn(|q| live.contains(&q))?;
+        live.insert(q);
+        Ok(q)
     }
 
     fn mrs(&self) -> &Arc<RwLock<MrTable>> {
@@ -382,13 +405,15 @@ impl ContextInner {
 #[derive(Debug)]
 struct ContextInner {
     dev: Provider,
-    next_pd: AtomicU32,
-    next_ah: AtomicU32,
-    next_cq: AtomicU32,
-    next_srq: AtomicU32,
+    next_pd: AtomicU64,
+    next_ah: AtomicU64,
+    next_cq: AtomicU64,
+    next_srq: AtomicU64,
     /// The QPNs this device hands out: a hostd slot's, or all but 0..0x11.
     qpn_range: std::ops::RangeInclusive<u32>,
     next_qpn: Mutex<u32>,
+    /// The QPNs of live iWARP and shm QPs.
+    cm_qpns: Mutex<std::collections::HashSet<u32>>,
     gids: Vec<[u8; 16]>,
     active_mtu: Mtu,
 }
@@ -737,7 +762,7 @@ pub struct DeviceCounters {
 #[derive(Debug)]
 pub struct Pd {
     ctx: Context,
-    id: u32,
+    id: PdId,
 }
 
 fn random_key(taken: impl Fn(u32) -> bool) -> Result<u32> {
@@ -924,28 +949,7 @@ impl Pd {
                 .map_err(io_err("asking the sockets for TTL and TOS"))?;
         }
         let mut qps = shared.qps.write().expect("QP table lock");
-        let qpn = {
-            let mut next = self.ctx.inner.next_qpn.lock().expect("QPN lock");
-            let range = &self.ctx.inner.qpn_range;
-            let first = *next;
-            loop {
-                let q = *next;
-                *next = if q >= *range.end() {
-                    *range.start()
-                } else {
-                    q + 1
-                };
-                if !qps.contains_key(&q) {
-                    break q;
-                }
-                if *next == first {
-                    return Err(VerbsError::Invalid(format!(
-                        "all {} QP numbers of the device are in use",
-                        range.clone().count()
-                    )));
-                }
-            }
-        };
+        let qpn = self.ctx.inner.take_qpn(|q| qps.contains_key(&q))?;
         let mtu = self.ctx.inner.active_mtu;
         let engine = match (init.qp_type, init.srq) {
             (QpType::Rc, None) => QpEngine::Rc(RcQp::new(qpn, self.id, caps)),
@@ -976,13 +980,13 @@ impl Pd {
 pub struct Srq {
     /// Keeps the device open while the SRQ lives.
     ctx: Context,
-    id: u32,
+    id: u64,
     inner: Arc<Mutex<crate::engine::srq::Srq>>,
 }
 
 impl Srq {
     /// The SRQ's number (as async events name it).
-    pub fn id(&self) -> u32 {
+    pub fn id(&self) -> u64 {
         self.id
     }
 
@@ -1466,8 +1470,17 @@ impl Qp {
 
 impl Drop for Qp {
     fn drop(&mut self) {
-        if let (QpKind::Roce(slot), Provider::Udp(d)) = (&self.kind, &self.ctx.inner.dev) {
-            d.shared.remove_qp(slot.qpn);
+        match (&self.kind, &self.ctx.inner.dev) {
+            (QpKind::Roce(slot), Provider::Udp(d)) => d.shared.remove_qp(slot.qpn),
+            (QpKind::Iwarp(_) | QpKind::Shm(_), _) => {
+                self.ctx
+                    .inner
+                    .cm_qpns
+                    .lock()
+                    .expect("QPN set lock")
+                    .remove(&self.qpn());
+            }
+            (QpKind::Roce(_), _) => {}
         }
     }
 }
@@ -1484,5 +1497,45 @@ mod deadline_tests {
         );
         let d = super::deadline_after(Duration::from_millis(5));
         assert!(d >= now + Duration::from_millis(5) && d < now + Duration::from_secs(60));
+    }
+}
+
+#[cfg(test)]
+mod qpn_tests {
+    use super::*;
+
+    /// iWARP and shm QPs have no QP table: their numbers wrapped onto live
+    /// QPs' (completions and events then named two QPs alike).
+    #[test]
+    fn wrapped_qp_numbers_skip_live_ones_on_every_provider_without_a_table() {
+        for ctx in [
+            Device::iwarp(std::net::Ipv4Addr::new(127, 0, 0, 1))
+                .open()
+                .unwrap(),
+            Device::shm().open().unwrap(),
+        ] {
+            let pd = ctx.alloc_pd().unwrap();
+            let cq = ctx.create_cq(4).unwrap();
+            let make = || pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
+            let range = ctx.inner.qpn_range.clone();
+            let first = make();
+            assert_eq!(first.qpn(), *range.start());
+            *ctx.inner.next_qpn.lock().unwrap() = *range.end();
+            let last = make();
+            assert_eq!(last.qpn(), *range.end());
+            let wrapped = make();
+            assert_eq!(
+                wrapped.qpn(),
+                range.start() + 1,
+                "the live first one's skipped"
+            );
+            drop(first);
+            *ctx.inner.next_qpn.lock().unwrap() = *range.start();
+            assert_eq!(
+                make().qpn(),
+                *range.start(),
+                "a dropped QP's number is free"
+            );
+        }
     }
 }

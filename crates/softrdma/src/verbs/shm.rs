@@ -17,7 +17,7 @@ use crate::provider::shm::{self, MAX_RECV_SGE, QpParts, ShmQp};
 #[derive(Debug)]
 pub(crate) struct ShmSlot {
     pub(crate) qpn: u32,
-    pd: u32,
+    pd: crate::memory::PdId,
     caps: QpCaps,
     send_cq: Arc<CqInner>,
     recv_cq: Arc<CqInner>,
@@ -101,7 +101,7 @@ impl Pd {
                 "shared-memory receives take at most {MAX_RECV_SGE} scatter/gather elements"
             )));
         }
-        let qpn = self.ctx.inner.next_qpn();
+        let qpn = self.ctx.inner.take_cm_qpn()?;
         Ok(Qp {
             ctx: self.ctx.clone(),
             kind: QpKind::Shm(Arc::new(ShmSlot {

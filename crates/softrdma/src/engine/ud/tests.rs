@@ -117,7 +117,7 @@ fn deliver(from: &mut Node, to: &mut Node) -> Vec<AhId> {
     ahs
 }
 
-fn dest(ah: u32, qpn: u32, qkey: u32) -> UdDest {
+fn dest(ah: u64, qpn: u32, qkey: u32) -> UdDest {
     UdDest {
         ah: AhId(ah),
         remote_qpn: qpn,
