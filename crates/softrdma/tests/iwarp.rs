@@ -714,6 +714,54 @@ fn a_slow_move_to_err_holds_up_no_other_thread() {
     assert_eq!(seen, 65);
 }
 
+/// A stream closed under a blocked write must not raise SIGPIPE: Rust
+/// programs ignore it, but a C host (or one that restores it) dies of it.
+/// The check runs in a child process of this test binary that restores
+/// the default action; the stuck transmit thread of
+/// `a_slow_move_to_err_holds_up_no_other_thread` meets the closed stream.
+#[test]
+fn a_write_into_a_closed_stream_raises_no_sigpipe() {
+    const CHILD: &str = "SOFTRDMA_SIGPIPE_CHILD";
+    if std::env::var_os(CHILD).is_none() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "a_write_into_a_closed_stream_raises_no_sigpipe"])
+            .args(["--nocapture", "--test-threads=1"])
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{:?}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout)
+        );
+        return;
+    }
+    // SAFETY: restores the default action of one signal, with no handler
+    // and no other thread of this process touching signal state.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    let (c, _peer) = connected_to_a_peer_that_never_reads();
+    for k in 0..64u64 {
+        c.qp.post_send(SendWr::new(
+            k,
+            SendOp::Write {
+                remote_addr: 0x1000,
+                rkey: 0x1234,
+            },
+            vec![c.mr.sge(0, 1 << 20)],
+        ))
+        .unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let err = QpAttr {
+        state: Some(QpState::Err),
+        ..QpAttr::default()
+    };
+    // Waits for the transmit thread, then closes the stream under it.
+    c.qp.modify(&err, None).unwrap();
+    println!("no SIGPIPE");
+}
+
 /// `modify` to ERR (rping and rdma_cm users flush this way before
 /// destroying): the QP's work is flushed at once, its connection closes and
 /// the peer's QP fails; it is the one move an iWARP QP takes.

@@ -926,13 +926,20 @@ fn write_or_keep(
     Ok(())
 }
 
-fn write_all_vectored(mut stream: &TcpStream, mut iov: &mut [IoSlice<'_>]) -> io::Result<()> {
+/// `sendmsg` with MSG_NOSIGNAL (a `writev` into a closed stream raises
+/// SIGPIPE, which kills a host process that has not ignored it).
+fn write_all_vectored(stream: &TcpStream, mut iov: &mut [IoSlice<'_>]) -> io::Result<()> {
     while !iov.is_empty() {
-        match stream.write_vectored(iov) {
+        match rustix::net::sendmsg(
+            stream,
+            iov,
+            &mut rustix::net::SendAncillaryBuffer::default(),
+            rustix::net::SendFlags::NOSIGNAL,
+        ) {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => IoSlice::advance_slices(&mut iov, n),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
         }
     }
     Ok(())
