@@ -90,9 +90,11 @@ impl Listener {
         let taking = format!("accepting on {name:?}");
         let backlog = Backlog::start(
             std::sync::Arc::new(sock),
-            move |sock: &OwnedFd| {
-                rustix::net::accept_with(sock, SocketFlags::CLOEXEC)
-                    .map_err(|e| io_err(taking.clone(), e.into()))
+            move |sock: &OwnedFd| loop {
+                match rustix::net::accept_with(sock, SocketFlags::CLOEXEC) {
+                    Err(rustix::io::Errno::INTR) => {}
+                    r => return r.map_err(|e| io_err(taking.clone(), e.into())),
+                }
             },
             |sock: OwnedFd| {
                 same_user(&sock)?;

@@ -522,9 +522,21 @@ fn connect(addr: SocketAddrV4) -> io::Result<(OwnedFd, u8)> {
         Some(Duration::from_secs(2)),
     )?;
     let mut hello = [0u8; 6];
-    let n = rustix::net::recv(&fd, &mut hello, RecvFlags::empty())
-        .map_err(|e| io::Error::other(format!("no greeting from the hostd for {addr}: {e}")))?
-        .0;
+    // A signal interrupts a receive under a socket timeout even with
+    // SA_RESTART (a SIGCHLD from the daemon just started, say).
+    let give_up = Instant::now() + Duration::from_secs(2);
+    let n = loop {
+        match rustix::net::recv(&fd, &mut hello, RecvFlags::empty()) {
+            Err(rustix::io::Errno::INTR) if Instant::now() < give_up => {}
+            r => {
+                break r
+                    .map_err(|e| {
+                        io::Error::other(format!("no greeting from the hostd for {addr}: {e}"))
+                    })?
+                    .0;
+            }
+        }
+    };
     if n == 0 {
         return Err(io::Error::other(format!(
             "the hostd for {addr} has no free slot (254 processes)"

@@ -509,8 +509,11 @@ impl Cq {
                 Ok(0) => return false,
                 Ok(_) if self.take_event() => return true,
                 // Another thread took the event first: this one waits on,
-                // as `ibv_get_cq_event` does, for what is left of its time.
-                Ok(_) => {
+                // as `ibv_get_cq_event` does; and a signal is not the
+                // channel firing, nor the timeout. Either way the wait goes
+                // on for what is left of its time (signals faster than the
+                // timeout would otherwise hold it forever).
+                Ok(_) | Err(rustix::io::Errno::INTR) => {
                     let left = deadline.saturating_duration_since(Instant::now());
                     if left.is_zero() {
                         return false;
@@ -520,10 +523,6 @@ impl Cq {
                         tv_nsec: i64::from(left.subsec_nanos()),
                     });
                 }
-                // A signal is not the channel firing, nor the timeout: the
-                // wait goes on (with its full timeout, as poll(2) callers
-                // restarting on EINTR do).
-                Err(rustix::io::Errno::INTR) => continue,
                 Err(_) => return false,
             }
         }

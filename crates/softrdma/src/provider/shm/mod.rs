@@ -323,7 +323,20 @@ pub(crate) struct QpParts {
     pub(crate) events: Arc<EventQueue>,
 }
 
+/// Sends one message on a socket whose send timeout is [`ACK_WAIT`] (after
+/// the exchange). A signal interrupts a send under a socket timeout even
+/// with SA_RESTART: it is sent again, until the wait's time is up.
 fn send_msg(sock: BorrowedFd<'_>, msg: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+    let give_up = Instant::now() + ACK_WAIT;
+    loop {
+        match send_msg_once(sock, msg, fds) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted && Instant::now() < give_up => {}
+            r => return r,
+        }
+    }
+}
+
+fn send_msg_once(sock: BorrowedFd<'_>, msg: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
     let mut control = SendAncillaryBuffer::new(&mut space);
     if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
@@ -338,8 +351,21 @@ fn send_msg(sock: BorrowedFd<'_>, msg: &[u8], fds: &[BorrowedFd<'_>]) -> io::Res
     Ok(())
 }
 
-/// The next message (0 bytes: the peer closed), with its descriptors.
+/// The next message (0 bytes: the peer closed), with its descriptors, on a
+/// socket with no receive timeout (after the exchange).
 fn recv_msg(sock: BorrowedFd<'_>, buf: &mut [u8; MSG_MAX]) -> io::Result<(usize, Vec<OwnedFd>)> {
+    loop {
+        match recv_msg_once(sock, buf) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            r => return r,
+        }
+    }
+}
+
+fn recv_msg_once(
+    sock: BorrowedFd<'_>,
+    buf: &mut [u8; MSG_MAX],
+) -> io::Result<(usize, Vec<OwnedFd>)> {
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
     let m = rustix::net::recvmsg(
@@ -348,6 +374,15 @@ fn recv_msg(sock: BorrowedFd<'_>, buf: &mut [u8; MSG_MAX]) -> io::Result<(usize,
         &mut control,
         RecvFlags::CMSG_CLOEXEC,
     )?;
+    if m.flags.contains(rustix::net::ReturnFlags::CTRUNC) {
+        // The kernel dropped descriptors the peer passed: this process
+        // has run out of them (EMFILE), and the message is missing its
+        // region or ring.
+        return Err(io::Error::other(
+            "a descriptor the peer passed was dropped: this process has run out of file \
+             descriptors (RLIMIT_NOFILE)",
+        ));
+    }
     let mut fds = Vec::new();
     for c in control.drain() {
         if let RecvAncillaryMessage::ScmRights(it) = c {
@@ -451,9 +486,16 @@ impl Deadline {
         }
     }
 
+    /// A signal interrupts a send or receive under a socket timeout even
+    /// with SA_RESTART: each try is bounded anew by what is left.
     fn send(&self, sock: BorrowedFd<'_>, msg: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
-        self.bound(sock)?;
-        send_msg(sock, msg, fds).map_err(|e| self.explain(e))
+        loop {
+            self.bound(sock)?;
+            match send_msg_once(sock, msg, fds) {
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                r => return r.map_err(|e| self.explain(e)),
+            }
+        }
     }
 
     fn recv(
@@ -461,8 +503,13 @@ impl Deadline {
         sock: BorrowedFd<'_>,
         buf: &mut [u8; MSG_MAX],
     ) -> io::Result<(usize, Vec<OwnedFd>)> {
-        self.bound(sock)?;
-        recv_msg(sock, buf).map_err(|e| self.explain(e))
+        loop {
+            self.bound(sock)?;
+            match recv_msg_once(sock, buf) {
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                r => return r.map_err(|e| self.explain(e)),
+            }
+        }
     }
 }
 
