@@ -13,6 +13,7 @@
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::{SocketAddrV4, UdpSocket};
 use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -103,6 +104,10 @@ impl HostdStopper {
     }
 }
 
+/// How long a daemon out of descriptors leaves joiners waiting before it
+/// tries again.
+const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
+
 impl Hostd {
     /// Claims `addr` for sharing: binds the daemon's name, then the UDP
     /// socket. `AddrInUse` from the name means a daemon already serves it.
@@ -180,6 +185,7 @@ impl Hostd {
         let mut cmsg = nix::cmsg_space!(i32, u8);
         let mut idle_since = Some(Instant::now());
         let mut slots: Vec<u8> = Vec::new();
+        let mut accept_paused_until: Option<Instant> = None;
         loop {
             slots.clear();
             slots.extend(
@@ -199,6 +205,17 @@ impl Hostd {
                 }
                 _ => None,
             };
+            // Out of descriptors, the listener stays readable with the
+            // joiner it can't take: it is left out of the poll a while, or
+            // the daemon would spin.
+            let pause_left = accept_paused_until
+                .map(|t| t.saturating_duration_since(Instant::now()))
+                .filter(|left| !left.is_zero());
+            let accepting = pause_left.is_none();
+            let timeout = match (timeout, pause_left) {
+                (Some(t), Some(p)) => Some(t.min(p)),
+                (t, p) => t.or(p),
+            };
             // A linger beyond what a timespec holds waits without one.
             let ts = timeout.and_then(|d| {
                 Some(rustix::time::Timespec {
@@ -208,7 +225,14 @@ impl Hostd {
             });
             let mut fds = Vec::with_capacity(3 + slots.len());
             fds.push(PollFd::new(&self.udp, PollFlags::IN));
-            fds.push(PollFd::new(&self.listener, PollFlags::IN));
+            fds.push(PollFd::new(
+                &self.listener,
+                if accepting {
+                    PollFlags::IN
+                } else {
+                    PollFlags::empty()
+                },
+            ));
             fds.push(PollFd::new(&*self.stop, PollFlags::IN));
             for &s in &slots {
                 let fd = self.clients[usize::from(s)].as_ref().expect("listed");
@@ -230,8 +254,8 @@ impl Hostd {
                     self.stats.connected.fetch_sub(1, Ordering::Relaxed);
                 }
             }
-            if ready[1] {
-                self.accept();
+            if ready[1] && !self.accept() {
+                accept_paused_until = Some(Instant::now() + ACCEPT_PAUSE);
             }
             if ready[0] {
                 // A budget a look: a flood must not keep the daemon from its
@@ -252,10 +276,24 @@ impl Hostd {
         }
     }
 
-    fn accept(&mut self) {
-        while let Ok(fd) =
-            rustix::net::accept_with(&self.listener, SocketFlags::CLOEXEC | SocketFlags::NONBLOCK)
-        {
+    /// Takes the processes waiting to join; false if this process ran out
+    /// of descriptors (or memory) for them.
+    fn accept(&mut self) -> bool {
+        loop {
+            let fd = match rustix::net::accept_with(
+                &self.listener,
+                SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+            ) {
+                Ok(fd) => fd,
+                Err(rustix::io::Errno::INTR | rustix::io::Errno::CONNABORTED) => continue,
+                Err(
+                    rustix::io::Errno::MFILE
+                    | rustix::io::Errno::NFILE
+                    | rustix::io::Errno::NOBUFS
+                    | rustix::io::Errno::NOMEM,
+                ) => return false,
+                Err(_) => return true,
+            };
             // A process of another user is turned away (unless the daemon
             // is root's, serving all): it could take every slot.
             let me = rustix::process::geteuid();
@@ -414,7 +452,11 @@ pub(crate) fn join(addr: SocketAddrV4) -> io::Result<(OwnedFd, u8)> {
             ),
         )
     })?;
+    // A process group of its own: the daemon serves every process on the
+    // address, so a Ctrl-C (or SIGHUP) to the one that started it must not
+    // reach it.
     let mut child = Command::new(&program)
+        .process_group(0)
         .args(["hostd", &addr.to_string(), "--exit-when-idle", "2"])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -573,6 +615,106 @@ mod tests {
         };
         let h = forward_header(&meta);
         assert_eq!(h, [10, 1, 2, 3, 0xc0, 0x00, 63, 0x88]);
+    }
+
+    /// The stat file of this process's thread named `name`, open.
+    fn thread_stat(name: &str) -> std::fs::File {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .flatten()
+            .find(|t| {
+                std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == name)
+            })
+            .and_then(|t| std::fs::File::open(t.path().join("stat")).ok())
+            .expect("the thread")
+    }
+
+    /// The CPU time (clock ticks) in a thread's open stat file: read again
+    /// with no new descriptor.
+    fn cpu_ticks(stat: &std::fs::File) -> u64 {
+        let mut buf = [0u8; 1024];
+        let n = std::os::unix::fs::FileExt::read_at(stat, &mut buf, 0).unwrap();
+        let text = String::from_utf8_lossy(&buf[..n]);
+        let f: Vec<&str> = text.rsplit_once(") ").unwrap().1.split(' ').collect();
+        f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+    }
+
+    /// A daemon out of descriptors can't take a joiner, whose connection
+    /// keeps its listener readable: it spun at 100 % of a CPU until a
+    /// descriptor came free. Runs in a child process (the limit is the
+    /// process's).
+    #[test]
+    fn a_daemon_out_of_descriptors_waits_for_them_without_spinning() {
+        const CHILD: &str = "SOFTRDMA_HOSTD_EMFILE_CHILD";
+        let me =
+            "provider::hostd::tests::a_daemon_out_of_descriptors_waits_for_them_without_spinning";
+        if std::env::var_os(CHILD).is_none() {
+            let out = Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", me, "--nocapture", "--test-threads=1"])
+                .env(CHILD, "1")
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(out.status.success(), "{:?}\n{text}", out.status);
+            assert!(text.contains("joined after the pause"), "{text}");
+            return;
+        }
+        use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+        let addr: SocketAddrV4 = "127.0.0.71:4791".parse().unwrap();
+        let mut d = Hostd::bind(addr).unwrap();
+        let stopper = d.stopper();
+        let daemon = std::thread::Builder::new()
+            .name("hostd-emfile".into())
+            .spawn(move || d.run())
+            .unwrap();
+        // The joiner's socket first: then no descriptor is left for the
+        // daemon's accept.
+        let joiner = unix_seqpacket(SocketFlags::empty()).unwrap();
+        let stat = thread_stat("hostd-emfile");
+        let name = SocketAddrUnix::new_abstract_name(socket_name(addr).as_bytes()).unwrap();
+        let before = getrlimit(Resource::Nofile);
+        let highest = std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u64>().ok())
+            .max()
+            .unwrap();
+        setrlimit(
+            Resource::Nofile,
+            Rlimit {
+                current: Some(highest + 1),
+                maximum: before.maximum,
+            },
+        )
+        .unwrap();
+        // And the numbers free below the limit taken too.
+        let mut filler = Vec::new();
+        while let Ok(fd) = rustix::io::dup(&joiner) {
+            filler.push(fd);
+        }
+        rustix::net::connect(&joiner, &name).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        let cpu = cpu_ticks(&stat);
+        std::thread::sleep(Duration::from_millis(500));
+        let spent = cpu_ticks(&stat) - cpu;
+        // Clock ticks are 10 ms: a spinning daemon spends about 50.
+        assert!(spent <= 10, "the daemon spent {spent} ticks in 500 ms");
+        setrlimit(Resource::Nofile, before).unwrap();
+        drop(filler);
+        let mut hello = [0u8; 6];
+        rustix::net::sockopt::set_socket_timeout(
+            &joiner,
+            rustix::net::sockopt::Timeout::Recv,
+            Some(Duration::from_secs(5)),
+        )
+        .unwrap();
+        let n = rustix::net::recv(&joiner, &mut hello, RecvFlags::empty())
+            .unwrap()
+            .0;
+        assert_eq!(&hello[..n.min(5)], GREETING);
+        println!("joined after the pause");
+        stopper.stop();
+        daemon.join().unwrap().unwrap();
     }
 
     #[test]
