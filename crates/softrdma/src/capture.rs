@@ -634,7 +634,8 @@ struct Stream {
     next_seq: u32,
     /// Contiguous bytes not yet cut into units.
     buf: Vec<u8>,
-    /// Segments that arrived ahead of a gap, by sequence number.
+    /// Segments that arrived ahead of a gap, by sequence number (a few:
+    /// at most `MAX_AHEAD` bytes).
     ahead: BTreeMap<u32, Vec<u8>>,
     ahead_bytes: usize,
     state: StreamState,
@@ -878,13 +879,20 @@ impl Decoder {
             stream.buf.extend_from_slice(&payload[skip..]);
             stream.next_seq = stream.next_seq.wrapping_add((payload.len() - skip) as u32);
         }
-        // Segments that the new bytes made contiguous.
-        while let Some((&s, _)) = stream.ahead.first_key_value() {
+        // Segments that the new bytes made contiguous, nearest first in
+        // sequence order (held segments may lie on both sides of the
+        // sequence number's wrap, where the smallest key is not the next).
+        while let Some(s) = stream
+            .ahead
+            .keys()
+            .copied()
+            .min_by_key(|s| s.wrapping_sub(stream.next_seq) as i32)
+        {
             let rel = s.wrapping_sub(stream.next_seq) as i32;
             if rel > 0 {
                 break;
             }
-            let (_, seg) = stream.ahead.pop_first().expect("non-empty");
+            let seg = stream.ahead.remove(&s).expect("listed");
             stream.ahead_bytes -= seg.len();
             let skip = rel.unsigned_abs() as usize;
             if skip < seg.len() {
