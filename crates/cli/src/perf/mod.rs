@@ -1783,7 +1783,7 @@ fn write_lat(s: &Setup, size: u64, clock: Option<Window>) -> Result<Vec<Instant>
                 if s.cfg.busy_poll {
                     s.scq.progress();
                 }
-                spins += 1;
+                spins = spins.wrapping_add(1);
                 if spins.is_multiple_of(256) {
                     if clock.is_some_and(|c| c.over()) {
                         break 'run;
