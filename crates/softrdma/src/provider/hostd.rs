@@ -617,16 +617,24 @@ mod tests {
         assert_eq!(h, [10, 1, 2, 3, 0xc0, 0x00, 63, 0x88]);
     }
 
-    /// The stat file of this process's thread named `name`, open.
+    /// The stat file of this process's thread named `name`, open (a new
+    /// thread names itself once it runs: it is looked for a while).
     fn thread_stat(name: &str) -> std::fs::File {
-        std::fs::read_dir("/proc/self/task")
-            .unwrap()
-            .flatten()
-            .find(|t| {
-                std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == name)
-            })
-            .and_then(|t| std::fs::File::open(t.path().join("stat")).ok())
-            .expect("the thread")
+        let t0 = Instant::now();
+        loop {
+            let found = std::fs::read_dir("/proc/self/task")
+                .unwrap()
+                .flatten()
+                .find(|t| {
+                    std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == name)
+                })
+                .and_then(|t| std::fs::File::open(t.path().join("stat")).ok());
+            if let Some(f) = found {
+                return f;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(5), "no thread {name}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// The CPU time (clock ticks) in a thread's open stat file: read again
@@ -655,7 +663,8 @@ mod tests {
                 .output()
                 .unwrap();
             let text = String::from_utf8_lossy(&out.stdout);
-            assert!(out.status.success(), "{:?}\n{text}", out.status);
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{:?}\n{text}\n{err}", out.status);
             assert!(text.contains("joined after the pause"), "{text}");
             return;
         }
