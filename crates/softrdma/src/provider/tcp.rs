@@ -4,7 +4,7 @@
 //! asks the engine where the payload goes, and reads the payload from the
 //! socket straight into the region, with the pad, CRC and the start of the
 //! next FPDU in the same `readv`. A transmit thread per connection writes
-//! FPDUs with gather I/O from the region, many per `writev`. Two threads, so
+//! FPDUs with gather I/O from the region, many per gather write (`sendmsg`). Two threads, so
 //! that receiving never waits for a blocked send: a peer that is itself
 //! blocked sending to us is always drained. In busy-poll mode an application
 //! thread polling a CQ of the device receives small FPDUs itself, and the
@@ -338,7 +338,7 @@ impl TcpQp {
     /// transmit thread idle, no send in the last [`STREAM_GAP`]) is sent on
     /// this thread, as siw does: waking the transmit thread costs a
     /// ping-pong more than the send itself. Anything else, and a stream of
-    /// posts, goes to the transmit thread, which sends many per `writev`.
+    /// posts, goes to the transmit thread, which sends many per gather write.
     pub fn post_send(&self, wr: SendWr) -> Result<(), PostError> {
         let (lone, failed) = {
             let mut qp = self.shared.engine.lock().expect("QP lock");
@@ -424,7 +424,6 @@ impl TcpQp {
 
 /// What is left of a shut-down once the QP is in ERR: the transmit thread's
 /// last send and the joins.
-#[must_use = "finish() ends the threads"]
 pub(crate) struct ShutDownRest {
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
@@ -432,8 +431,14 @@ pub(crate) struct ShutDownRest {
 
 impl ShutDownRest {
     /// Gives the transmit thread up to 2 s to send a Terminate it owes,
-    /// closes the socket and joins the threads.
-    pub(crate) fn finish(mut self) {
+    /// closes the socket and joins the threads (as dropping it does).
+    pub(crate) fn finish(self) {
+        drop(self);
+    }
+}
+
+impl Drop for ShutDownRest {
+    fn drop(&mut self) {
         let t0 = std::time::Instant::now();
         while self
             .threads
@@ -459,7 +464,7 @@ impl Drop for TcpQp {
 const TX_NAME: &str = "softrdma-iwarp-tx";
 
 /// The largest work request a poster sends on its own thread: a small one
-/// fits the socket's buffer, so the `writev` seldom leaves a rest.
+/// fits the socket's buffer, so the write seldom leaves a rest.
 const POSTER_SENDS_UP_TO: usize = 16 << 10;
 
 /// After receiving: a lone small READ response goes out on this thread, as
@@ -706,7 +711,7 @@ fn transmit_loop(s: &Shared) {
     }
 }
 
-/// From a `writev` of at least this many bytes until the transmit thread
+/// From a gather write of at least this many bytes until the transmit thread
 /// runs out of work, busy-poll pollers give it the CPU (a 1 MiB write takes
 /// a few hundred µs; spinning beside it makes three busy threads on two
 /// CPUs). A batch of small FPDUs takes a few µs, and yielding for those cost
@@ -714,7 +719,7 @@ fn transmit_loop(s: &Shared) {
 /// session).
 const LARGE_WRITE: usize = 256 << 10;
 
-/// Most FPDUs in one `writev`: small messages go out many per system call,
+/// Most FPDUs in one gather write: small messages go out many per system call,
 /// MPA's largest 16 at a time (about 1 MiB; ULPDUs never exceed
 /// `mpa::MAX_ULPDU`, so no byte limit is needed). A 256 KiB limit moved 64 KiB
 /// and 1 MiB WRITEs 20-40 % slower; 24 or 32 FPDUs (a 1 MiB WRITE's 17 in one
@@ -792,7 +797,7 @@ enum Ended {
     No,
 }
 
-/// Sends every FPDU the engine has, a batch per `writev`. The engine
+/// Sends every FPDU the engine has, a batch per gather write. The engine
 /// completes a SEND or WRITE only once told its bytes are in the socket (or
 /// copied to `leftover`): the application may reuse a buffer as soon as it
 /// sees its completion. `wait`: false for a receiving thread, which must not

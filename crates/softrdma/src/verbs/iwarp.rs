@@ -36,7 +36,13 @@ pub(crate) struct IwarpSlot {
     recv_cq: Arc<CqInner>,
     /// The connection, once up.
     conn: Mutex<Option<TcpQp>>,
+    /// Held through a move to ERR, `conn`'s lock only for its start: a
+    /// second mover waits for the first to end the threads, posts and
+    /// looks do not.
+    moving_to_err: Mutex<()>,
     pub(super) before: BeforeConnect,
+    /// Last: the number is given back after the connection is gone.
+    _qpn: super::QpnLease,
 }
 
 impl IwarpSlot {
@@ -74,8 +80,10 @@ impl IwarpSlot {
     /// sees it go), receives kept for one are flushed.
     pub(crate) fn to_error(&self) {
         self.before.fail_and_flush(self.qpn, &self.recv_cq);
-        // The wait for the threads runs with the lock let go: posts and
-        // polls on other threads see ERR at once, not after up to 2 s.
+        let _moving = self.moving_to_err.lock().expect("move lock");
+        // The wait for the threads runs with the connection's lock let go:
+        // posts and polls on other threads see ERR at once, not after up to
+        // 2 s.
         let rest = self
             .conn
             .lock()
@@ -132,7 +140,8 @@ impl Pd {
         if init.qp_type != QpType::Rc {
             return Err(VerbsError::Invalid("iWARP has RC QPs only (no UD)".into()));
         }
-        let qpn = self.ctx.inner.take_cm_qpn()?;
+        let lease = self.ctx.inner.take_cm_qpn()?;
+        let qpn = lease.qpn();
         Ok(Qp {
             ctx: self.ctx.clone(),
             kind: QpKind::Iwarp(Arc::new(IwarpSlot {
@@ -142,7 +151,9 @@ impl Pd {
                 send_cq: init.send_cq.inner.clone(),
                 recv_cq: init.recv_cq.inner.clone(),
                 conn: Mutex::new(None),
+                moving_to_err: Mutex::new(()),
                 before: BeforeConnect::default(),
+                _qpn: lease,
             })),
         })
     }

@@ -299,7 +299,7 @@ impl Device {
                 next_srq: AtomicU64::new(1),
                 qpn_range: qpn_range(slot),
                 next_qpn: Mutex::new(*qpn_range(slot).start()),
-                cm_qpns: Mutex::new(std::collections::HashSet::new()),
+                cm_qpns: Arc::default(),
                 gids,
                 active_mtu: Mtu::for_link(link_mtu),
             }),
@@ -365,12 +365,15 @@ impl ContextInner {
 
     /// A QPN for an iWARP or shm QP, which have no QP table: their numbers
     /// appear only in completions and events, where two live QPs must not
-    /// share one. Given back by [`Qp`]'s drop.
-    pub(crate) fn take_cm_qpn(&self) -> Result<u32> {
+    /// share one. Held until the lease drops.
+    pub(crate) fn take_cm_qpn(&self) -> Result<QpnLease> {
         let mut live = self.cm_qpns.lock().expect("QPN set lock");
-        let q = self.take_qpn(|q| live.contains(&q))?;
-        live.insert(q);
-        Ok(q)
+        let qpn = self.take_qpn(|q| live.contains(&q))?;
+        live.insert(qpn);
+        Ok(QpnLease {
+            live: self.cm_qpns.clone(),
+            qpn,
+        })
     }
 
     fn mrs(&self) -> &Arc<RwLock<MrTable>> {
@@ -413,9 +416,30 @@ struct ContextInner {
     qpn_range: std::ops::RangeInclusive<u32>,
     next_qpn: Mutex<u32>,
     /// The QPNs of live iWARP and shm QPs.
-    cm_qpns: Mutex<std::collections::HashSet<u32>>,
+    cm_qpns: Arc<Mutex<std::collections::HashSet<u32>>>,
     gids: Vec<[u8; 16]>,
     active_mtu: Mtu,
+}
+
+/// An iWARP or shm QP's number, given back when dropped: the last field of
+/// its slot, so that the connection's flushes and events, which carry the
+/// number, come before another QP can have it.
+#[derive(Debug)]
+pub(crate) struct QpnLease {
+    live: Arc<Mutex<std::collections::HashSet<u32>>>,
+    qpn: u32,
+}
+
+impl QpnLease {
+    pub(crate) fn qpn(&self) -> u32 {
+        self.qpn
+    }
+}
+
+impl Drop for QpnLease {
+    fn drop(&mut self) {
+        self.live.lock().expect("QPN set lock").remove(&self.qpn);
+    }
 }
 
 /// QPNs of a device: slot 0 (exclusive) has 0x11..=0xfeffff; a hostd slot
@@ -1470,17 +1494,8 @@ impl Qp {
 
 impl Drop for Qp {
     fn drop(&mut self) {
-        match (&self.kind, &self.ctx.inner.dev) {
-            (QpKind::Roce(slot), Provider::Udp(d)) => d.shared.remove_qp(slot.qpn),
-            (QpKind::Iwarp(_) | QpKind::Shm(_), _) => {
-                self.ctx
-                    .inner
-                    .cm_qpns
-                    .lock()
-                    .expect("QPN set lock")
-                    .remove(&self.qpn());
-            }
-            (QpKind::Roce(_), _) => {}
+        if let (QpKind::Roce(slot), Provider::Udp(d)) = (&self.kind, &self.ctx.inner.dev) {
+            d.shared.remove_qp(slot.qpn);
         }
     }
 }
@@ -1529,7 +1544,17 @@ mod qpn_tests {
                 range.start() + 1,
                 "the live first one's skipped"
             );
+            // A connection may hold the QP's slot a while after the QP is
+            // dropped (flushing, with the number in its completions).
+            let slot: Box<dyn std::any::Any> = match &first.kind {
+                QpKind::Iwarp(s) => Box::new(s.clone()),
+                QpKind::Shm(s) => Box::new(s.clone()),
+                QpKind::Roce(_) => unreachable!("no RoCEv2 device here"),
+            };
             drop(first);
+            *ctx.inner.next_qpn.lock().unwrap() = *range.start();
+            assert_ne!(make().qpn(), *range.start(), "its slot still lives");
+            drop(slot);
             *ctx.inner.next_qpn.lock().unwrap() = *range.start();
             assert_eq!(
                 make().qpn(),

@@ -24,6 +24,8 @@ pub(crate) struct ShmSlot {
     /// Set once, when connected: read without a lock on every post.
     conn: OnceLock<Arc<ShmQp>>,
     pub(super) before: BeforeConnect,
+    /// Last: the number is given back after the connection is gone.
+    _qpn: super::QpnLease,
 }
 
 impl ShmSlot {
@@ -101,7 +103,8 @@ impl Pd {
                 "shared-memory receives take at most {MAX_RECV_SGE} scatter/gather elements"
             )));
         }
-        let qpn = self.ctx.inner.take_cm_qpn()?;
+        let lease = self.ctx.inner.take_cm_qpn()?;
+        let qpn = lease.qpn();
         Ok(Qp {
             ctx: self.ctx.clone(),
             kind: QpKind::Shm(Arc::new(ShmSlot {
@@ -112,6 +115,7 @@ impl Pd {
                 recv_cq: init.recv_cq.inner.clone(),
                 conn: OnceLock::new(),
                 before: BeforeConnect::default(),
+                _qpn: lease,
             })),
         })
     }
