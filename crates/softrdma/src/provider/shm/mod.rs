@@ -181,21 +181,23 @@ impl ShmDevice {
     }
 
     /// A region is registered: peers of its PD map it before this returns
-    /// (each answers, or has gone, within a second), so its rkey works as
-    /// soon as the application can hand it out.
+    /// (they answer, or have gone, within a second, all of them together),
+    /// so its rkey works as soon as the application can hand it out.
     pub(crate) fn registered(&self, r: SharedRegion) {
         let mut regions = self.regions.lock().expect("shm regions lock");
-        // Every peer is told first, then the answers are awaited together:
-        // slow peers cost one wait, not one each.
-        let told: Vec<Arc<ShmQp>> = self
-            .live_qps(r.pd)
-            .into_iter()
-            .filter(|_| r.shared())
-            // A peer that can't be told of it would refuse its key: the
-            // connection ends.
-            .filter(|qp| qp.send_region(&r).is_ok() || qp.fail_and_forget())
-            .collect();
+        // Every peer is told first, then the answers are awaited together,
+        // all within one wait: slow peers cost one, not one each.
         let deadline = Instant::now() + ACK_WAIT;
+        let mut told = Vec::new();
+        for qp in self.live_qps(r.pd).into_iter().filter(|_| r.shared()) {
+            if qp.send_region(&r, deadline).is_ok() {
+                told.push(qp);
+            } else {
+                // A peer that can't be told of it would refuse its key:
+                // the connection ends.
+                qp.fail();
+            }
+        }
         for qp in told {
             // One slow to map it learns of it all the same, when it reads;
             // but a peer that never answers would cost every register here
@@ -208,8 +210,8 @@ impl ShmDevice {
     }
 
     /// A region is being deregistered: every peer that maps it lets go of it
-    /// (each answers, or has gone, within a second) before this returns, so
-    /// no access with its keys succeeds afterwards.
+    /// (they answer, or have gone, within a second, all of them together)
+    /// before this returns, so no access with its keys succeeds afterwards.
     pub(crate) fn deregistered(&self, lkey: u32) {
         let mut regions = self.regions.lock().expect("shm regions lock");
         let Some(at) = regions.iter().position(|r| r.lkey == lkey) else {
@@ -220,13 +222,15 @@ impl ShmDevice {
         // A peer that doesn't answer may still reach the region: the
         // connection ends (its QP fails and lets go of every region). Every
         // peer is told first, so that slow ones cost one wait, not one each.
-        let told: Vec<Arc<ShmQp>> = self
-            .live_qps(r.pd)
-            .into_iter()
-            .filter(|_| r.shared())
-            .filter(|qp| qp.send_revoke(r.lkey, r.rkey).is_ok() || qp.fail_and_forget())
-            .collect();
         let deadline = Instant::now() + ACK_WAIT;
+        let mut told = Vec::new();
+        for qp in self.live_qps(r.pd).into_iter().filter(|_| r.shared()) {
+            if qp.send_revoke(r.lkey, r.rkey, deadline).is_ok() {
+                told.push(qp);
+            } else {
+                qp.fail();
+            }
+        }
         for qp in told {
             if !qp.wait_ack(REVOKE, r.lkey, deadline) {
                 qp.fail();
@@ -323,20 +327,47 @@ pub(crate) struct QpParts {
     pub(crate) events: Arc<EventQueue>,
 }
 
-/// Sends one message on a socket whose send timeout is [`ACK_WAIT`] (after
-/// the exchange). A signal interrupts a send under a socket timeout even
-/// with SA_RESTART: it is sent again, until the wait's time is up.
-fn send_msg(sock: BorrowedFd<'_>, msg: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
-    let give_up = Instant::now() + ACK_WAIT;
+/// Sends one message after the exchange, waiting until `deadline` at most
+/// for room in the peer's queue (without touching the socket's timeout,
+/// which other threads' sends share); signals do not cut the wait short.
+fn send_by(
+    sock: BorrowedFd<'_>,
+    msg: &[u8],
+    fds: &[BorrowedFd<'_>],
+    deadline: Instant,
+) -> io::Result<()> {
     loop {
-        match send_msg_once(sock, msg, fds) {
-            Err(e) if e.kind() == io::ErrorKind::Interrupted && Instant::now() < give_up => {}
+        match send_msg_once(sock, msg, fds, SendFlags::DONTWAIT) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the peer has not read its messages in time",
+                    ));
+                }
+                let mut out = [PollFd::new(&sock, PollFlags::OUT)];
+                let ts = rustix::time::Timespec {
+                    tv_sec: left.as_secs() as i64,
+                    tv_nsec: i64::from(left.subsec_nanos()),
+                };
+                match rustix::event::poll(&mut out, Some(&ts)) {
+                    Ok(_) | Err(rustix::io::Errno::INTR) => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             r => return r,
         }
     }
 }
 
-fn send_msg_once(sock: BorrowedFd<'_>, msg: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+fn send_msg_once(
+    sock: BorrowedFd<'_>,
+    msg: &[u8],
+    fds: &[BorrowedFd<'_>],
+    flags: SendFlags,
+) -> io::Result<()> {
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
     let mut control = SendAncillaryBuffer::new(&mut space);
     if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
@@ -346,7 +377,7 @@ fn send_msg_once(sock: BorrowedFd<'_>, msg: &[u8], fds: &[BorrowedFd<'_>]) -> io
         sock,
         &[IoSlice::new(msg)],
         &mut control,
-        SendFlags::NOSIGNAL,
+        flags | SendFlags::NOSIGNAL,
     )?;
     Ok(())
 }
@@ -376,11 +407,11 @@ fn recv_msg_once(
     )?;
     if m.flags.contains(rustix::net::ReturnFlags::CTRUNC) {
         // The kernel dropped descriptors the peer passed: this process
-        // has run out of them (EMFILE), and the message is missing its
-        // region or ring.
+        // has run out of them (EMFILE), or the peer passed more than a
+        // message holds; either way the message is missing a region or ring.
         return Err(io::Error::other(
-            "a descriptor the peer passed was dropped: this process has run out of file \
-             descriptors (RLIMIT_NOFILE)",
+            "descriptors the peer passed were dropped: this process has run out of file \
+             descriptors (RLIMIT_NOFILE), or the peer passed more than one message holds",
         ));
     }
     let mut fds = Vec::new();
@@ -491,7 +522,7 @@ impl Deadline {
     fn send(&self, sock: BorrowedFd<'_>, msg: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
         loop {
             self.bound(sock)?;
-            match send_msg_once(sock, msg, fds) {
+            match send_msg_once(sock, msg, fds, SendFlags::empty()) {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 r => return r.map_err(|e| self.explain(e)),
             }
@@ -613,13 +644,10 @@ pub(crate) fn establish(
         (announced, read_peer(sock.as_fd(), deadline)?)
     };
     rustix::net::sockopt::set_socket_timeout(&sock, rustix::net::sockopt::Timeout::Recv, None)?;
-    // Region messages go out with the device's region list locked: a peer
-    // that stops reading must not hold every register on the device.
-    rustix::net::sockopt::set_socket_timeout(
-        &sock,
-        rustix::net::sockopt::Timeout::Send,
-        Some(ACK_WAIT),
-    )?;
+    // No send timeout: messages from here on go out by `send_by`'s deadline
+    // (region messages with the device's region list locked: a peer that
+    // stops reading must not hold every register on the device).
+    rustix::net::sockopt::set_socket_timeout(&sock, rustix::net::sockopt::Timeout::Send, None)?;
     let qp = Arc::new(ShmQp {
         qpn: parts.qpn,
         pd: parts.pd,
@@ -658,14 +686,15 @@ pub(crate) fn establish(
             .iter()
             .filter(|r| r.pd == qp.pd && r.shared())
             .collect();
+        let by = Instant::now() + ACK_WAIT;
         for r in now.iter().filter(|r| !announced.contains(&r.lkey)) {
-            qp.send_region(r)?;
+            qp.send_region(r, by)?;
         }
         for &lkey in announced
             .iter()
             .filter(|k| !now.iter().any(|r| r.lkey == **k))
         {
-            qp.send_revoke(lkey, 0)?;
+            qp.send_revoke(lkey, 0, by)?;
         }
         device
             .qps
@@ -1176,22 +1205,16 @@ impl ShmQp {
         }
     }
 
-    fn send_region(&self, r: &SharedRegion) -> io::Result<()> {
-        send_msg(self.sock.as_fd(), &r.message(), &[r.fd.as_fd()])
+    fn send_region(&self, r: &SharedRegion, deadline: Instant) -> io::Result<()> {
+        send_by(self.sock.as_fd(), &r.message(), &[r.fd.as_fd()], deadline)
     }
 
-    /// Fails the QP; false, for a filter that drops it.
-    fn fail_and_forget(&self) -> bool {
-        self.fail();
-        false
-    }
-
-    fn send_revoke(&self, lkey: u32, rkey: u32) -> io::Result<()> {
+    fn send_revoke(&self, lkey: u32, rkey: u32, deadline: Instant) -> io::Result<()> {
         let mut m = [0u8; 12];
         m[0] = REVOKE;
         m[4..8].copy_from_slice(&lkey.to_le_bytes());
         m[8..12].copy_from_slice(&rkey.to_le_bytes());
-        send_msg(self.sock.as_fd(), &m, &[])
+        send_by(self.sock.as_fd(), &m, &[], deadline)
     }
 
     /// Waits (until `deadline`, or until the connection fails) for the
@@ -1214,7 +1237,7 @@ impl ShmQp {
         ack[0] = ACK;
         ack[1] = what;
         ack[4..8].copy_from_slice(&lkey.to_le_bytes());
-        send_msg(self.sock.as_fd(), &ack, &[])
+        send_by(self.sock.as_fd(), &ack, &[], Instant::now() + ACK_WAIT)
     }
 
     /// The QP fails: the peer hears of it (the socket closes), work waiting

@@ -4,6 +4,10 @@ use super::*;
 use crate::cm::shm::{Listener, connect};
 use crate::verbs::{Device, QpInit};
 
+fn send_msg(sock: BorrowedFd<'_>, msg: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+    send_by(sock, msg, fds, Instant::now() + Duration::from_secs(5))
+}
+
 #[test]
 fn a_peer_that_writes_a_wild_completion_count_fails_the_qp_instead_of_looping() {
     let make = || {
