@@ -271,29 +271,23 @@ impl Drop for Mesh {
     }
 }
 
-fn hostd_running(addr: &str) -> bool {
-    std::fs::read_dir("/proc").unwrap().flatten().any(|e| {
-        std::fs::read(e.path().join("cmdline")).is_ok_and(|c| {
-            let c = String::from_utf8_lossy(&c).replace('\0', " ");
-            c.contains(" hostd ") && c.contains(addr)
-        })
+/// The `/proc` directory of the hostd serving `addr`, if one runs.
+fn hostd_proc(addr: &str) -> Option<std::path::PathBuf> {
+    std::fs::read_dir("/proc").unwrap().flatten().find_map(|e| {
+        let c = std::fs::read(e.path().join("cmdline")).ok()?;
+        let c = String::from_utf8_lossy(&c).replace('\0', " ");
+        (c.contains(" hostd ") && c.contains(addr)).then(|| e.path())
     })
+}
+
+fn hostd_running(addr: &str) -> bool {
+    hostd_proc(addr).is_some()
 }
 
 /// The process group of `/proc/{pid}` (the field after state and ppid).
 fn pgrp(proc_dir: &std::path::Path) -> Option<i32> {
     let stat = std::fs::read_to_string(proc_dir.join("stat")).ok()?;
     stat.rsplit_once(") ")?.1.split(' ').nth(2)?.parse().ok()
-}
-
-fn hostd_pgrp(addr: &str) -> Option<i32> {
-    std::fs::read_dir("/proc").unwrap().flatten().find_map(|e| {
-        let c = std::fs::read(e.path().join("cmdline")).ok()?;
-        let c = String::from_utf8_lossy(&c).replace('\0', " ");
-        (c.contains(" hostd ") && c.contains(addr))
-            .then(|| pgrp(&e.path()))
-            .flatten()
-    })
 }
 
 #[test]
@@ -373,7 +367,8 @@ fn four_processes_share_one_address_for_rc_and_ud() {
     // The daemon one of them started is out of their process group: a
     // Ctrl-C to it must not take the others' port down.
     let ours = pgrp(std::path::Path::new("/proc/self")).unwrap();
-    assert_ne!(hostd_pgrp(ADDR).expect("the hostd"), ours);
+    let hostd = hostd_proc(ADDR).expect("the hostd");
+    assert_ne!(pgrp(&hostd).unwrap(), ours);
     for rank in 0..RANKS {
         for l in &conn {
             let to: usize = l.split(' ').nth(2).unwrap().parse().unwrap();

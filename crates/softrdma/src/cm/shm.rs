@@ -58,8 +58,18 @@ pub fn connect(qp: &Qp, name: &str) -> Result<()> {
     qp.check_unconnected()?;
     let addr = address(name)?;
     let sock = socket()?;
-    rustix::net::connect(&sock, &addr)
-        .map_err(|e| io_err(format!("no shm listener {name:?} on this host"), e.into()))?;
+    // It blocks while the listener's backlog is full: a signal then is no
+    // reason to fail.
+    loop {
+        match rustix::net::connect(&sock, &addr) {
+            Err(rustix::io::Errno::INTR) => {}
+            r => {
+                break r.map_err(|e| {
+                    io_err(format!("no shm listener {name:?} on this host"), e.into())
+                })?;
+            }
+        }
+    }
     same_user(&sock)?;
     qp.attach_shm(sock, TIMEOUT, false)
 }

@@ -267,7 +267,10 @@ impl Hostd {
                     self.forward(&rx[..n], &meta);
                 }
             }
-            let connected = self.clients.iter().any(Option::is_some);
+            // Joiners left waiting for descriptors count as company: the
+            // daemon does not leave under them.
+            let connected = self.clients.iter().any(Option::is_some)
+                || accept_paused_until.is_some_and(|t| Instant::now() < t);
             idle_since = match (connected, idle_since) {
                 (true, _) => None,
                 (false, None) => Some(Instant::now()),
@@ -541,10 +544,15 @@ fn hostd_program() -> Option<PathBuf> {
 
 fn connect(addr: SocketAddrV4) -> io::Result<(OwnedFd, u8)> {
     let fd = unix_seqpacket(SocketFlags::empty())?;
-    rustix::net::connect(
-        &fd,
-        &SocketAddrUnix::new_abstract_name(socket_name(addr).as_bytes())?,
-    )?;
+    let name = SocketAddrUnix::new_abstract_name(socket_name(addr).as_bytes())?;
+    // It blocks while the daemon's backlog is full: a signal then is no
+    // reason to fail.
+    loop {
+        match rustix::net::connect(&fd, &name) {
+            Err(rustix::io::Errno::INTR) => {}
+            r => break r?,
+        }
+    }
     // Anyone can bind an abstract name: a daemon of another user (root
     // aside) could read this process's traffic and forge its sources.
     let daemon = rustix::net::sockopt::socket_peercred(&fd)?.uid;
@@ -558,16 +566,20 @@ fn connect(addr: SocketAddrV4) -> io::Result<(OwnedFd, u8)> {
             ),
         ));
     }
-    rustix::net::sockopt::set_socket_timeout(
-        &fd,
-        rustix::net::sockopt::Timeout::Recv,
-        Some(Duration::from_secs(2)),
-    )?;
     let mut hello = [0u8; 6];
     // A signal interrupts a receive under a socket timeout even with
-    // SA_RESTART (a SIGCHLD from the daemon just started, say).
+    // SA_RESTART (a SIGCHLD from the daemon just started, say): the next
+    // try gets what is left.
     let give_up = Instant::now() + Duration::from_secs(2);
     let n = loop {
+        let left = give_up
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(1));
+        rustix::net::sockopt::set_socket_timeout(
+            &fd,
+            rustix::net::sockopt::Timeout::Recv,
+            Some(left),
+        )?;
         match rustix::net::recv(&fd, &mut hello, RecvFlags::empty()) {
             Err(rustix::io::Errno::INTR) if Instant::now() < give_up => {}
             r => {
