@@ -632,13 +632,24 @@ enum StreamState {
 #[derive(Debug)]
 struct Stream {
     next_seq: u32,
+    /// Bytes placed so far: the stream offset of `next_seq`, which, unlike
+    /// the sequence number, does not wrap.
+    placed: u64,
     /// Contiguous bytes not yet cut into units.
     buf: Vec<u8>,
-    /// Segments that arrived ahead of a gap, by sequence number (a few:
-    /// at most `MAX_AHEAD` bytes).
-    ahead: BTreeMap<u32, Vec<u8>>,
+    /// Segments that arrived ahead of a gap, by stream offset.
+    ahead: BTreeMap<u64, Vec<u8>>,
     ahead_bytes: usize,
     state: StreamState,
+}
+
+impl Stream {
+    /// Appends the next contiguous bytes.
+    fn place(&mut self, bytes: &[u8]) {
+        self.buf.extend_from_slice(bytes);
+        self.next_seq = self.next_seq.wrapping_add(bytes.len() as u32);
+        self.placed += bytes.len() as u64;
+    }
 }
 
 /// The two MPA start frames of a connection, keyed by the initiator's direction.
@@ -835,6 +846,7 @@ impl Decoder {
         let first_seq = if syn { seq.wrapping_add(1) } else { seq };
         let stream = self.streams.entry(endpoints).or_insert_with(|| Stream {
             next_seq: first_seq,
+            placed: 0,
             buf: Vec::new(),
             ahead: BTreeMap::new(),
             ahead_bytes: 0,
@@ -860,7 +872,7 @@ impl Decoder {
             }
             // A retransmission of a held segment is counted once; a longer
             // one replaces it, so that its extra bytes are not lost.
-            match stream.ahead.entry(seq) {
+            match stream.ahead.entry(stream.placed + rel as u64) {
                 std::collections::btree_map::Entry::Vacant(v) => {
                     stream.ahead_bytes += payload.len();
                     v.insert(payload.to_vec());
@@ -876,28 +888,21 @@ impl Decoder {
         }
         let skip = rel.unsigned_abs() as usize;
         if skip < payload.len() {
-            stream.buf.extend_from_slice(&payload[skip..]);
-            stream.next_seq = stream.next_seq.wrapping_add((payload.len() - skip) as u32);
+            stream.place(&payload[skip..]);
         }
-        // Segments that the new bytes made contiguous, nearest first in
-        // sequence order (held segments may lie on both sides of the
-        // sequence number's wrap, where the smallest key is not the next).
-        while let Some(s) = stream
-            .ahead
-            .keys()
-            .copied()
-            .min_by_key(|s| s.wrapping_sub(stream.next_seq) as i32)
-        {
-            let rel = s.wrapping_sub(stream.next_seq) as i32;
-            if rel > 0 {
+        // Segments that the new bytes made contiguous, by stream offset (by
+        // sequence number, segments held on both sides of its wrap came in
+        // the wrong order and the stream stalled).
+        while let Some(entry) = stream.ahead.first_entry() {
+            let at = *entry.key();
+            if at > stream.placed {
                 break;
             }
-            let seg = stream.ahead.remove(&s).expect("listed");
+            let seg = entry.remove();
             stream.ahead_bytes -= seg.len();
-            let skip = rel.unsigned_abs() as usize;
+            let skip = (stream.placed - at) as usize;
             if skip < seg.len() {
-                stream.buf.extend_from_slice(&seg[skip..]);
-                stream.next_seq = stream.next_seq.wrapping_add((seg.len() - skip) as u32);
+                stream.place(&seg[skip..]);
             }
         }
         self.cut_units(frame, endpoints, emit);
