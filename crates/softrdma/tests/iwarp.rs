@@ -680,10 +680,20 @@ fn a_slow_move_to_err_holds_up_no_other_thread() {
         mover.qp.modify(&err, None).unwrap();
         t0.elapsed()
     });
-    // The move is in its wait for the transmit thread by now.
-    std::thread::sleep(Duration::from_millis(300));
+    // Each look while the move runs returns at once; it held them all
+    // until the move ended.
+    let mut slowest = Duration::ZERO;
+    loop {
+        let t = Instant::now();
+        let state = c.qp.state();
+        slowest = slowest.max(t.elapsed());
+        if state == QpState::Err {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "never in ERR");
+        std::thread::sleep(Duration::from_millis(1));
+    }
     let t = Instant::now();
-    assert_eq!(c.qp.state(), QpState::Err);
     c.qp.post_send(SendWr::new(
         99,
         SendOp::Write {
@@ -700,9 +710,10 @@ fn a_slow_move_to_err_holds_up_no_other_thread() {
         "the transmit thread was not stuck ({took:?}): the test shows nothing"
     );
     assert!(
-        other < Duration::from_millis(300),
-        "a look and a post took {other:?}"
+        slowest < Duration::from_millis(300),
+        "a look took {slowest:?}"
     );
+    assert!(other < Duration::from_millis(300), "a post took {other:?}");
     // Every WRITE is flushed (or was written), the last one too.
     let mut seen = 0;
     while let Some(wc) = c.scq.wait(Duration::from_secs(1)).unwrap() {
@@ -729,12 +740,12 @@ fn a_write_into_a_closed_stream_raises_no_sigpipe() {
             .env(CHILD, "1")
             .output()
             .unwrap();
-        assert!(
-            out.status.success(),
-            "{:?}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout)
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
         );
+        assert!(out.status.success(), "{:?}\n{stdout}\n{stderr}", out.status);
+        assert!(stdout.contains("no SIGPIPE"), "{stdout}\n{stderr}");
         return;
     }
     // SAFETY: restores the default action of one signal, with no handler
@@ -758,7 +769,13 @@ fn a_write_into_a_closed_stream_raises_no_sigpipe() {
         ..QpAttr::default()
     };
     // Waits for the transmit thread, then closes the stream under it.
+    let t = std::time::Instant::now();
     c.qp.modify(&err, None).unwrap();
+    assert!(
+        t.elapsed() > Duration::from_millis(1500),
+        "the transmit thread was not stuck in its write ({:?})",
+        t.elapsed()
+    );
     println!("no SIGPIPE");
 }
 
