@@ -219,6 +219,29 @@ fn mute_peers_cost_one_wait_not_one_each() {
     }
 }
 
+/// Peers that never read fill their queues: then a send into each waits
+/// for room, and those waits are shared too (each was up to a second).
+#[test]
+fn mute_peers_with_full_queues_cost_one_wait_not_one_each() {
+    let ctx = Device::shm().open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let peers: Vec<_> = (0..3)
+        .map(|k| connected_to_a_mute_peer(&ctx, &pd, &cq, &format!("full{k}")))
+        .collect();
+    let mut regions = Vec::new();
+    let mut slowest = Duration::ZERO;
+    // The first waits out the answers; the rest go unanswered into the
+    // queues until they are full.
+    while peers.iter().any(|(qp, _)| qp.state() == QpState::Rts) {
+        assert!(regions.len() < 10_000, "the queues never filled");
+        let t = Instant::now();
+        regions.push(pd.register(4096, crate::memory::Access::ALL).unwrap());
+        slowest = slowest.max(t.elapsed());
+    }
+    assert!(slowest < ACK_WAIT + ACK_WAIT / 2, "{slowest:?}");
+}
+
 /// Each region a peer announces is a mapping here: a peer announcing one
 /// memfd over and over (which costs it nothing) is refused past the cap,
 /// before the process runs out of mappings.
