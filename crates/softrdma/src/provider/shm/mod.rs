@@ -279,7 +279,7 @@ pub(crate) struct ShmQp {
     sq: SqLock,
     /// The receives this side posted, oldest first, until their
     /// completions come back.
-    posted: Mutex<VecDeque<u64>>,
+    posted: Mutex<VecDeque<Posted>>,
     failed: AtomicBool,
     closing: AtomicBool,
     /// (message, lkey) the peer has acknowledged.
@@ -544,6 +544,13 @@ impl Deadline {
     }
 }
 
+/// Whether `fd` is an eventfd (the kernel names it so in /proc).
+fn is_eventfd(fd: BorrowedFd<'_>) -> bool {
+    use std::os::fd::AsRawFd;
+    std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+        .is_ok_and(|target| target.as_os_str() == "anon_inode:[eventfd]")
+}
+
 /// The peer's half of the exchange: its HELLO (ring size, inbox, eventfd)
 /// and its regions, up to READY.
 fn read_peer(
@@ -570,8 +577,13 @@ fn read_peer(
         ));
     }
     let peer_event = fds.pop().expect("two descriptors");
-    // Waking the peer must never block this side, whatever it passed (its
-    // own eventfd is non-blocking already: this changes nothing for it).
+    // Waking the peer writes to it: a pipe or socket whose other end closed
+    // would raise SIGPIPE, a file could block. Only an eventfd will do.
+    if !is_eventfd(peer_event.as_fd()) {
+        return Err(bad("the peer's wake-up descriptor is not an eventfd"));
+    }
+    // Waking the peer must never block this side (its own eventfd is
+    // non-blocking already: this changes nothing for it).
     rustix::io::ioctl_fionbio(&peer_event, true)?;
     let peer_inbox = mapping::map(fds[0].as_fd(), inbox_len(peer_slots))?;
     let mut peer_regions = MrTable::new();
@@ -708,6 +720,24 @@ pub(crate) fn establish(
         .spawn(move || runner.progress())?;
     *qp.thread.lock().expect("thread lock") = Some(t);
     Ok(qp)
+}
+
+/// A receive this side posted: what its completion reports.
+#[derive(Debug, Clone, Copy)]
+struct Posted {
+    wr_id: u64,
+    /// Its buffers' length: no completion reports more.
+    len: u32,
+}
+
+impl Posted {
+    fn of(wr: &RecvWr) -> Posted {
+        let len: u64 = wr.sgl.iter().map(|s| u64::from(s.len)).sum();
+        Posted {
+            wr_id: wr.wr_id,
+            len: u32::try_from(len).unwrap_or(u32::MAX),
+        }
+    }
 }
 
 /// Why an operation could not run now.
@@ -1125,7 +1155,7 @@ impl ShmQp {
             // Flushed: by the connection's end if receives wait before it
             // (it flushes them all, in order), else now.
             if !posted.is_empty() {
-                posted.push_back(wr.wr_id);
+                posted.push_back(Posted::of(&wr));
                 return Ok(());
             }
             drop(posted);
@@ -1146,7 +1176,7 @@ impl ShmQp {
         }
         m.write(self.mine.rq_slot(head), &slot);
         m.store(RQ_HEAD, head.wrapping_add(1));
-        posted.push_back(wr.wr_id);
+        posted.push_back(Posted::of(&wr));
         drop(posted);
         if m.load(PEER_WAITING) != 0 {
             m.store(PEER_WAITING, 0);
@@ -1172,12 +1202,14 @@ impl ShmQp {
             let mut slot = [0u8; CQ_SLOT];
             m.read(self.mine.cq_slot(tail), &mut slot);
             tail += 1;
-            let wr_id = le64(&slot, 0);
-            if posted.front() == Some(&wr_id) {
-                posted.pop_front();
-            } else if let Some(i) = posted.iter().position(|&w| w == wr_id) {
-                posted.remove(i);
-            }
+            // The peer takes receives in order and completes each as it
+            // takes it (both under its send queue's lock): this is the
+            // oldest. Its word on which, and on the length, is not trusted.
+            let Some(r) = posted.pop_front() else {
+                self.fail();
+                break;
+            };
+            let wr_id = r.wr_id;
             let opcode = if slot[12] != 0 {
                 WcOpcode::RecvRdmaWithImm
             } else {
@@ -1189,7 +1221,7 @@ impl ShmQp {
                 opcode,
                 self.qpn,
             );
-            wc.byte_len = le32(&slot, 8);
+            wc.byte_len = le32(&slot, 8).min(r.len);
             wc.imm = (slot[14] != 0).then(|| le32(&slot, 16));
             wc.solicited = slot[15] != 0;
             signal |= self.recv_cq.push(wc);
@@ -1338,6 +1370,9 @@ impl ShmQp {
         // moment to complete what it took, then flush the rest.
         let m = &self.mine.mem;
         let mut tries = 0;
+        // Under the receive queue's lock: a post that checked `failed`
+        // before it was set has its slot on the ring before the claim.
+        let posting = self.posted.lock().expect("shm RQ lock");
         let taken = loop {
             let tail = m.load(RQ_TAIL);
             let head = m.load(RQ_HEAD);
@@ -1351,14 +1386,15 @@ impl ShmQp {
                 break tail;
             }
         };
+        drop(posting);
         let deadline = Instant::now() + Duration::from_millis(50);
         while m.load(CQ_HEAD) < taken && Instant::now() < deadline {
             std::thread::yield_now();
         }
         self.drain_completions();
         let mut signal = false;
-        for wr_id in self.posted.lock().expect("shm RQ lock").drain(..) {
-            let wc = WorkCompletion::new(wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.qpn);
+        for r in self.posted.lock().expect("shm RQ lock").drain(..) {
+            let wc = WorkCompletion::new(r.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.qpn);
             signal |= self.recv_cq.push(wc);
         }
         if signal {

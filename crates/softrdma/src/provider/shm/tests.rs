@@ -8,8 +8,16 @@ fn send_msg(sock: BorrowedFd<'_>, msg: &[u8], fds: &[BorrowedFd<'_>]) -> io::Res
     send_by(sock, msg, fds, Instant::now() + Duration::from_secs(5))
 }
 
-#[test]
-fn a_peer_that_writes_a_wild_completion_count_fails_the_qp_instead_of_looping() {
+/// One side's objects: context, PD, CQ, QP.
+type Side = (
+    crate::verbs::Context,
+    crate::verbs::Pd,
+    crate::verbs::Cq,
+    crate::verbs::Qp,
+);
+
+/// Two connected QPs of two shm contexts, `name` unique per test.
+fn connected(name: &str) -> (Side, Side) {
     let make = || {
         let ctx = Device::shm().open().unwrap();
         let pd = ctx.alloc_pd().unwrap();
@@ -17,15 +25,21 @@ fn a_peer_that_writes_a_wild_completion_count_fails_the_qp_instead_of_looping() 
         let qp = pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
         (ctx, pd, cq, qp)
     };
-    let (b_ctx, _b_pd, _b_cq, b_qp) = make();
-    let name = format!("unit-{}-wild", std::process::id());
-    let l = Listener::bind(&b_ctx, &name).unwrap();
-    let (_a_ctx, _a_pd, _a_cq, a_qp) = make();
+    let b = make();
+    let name = format!("unit-{}-{name}", std::process::id());
+    let l = Listener::bind(&b.0, &name).unwrap();
+    let a = make();
     std::thread::scope(|s| {
-        let t = s.spawn(|| l.accept(&b_qp).unwrap());
-        connect(&a_qp, &name).unwrap();
+        let t = s.spawn(|| l.accept(&b.3).unwrap());
+        connect(&a.3, &name).unwrap();
         t.join().unwrap();
     });
+    (a, b)
+}
+
+#[test]
+fn a_peer_that_writes_a_wild_completion_count_fails_the_qp_instead_of_looping() {
+    let ((_a_ctx, _a_pd, _a_cq, a_qp), (_b_ctx, _b_pd, _b_cq, b_qp)) = connected("wild");
     // a, misbehaving: says it put 2^40 completions on b's ring.
     let a = a_qp.shm_conn().unwrap();
     a.peer.mem.store(CQ_HEAD, 1 << 40);
@@ -35,6 +49,32 @@ fn a_peer_that_writes_a_wild_completion_count_fails_the_qp_instead_of_looping() 
         assert!(t.elapsed() < Duration::from_secs(5), "b noticed");
         std::thread::sleep(Duration::from_millis(1));
     }
+}
+
+/// A peer's completion names the oldest receive and at most its length,
+/// whatever it writes: a made-up work request ID went to the application
+/// as given, with a length beyond the receive's buffers.
+#[test]
+fn a_peers_completion_cannot_name_another_receive_or_overstate_its_length() {
+    let ((_a_ctx, _a_pd, _a_cq, a_qp), (_b_ctx, b_pd, b_cq, b_qp)) = connected("wrid");
+    let mr = b_pd.register(4096, crate::memory::Access::ALL).unwrap();
+    b_qp.post_recv(crate::engine::RecvWr::new(7, [mr.sge(0, 16)]))
+        .unwrap();
+    // a, misbehaving: completes "receive 99" with a megabyte.
+    let a = a_qp.shm_conn().unwrap();
+    let m = &a.peer.mem;
+    let head = m.load(CQ_HEAD);
+    let mut slot = [0u8; CQ_SLOT];
+    slot[0..8].copy_from_slice(&99u64.to_le_bytes());
+    slot[8..12].copy_from_slice(&(1u32 << 20).to_le_bytes());
+    m.write(a.peer.cq_slot(head), &slot);
+    m.store(CQ_HEAD, head + 1);
+    a.peer.wake();
+    let wc = b_cq
+        .wait(Duration::from_secs(5))
+        .unwrap()
+        .expect("a completion");
+    assert_eq!((wc.wr_id, wc.byte_len), (7, 16));
 }
 
 /// A made-up peer's HELLO over `sock`: a real inbox, and `event` as its
@@ -75,7 +115,7 @@ fn seqpacket_pair() -> (OwnedFd, OwnedFd) {
 /// closed.
 fn a_peer_announcing(regions: u32, gap: Duration) -> (OwnedFd, std::thread::JoinHandle<()>) {
     let (ours, theirs) = seqpacket_pair();
-    let (event, _other_end) = std::os::unix::net::UnixStream::pair().unwrap();
+    let event = rustix::event::eventfd(0, EventfdFlags::CLOEXEC).unwrap();
     let peer = std::thread::spawn(move || {
         let _inbox = send_hello(theirs.as_fd(), event.as_fd());
         let (_mem, fd) = mapping::create(4096, "test-region").unwrap();
@@ -111,12 +151,13 @@ fn a_peer_that_dribbles_its_regions_times_out_within_the_exchanges_limit() {
     peer.join().unwrap();
 }
 
+/// A blocking eventfd (made non-blocking here), and anything else refused:
+/// a pipe or socket whose other end closed raises SIGPIPE on a wake-up, a
+/// file can block it.
 #[test]
-fn the_peers_wake_up_descriptor_is_made_non_blocking() {
+fn the_peers_wake_up_descriptor_must_be_an_eventfd_and_is_made_non_blocking() {
     let (ours, theirs) = seqpacket_pair();
-    // Not an eventfd: a blocking socket, which a full buffer would block
-    // every wake-up on.
-    let (event, _other_end) = std::os::unix::net::UnixStream::pair().unwrap();
+    let event = rustix::event::eventfd(0, EventfdFlags::CLOEXEC).unwrap();
     let flags = || rustix::fs::fcntl_getfl(&event).unwrap();
     assert!(!flags().contains(rustix::fs::OFlags::NONBLOCK));
     let _inbox = send_hello(theirs.as_fd(), event.as_fd());
@@ -126,6 +167,15 @@ fn the_peers_wake_up_descriptor_is_made_non_blocking() {
     assert!(regions.is_empty());
     assert!(flags().contains(rustix::fs::OFlags::NONBLOCK));
     drop(peer_event);
+
+    let (ours, theirs) = seqpacket_pair();
+    let (socket, _other_end) = std::os::unix::net::UnixStream::pair().unwrap();
+    let _inbox = send_hello(theirs.as_fd(), socket.as_fd());
+    send_msg(theirs.as_fd(), &[READY], &[]).unwrap();
+    let Err(e) = read_peer(ours.as_fd(), Deadline::after(Duration::from_secs(5))) else {
+        panic!("a socket taken for the peer's eventfd");
+    };
+    assert!(e.to_string().contains("not an eventfd"), "{e}");
 }
 
 /// A peer that stops reading after the exchange (a process stopped, hung):
@@ -149,12 +199,12 @@ fn connected_to_a_mute_peer(
             .unwrap(),
     )
     .unwrap();
-    let (event, other_end) = std::os::unix::net::UnixStream::pair().unwrap();
+    let event = rustix::event::eventfd(0, EventfdFlags::CLOEXEC).unwrap();
     let inbox = send_hello(peer.as_fd(), event.as_fd());
     send_msg(peer.as_fd(), &[READY], &[]).unwrap();
     l.accept(&qp).unwrap();
     assert_eq!(qp.state(), QpState::Rts);
-    (qp, (peer, event, other_end, inbox))
+    (qp, (peer, event, inbox))
 }
 
 #[test]
