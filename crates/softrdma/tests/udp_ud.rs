@@ -375,6 +375,34 @@ fn a_destroyed_or_foreign_address_handle_is_refused() {
     assert_eq!(got, [(3, WcStatus::Success), (5, WcStatus::Success)]);
 }
 
+/// An address handle of another device context is refused too. Each
+/// context numbered its PDs and handles from 1, so the first handle of one
+/// context passed for the first of another, PD and all, and the datagram
+/// went to that one's address.
+#[test]
+fn an_address_handle_of_another_context_is_refused() {
+    let open = || Device::udp("127.0.0.1:0".parse().unwrap()).open().unwrap();
+    let (ctx, other) = (open(), open());
+    let (pd, other_pd) = (ctx.alloc_pd().unwrap(), other.alloc_pd().unwrap());
+    let mr = pd.register(4096, Access::LOCAL_WRITE).unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let a = ud_qp(&pd, &cq, QKEY);
+    let theirs = other_pd
+        .create_ah(AhAttr {
+            addr: other.local_addr(),
+        })
+        .unwrap();
+    let _ours = pd
+        .create_ah(AhAttr {
+            addr: ctx.local_addr(),
+        })
+        .unwrap();
+    let e = a
+        .post_send(SendWr::new(1, SendOp::Send, vec![mr.sge(0, 4)]).to(theirs.dest(a.qpn(), QKEY)))
+        .unwrap_err();
+    assert!(matches!(e, VerbsError::Post(PostError::BadAh(_))), "{e}");
+}
+
 /// A CM REQ to QP 1 (rdma_cm over RoCEv2, not served yet) is answered at
 /// once with a REJ to the sender's RoCEv2 port: reason 8, the REQ's IDs.
 #[test]

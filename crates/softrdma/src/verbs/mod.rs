@@ -293,10 +293,6 @@ impl Device {
         Ok(Context {
             inner: Arc::new(ContextInner {
                 dev,
-                next_pd: AtomicU64::new(1),
-                next_ah: AtomicU64::new(1),
-                next_cq: AtomicU64::new(1),
-                next_srq: AtomicU64::new(1),
                 qpn_range: qpn_range(slot),
                 next_qpn: Mutex::new(*qpn_range(slot).start()),
                 cm_qpns: Arc::default(),
@@ -408,10 +404,6 @@ impl ContextInner {
 #[derive(Debug)]
 struct ContextInner {
     dev: Provider,
-    next_pd: AtomicU64,
-    next_ah: AtomicU64,
-    next_cq: AtomicU64,
-    next_srq: AtomicU64,
     /// The QPNs this device hands out: a hostd slot's, or all but 0..0x11.
     qpn_range: std::ops::RangeInclusive<u32>,
     next_qpn: Mutex<u32>,
@@ -440,6 +432,16 @@ impl Drop for QpnLease {
     fn drop(&mut self) {
         self.live.lock().expect("QPN set lock").remove(&self.qpn);
     }
+}
+
+/// The number of a new PD, CQ, SRQ or address handle: unique in the
+/// process, so that one of another context (or kind) is never taken for
+/// this one's (an address handle of another context sent to this
+/// context's handle of the same number), and 64-bit, so that it never
+/// wraps onto a live one.
+fn next_object_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 /// QPNs of a device: slot 0 (exclusive) has 0x11..=0xfeffff; a hostd slot
@@ -719,7 +721,7 @@ impl Context {
     pub fn alloc_pd(&self) -> Result<Pd> {
         Ok(Pd {
             ctx: self.clone(),
-            id: self.inner.next_pd.fetch_add(1, Ordering::Relaxed),
+            id: next_object_id(),
         })
     }
 
@@ -730,7 +732,7 @@ impl Context {
                 "CQ capacity {capacity} is outside 1..={MAX_CQE}"
             )));
         }
-        let id = self.inner.next_cq.fetch_add(1, Ordering::Relaxed);
+        let id = next_object_id();
         let cq = Cq::new(capacity, id, Some(self.inner.events().clone()))
             .map_err(io_err("cannot create a completion queue"))?;
         Ok(match &self.inner.dev {
@@ -850,7 +852,7 @@ impl Pd {
         }
         Ok(Srq {
             ctx: self.ctx.clone(),
-            id: self.ctx.inner.next_srq.fetch_add(1, Ordering::Relaxed),
+            id: next_object_id(),
             inner: Arc::new(Mutex::new(crate::engine::srq::Srq::new(max_wr, max_sge))),
         })
     }
@@ -864,7 +866,7 @@ impl Pd {
             )));
         }
         let dev = self.ctx.inner.udp("an address handle")?;
-        let id = AhId(self.ctx.inner.next_ah.fetch_add(1, Ordering::Relaxed));
+        let id = AhId(next_object_id());
         dev.shared
             .ahs
             .write()
