@@ -157,6 +157,53 @@ fn a_destroyed_peer_gives_retry_exceeded() {
     assert_eq!(a.qp.state(), QpState::Err);
 }
 
+/// A QP dropped with a WRITE outstanding lets go of the WRITE's region at
+/// once, so the caller's buffer comes back from `Mr::deregister`; the
+/// progress thread held the QP (and so the region) while it slept, until
+/// its next timer or datagram.
+#[test]
+fn a_dropped_qp_lets_go_of_its_regions_while_the_device_sleeps() {
+    let ctx = Device::udp("127.0.0.1:0".parse().unwrap()).open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let mr = pd
+        .register_vec(vec![7u8; 4096], Access::LOCAL_WRITE)
+        .unwrap();
+    let qp = pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
+    // A peer that never answers: the WRITE stays outstanding, its next
+    // retransmission seconds away.
+    let silent = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    silent
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let std::net::SocketAddr::V4(addr) = silent.local_addr().unwrap() else {
+        unreachable!("IPv4")
+    };
+    let mine = ConnInfo::local(&qp, None).unwrap();
+    let peer = ConnInfo { addr, ..mine };
+    let slow = RcOptions {
+        timeout: 20,
+        ..RcOptions::default()
+    };
+    cm::connect(&qp, &mine, &peer, &slow).unwrap();
+    qp.post_send(SendWr::new(
+        1,
+        SendOp::Write {
+            remote_addr: 0,
+            rkey: 1,
+        },
+        vec![mr.sge(0, 8)],
+    ))
+    .unwrap();
+    // Sent, and the progress thread asleep again.
+    let mut got = [0u8; 64];
+    silent.recv(&mut got).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    drop(qp);
+    let buf = mr.deregister().expect("the buffer given back");
+    assert_eq!(buf, vec![7u8; 4096]);
+}
+
 /// A destroyed QP takes no packet, even right after it took some (the
 /// receiving thread keeps the QPs the last packets were for): a WRITE to it
 /// lands nowhere, is counted as for no QP, and its requester gives up.

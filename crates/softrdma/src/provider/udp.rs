@@ -1233,6 +1233,10 @@ fn progress(shared: &Arc<Shared>) {
                 next = next.min(t.0);
             }
         }
+        // Not held while asleep: a QP dropped meanwhile lets go of its
+        // CQs and regions at once (a caller's buffer comes back from
+        // `Mr::deregister`).
+        slots.clear();
         shared.sleep_until.store(next, Ordering::SeqCst);
         // Sleep until a datagram, a wake-up or the next timer. In busy-poll
         // mode, while an application thread polls, the sockets are its.
