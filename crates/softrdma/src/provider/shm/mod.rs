@@ -726,7 +726,7 @@ pub(crate) fn establish(
 #[derive(Debug, Clone, Copy)]
 struct Posted {
     wr_id: u64,
-    /// Its buffers' length: no completion reports more.
+    /// Its buffers' length: no SEND's completion reports more.
     len: u32,
 }
 
@@ -1221,7 +1221,13 @@ impl ShmQp {
                 opcode,
                 self.qpn,
             );
-            wc.byte_len = le32(&slot, 8).min(r.len);
+            // A SEND's length is at most the receive's buffers; a WRITE
+            // with immediate's is the WRITE's, into the peer's region.
+            wc.byte_len = if slot[12] != 0 {
+                le32(&slot, 8)
+            } else {
+                le32(&slot, 8).min(r.len)
+            };
             wc.imm = (slot[14] != 0).then(|| le32(&slot, 16));
             wc.solicited = slot[15] != 0;
             signal |= self.recv_cq.push(wc);
@@ -1272,25 +1278,61 @@ impl ShmQp {
         send_by(self.sock.as_fd(), &ack, &[], Instant::now() + ACK_WAIT)
     }
 
-    /// The QP fails: the peer hears of it (the socket closes), work waiting
-    /// here is flushed.
+    /// The QP fails: no operation starts from here on, and the progress
+    /// thread ends the connection (see [`ShmQp::progress`]) and flushes
+    /// what waits here.
     fn fail(&self) {
-        if self.failed.swap(true, Ordering::AcqRel) {
-            return;
+        {
+            // Under the lock `wait_ack` checks the flag under: a waiter for
+            // an acknowledgement gives up now.
+            let _acks = self.acks.lock().expect("acks lock");
+            if self.failed.swap(true, Ordering::AcqRel) {
+                return;
+            }
+            self.acked.notify_all();
         }
-        let _ = rustix::net::shutdown(&self.sock, Shutdown::Both);
+        self.mine.wake();
+    }
+
+    /// Tells the peer that this side touches its memory no more: the
+    /// operation that may be copying into it (under the send queue's lock)
+    /// has ended, and none starts after `failed` was set; then the write
+    /// half of the socket closes, which the peer reads as the end.
+    fn let_go_of_the_peer(&self) {
+        drop(self.sq.lock());
+        let _ = rustix::net::shutdown(&self.sock, Shutdown::Write);
     }
 
     /// The progress thread: the peer's completions and wake-ups, region
-    /// updates, and the end of the connection.
+    /// updates, and the end of the connection. Either side ends it the same
+    /// way: it stops touching the peer's memory, then says so by closing
+    /// its write half; a side that hears the end first answers in kind. So
+    /// when a side hears the end, every receive of its own that the peer
+    /// took is complete, and it may flush the rest (a receive flushed while
+    /// the peer still copied into it would be overwritten after the
+    /// application got it back). A peer that does not answer within
+    /// [`ACK_WAIT`] is not waited for longer.
     fn progress(&self) {
         let mut buf = [0u8; MSG_MAX];
+        let mut answer_until: Option<Instant> = None;
         loop {
+            if answer_until.is_none() && self.failed.load(Ordering::Acquire) {
+                self.let_go_of_the_peer();
+                answer_until = Some(Instant::now() + ACK_WAIT);
+            }
+            let left = answer_until.map(|t| t.saturating_duration_since(Instant::now()));
+            if left.is_some_and(|l| l.is_zero()) {
+                break;
+            }
+            let ts = left.map(|l| rustix::time::Timespec {
+                tv_sec: l.as_secs() as i64,
+                tv_nsec: i64::from(l.subsec_nanos()),
+            });
             let mut fds = [
                 PollFd::new(&self.sock, PollFlags::IN),
                 PollFd::new(&self.mine.event, PollFlags::IN),
             ];
-            match rustix::event::poll(&mut fds, None) {
+            match rustix::event::poll(&mut fds, ts.as_ref()) {
                 Ok(_) => {}
                 Err(rustix::io::Errno::INTR) => continue,
                 Err(_) => break,
@@ -1313,6 +1355,10 @@ impl ShmQp {
                     }
                 }
             }
+        }
+        if answer_until.is_none() {
+            self.failed.store(true, Ordering::Release);
+            self.let_go_of_the_peer();
         }
         self.lost();
     }
@@ -1366,8 +1412,9 @@ impl ShmQp {
             self.acked.notify_all();
         }
         // Receives: claim those the peer has not taken (it may be taking
-        // one right now: the claim is a compare-and-swap), give the peer a
-        // moment to complete what it took, then flush the rest.
+        // one right now: the claim is a compare-and-swap), then flush the
+        // rest. A peer that answered the end has completed what it took; one
+        // that did not gets a moment more.
         let m = &self.mine.mem;
         let mut tries = 0;
         // Under the receive queue's lock: a post that checked `failed`
@@ -1418,10 +1465,11 @@ impl ShmQp {
         }
     }
 
-    /// Ends the connection (the QP is destroyed).
+    /// Ends the connection (the QP is destroyed): returns once the peer
+    /// has let go of this side's memory, or did not answer in time.
     pub(crate) fn close(&self) {
         self.closing.store(true, Ordering::Release);
-        let _ = rustix::net::shutdown(&self.sock, Shutdown::Both);
+        self.fail();
         if let Some(t) = self.thread.lock().expect("thread lock").take()
             && t.thread().id() != std::thread::current().id()
         {

@@ -51,9 +51,9 @@ fn a_peer_that_writes_a_wild_completion_count_fails_the_qp_instead_of_looping() 
     }
 }
 
-/// A peer's completion names the oldest receive and at most its length,
-/// whatever it writes: a made-up work request ID went to the application
-/// as given, with a length beyond the receive's buffers.
+/// A peer's completion names the oldest receive and, for a SEND, at most
+/// its length, whatever it writes: a made-up work request ID went to the
+/// application as given, with a length beyond the receive's buffers.
 #[test]
 fn a_peers_completion_cannot_name_another_receive_or_overstate_its_length() {
     let ((_a_ctx, _a_pd, _a_cq, a_qp), (_b_ctx, b_pd, b_cq, b_qp)) = connected("wrid");
@@ -75,6 +75,49 @@ fn a_peers_completion_cannot_name_another_receive_or_overstate_its_length() {
         .unwrap()
         .expect("a completion");
     assert_eq!((wc.wr_id, wc.byte_len), (7, 16));
+}
+
+/// A receive the peer took is not flushed while the peer may still copy
+/// into it: the side that ends the connection waits for the peer to say it
+/// has let go (the end of its stream, after its copy). It was flushed after
+/// 50 ms, and a slower copy went on into a buffer the application had back.
+#[test]
+fn a_taken_receive_is_not_flushed_while_the_peer_still_copies_into_it() {
+    let ((_a_ctx, _a_pd, _a_cq, a_qp), (_b_ctx, b_pd, b_cq, b_qp)) = connected("mid-copy");
+    let mr = b_pd.register(4096, crate::memory::Access::ALL).unwrap();
+    b_qp.post_recv(crate::engine::RecvWr::new(5, [mr.sge(0, 64)]))
+        .unwrap();
+    // a, in the middle of a SEND into that receive: it holds its send
+    // queue's lock, as a copy does, and has taken the receive.
+    let a = a_qp.shm_conn().unwrap();
+    let copying = a.sq.lock();
+    let taken = a.take_receive().expect("the posted receive");
+    let b_qp = std::sync::Arc::new(b_qp);
+    let ending = b_qp.clone();
+    let to_err = std::thread::spawn(move || {
+        let err = crate::verbs::QpAttr {
+            state: Some(QpState::Err),
+            ..Default::default()
+        };
+        ending.modify(&err, None).unwrap();
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        b_cq.poll_one().unwrap().is_none(),
+        "flushed while the peer copies"
+    );
+    // The copy ends: the receive completes, then a lets go.
+    a.put_completion(&taken, 64, false, WcStatus::Success, None, false);
+    drop(copying);
+    to_err.join().unwrap();
+    let wc = b_cq
+        .wait(Duration::from_secs(5))
+        .unwrap()
+        .expect("the receive");
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.byte_len),
+        (5, WcStatus::Success, 64)
+    );
 }
 
 /// A made-up peer's HELLO over `sock`: a real inbox, and `event` as its
