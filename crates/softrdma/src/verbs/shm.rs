@@ -164,9 +164,12 @@ impl Qp {
         let mut early = connecting.receives().into_iter();
         while let Some(wr) = early.next() {
             if let Err(e) = conn.post_recv(wr) {
-                // Those taken are flushed by the close; the rest stay.
-                conn.close();
+                // Those taken are flushed by the close; the rest stay. The
+                // close waits for the peer (up to a second): not with the
+                // QP's state held.
                 connecting.restore(early.collect());
+                drop(connecting);
+                conn.close();
                 return Err(e.into());
             }
         }

@@ -288,6 +288,10 @@ pub(crate) struct ShmQp {
     /// The peer let a new region's acknowledgement wait out [`ACK_WAIT`]:
     /// registrations stop waiting for it until it acknowledges something.
     slow_to_ack: AtomicBool,
+    /// Wakes the progress thread to end the connection: an eventfd of this
+    /// side's alone (the peer holds `mine.event` too, and could take the
+    /// wake-up from it).
+    end_now: OwnedFd,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -329,12 +333,14 @@ pub(crate) struct QpParts {
 
 /// Sends one message after the exchange, waiting until `deadline` at most
 /// for room in the peer's queue (without touching the socket's timeout,
-/// which other threads' sends share); signals do not cut the wait short.
+/// which other threads' sends share); signals do not cut the wait short,
+/// `gave_up` (looked at every few milliseconds) does.
 fn send_by(
     sock: BorrowedFd<'_>,
     msg: &[u8],
     fds: &[BorrowedFd<'_>],
     deadline: Instant,
+    gave_up: &dyn Fn() -> bool,
 ) -> io::Result<()> {
     loop {
         match send_msg_once(sock, msg, fds, SendFlags::DONTWAIT) {
@@ -346,10 +352,14 @@ fn send_by(
                         "the peer has not read its messages in time",
                     ));
                 }
+                if gave_up() {
+                    return Err(io::Error::other("the connection is ending"));
+                }
+                let slice = left.min(Duration::from_millis(10));
                 let mut out = [PollFd::new(&sock, PollFlags::OUT)];
                 let ts = rustix::time::Timespec {
-                    tv_sec: left.as_secs() as i64,
-                    tv_nsec: i64::from(left.subsec_nanos()),
+                    tv_sec: 0,
+                    tv_nsec: i64::from(slice.subsec_nanos()),
                 };
                 match rustix::event::poll(&mut out, Some(&ts)) {
                     Ok(_) | Err(rustix::io::Errno::INTR) => {}
@@ -544,11 +554,20 @@ impl Deadline {
     }
 }
 
-/// Whether `fd` is an eventfd (the kernel names it so in /proc).
+/// Whether `fd` is an eventfd (the kernel names it so in /proc). Without
+/// /proc: whether it is a file of the anonymous inode eventfds share (an
+/// epoll or timer descriptor passes too, but a write to one fails at once,
+/// which is all a wake-up needs).
 fn is_eventfd(fd: BorrowedFd<'_>) -> bool {
     use std::os::fd::AsRawFd;
-    std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
-        .is_ok_and(|target| target.as_os_str() == "anon_inode:[eventfd]")
+    if let Ok(target) = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())) {
+        return target.as_os_str() == "anon_inode:[eventfd]";
+    }
+    let inode = |fd: BorrowedFd<'_>| rustix::fs::fstat(fd).map(|st| (st.st_dev, st.st_ino));
+    let Ok(ours) = eventfd(0, EventfdFlags::CLOEXEC) else {
+        return false;
+    };
+    matches!((inode(fd), inode(ours.as_fd())), (Ok(a), Ok(b)) if a == b)
 }
 
 /// The peer's half of the exchange: its HELLO (ring size, inbox, eventfd)
@@ -690,6 +709,7 @@ pub(crate) fn establish(
         acks: Mutex::new(Vec::new()),
         acked: Condvar::new(),
         slow_to_ack: AtomicBool::new(false),
+        end_now: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?,
         thread: Mutex::new(None),
     });
     {
@@ -1244,7 +1264,13 @@ impl ShmQp {
     }
 
     fn send_region(&self, r: &SharedRegion, deadline: Instant) -> io::Result<()> {
-        send_by(self.sock.as_fd(), &r.message(), &[r.fd.as_fd()], deadline)
+        send_by(
+            self.sock.as_fd(),
+            &r.message(),
+            &[r.fd.as_fd()],
+            deadline,
+            &|| self.failed.load(Ordering::Acquire),
+        )
     }
 
     fn send_revoke(&self, lkey: u32, rkey: u32, deadline: Instant) -> io::Result<()> {
@@ -1252,7 +1278,9 @@ impl ShmQp {
         m[0] = REVOKE;
         m[4..8].copy_from_slice(&lkey.to_le_bytes());
         m[8..12].copy_from_slice(&rkey.to_le_bytes());
-        send_by(self.sock.as_fd(), &m, &[], deadline)
+        send_by(self.sock.as_fd(), &m, &[], deadline, &|| {
+            self.failed.load(Ordering::Acquire)
+        })
     }
 
     /// Waits (until `deadline`, or until the connection fails) for the
@@ -1275,7 +1303,13 @@ impl ShmQp {
         ack[0] = ACK;
         ack[1] = what;
         ack[4..8].copy_from_slice(&lkey.to_le_bytes());
-        send_by(self.sock.as_fd(), &ack, &[], Instant::now() + ACK_WAIT)
+        send_by(
+            self.sock.as_fd(),
+            &ack,
+            &[],
+            Instant::now() + ACK_WAIT,
+            &|| self.failed.load(Ordering::Acquire),
+        )
     }
 
     /// The QP fails: no operation starts from here on, and the progress
@@ -1291,7 +1325,7 @@ impl ShmQp {
             }
             self.acked.notify_all();
         }
-        self.mine.wake();
+        let _ = rustix::io::write(&self.end_now, &1u64.to_ne_bytes());
     }
 
     /// Tells the peer that this side touches its memory no more: the
@@ -1331,32 +1365,49 @@ impl ShmQp {
             let mut fds = [
                 PollFd::new(&self.sock, PollFlags::IN),
                 PollFd::new(&self.mine.event, PollFlags::IN),
+                PollFd::new(&self.end_now, PollFlags::IN),
             ];
             match rustix::event::poll(&mut fds, ts.as_ref()) {
                 Ok(_) => {}
                 Err(rustix::io::Errno::INTR) => continue,
-                Err(_) => break,
+                Err(_) => {
+                    // Not expected; end as for any failure (bounded).
+                    self.fail();
+                    std::thread::sleep(Duration::from_millis(1));
+                    continue;
+                }
             }
-            let (sock_ready, event_ready) =
-                (!fds[0].revents().is_empty(), !fds[1].revents().is_empty());
+            let ready = |i: usize| !fds[i].revents().is_empty();
+            let (sock_ready, event_ready, end_ready) = (ready(0), ready(1), ready(2));
+            if end_ready {
+                let mut b = [0u8; 8];
+                let _ = rustix::io::read(&self.end_now, &mut b);
+            }
             if event_ready {
                 let mut b = [0u8; 8];
                 let _ = rustix::io::read(&self.mine.event, &mut b);
                 self.drain_completions();
                 self.run_backlog();
             }
-            if sock_ready {
-                match recv_msg(self.sock.as_fd(), &mut buf) {
-                    Ok((0, _)) | Err(_) => break,
-                    Ok((n, fds)) => {
-                        if self.message(&buf[..n], &fds).is_err() {
-                            break;
-                        }
+            if !sock_ready {
+                continue;
+            }
+            match recv_msg(self.sock.as_fd(), &mut buf) {
+                // The peer's end: it touches this side's memory no more.
+                Ok((0, _)) => break,
+                // Waiting for the peer's end, its messages need no answer
+                // (its descriptors close here).
+                _ if answer_until.is_some() => {}
+                Ok((n, fds)) => {
+                    if self.message(&buf[..n], &fds).is_err() {
+                        self.fail();
                     }
                 }
+                Err(_) => self.fail(),
             }
         }
         if answer_until.is_none() {
+            // The peer ended first: this side answers.
             self.failed.store(true, Ordering::Release);
             self.let_go_of_the_peer();
         }

@@ -5,7 +5,13 @@ use crate::cm::shm::{Listener, connect};
 use crate::verbs::{Device, QpInit};
 
 fn send_msg(sock: BorrowedFd<'_>, msg: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
-    send_by(sock, msg, fds, Instant::now() + Duration::from_secs(5))
+    send_by(
+        sock,
+        msg,
+        fds,
+        Instant::now() + Duration::from_secs(5),
+        &|| false,
+    )
 }
 
 /// One side's objects: context, PD, CQ, QP.
@@ -81,43 +87,56 @@ fn a_peers_completion_cannot_name_another_receive_or_overstate_its_length() {
 /// into it: the side that ends the connection waits for the peer to say it
 /// has let go (the end of its stream, after its copy). It was flushed after
 /// 50 ms, and a slower copy went on into a buffer the application had back.
+/// Ended by a move to ERR, and by a message it can't take.
 #[test]
 fn a_taken_receive_is_not_flushed_while_the_peer_still_copies_into_it() {
-    let ((_a_ctx, _a_pd, _a_cq, a_qp), (_b_ctx, b_pd, b_cq, b_qp)) = connected("mid-copy");
-    let mr = b_pd.register(4096, crate::memory::Access::ALL).unwrap();
-    b_qp.post_recv(crate::engine::RecvWr::new(5, [mr.sge(0, 64)]))
-        .unwrap();
-    // a, in the middle of a SEND into that receive: it holds its send
-    // queue's lock, as a copy does, and has taken the receive.
-    let a = a_qp.shm_conn().unwrap();
-    let copying = a.sq.lock();
-    let taken = a.take_receive().expect("the posted receive");
-    let b_qp = std::sync::Arc::new(b_qp);
-    let ending = b_qp.clone();
-    let to_err = std::thread::spawn(move || {
-        let err = crate::verbs::QpAttr {
-            state: Some(QpState::Err),
-            ..Default::default()
-        };
-        ending.modify(&err, None).unwrap();
-    });
-    std::thread::sleep(Duration::from_millis(300));
-    assert!(
-        b_cq.poll_one().unwrap().is_none(),
-        "flushed while the peer copies"
-    );
-    // The copy ends: the receive completes, then a lets go.
-    a.put_completion(&taken, 64, false, WcStatus::Success, None, false);
-    drop(copying);
-    to_err.join().unwrap();
-    let wc = b_cq
-        .wait(Duration::from_secs(5))
-        .unwrap()
-        .expect("the receive");
-    assert_eq!(
-        (wc.wr_id, wc.status, wc.byte_len),
-        (5, WcStatus::Success, 64)
-    );
+    for by_message in [false, true] {
+        let name = format!("mid-copy-{by_message}");
+        let ((_a_ctx, _a_pd, _a_cq, a_qp), (_b_ctx, b_pd, b_cq, b_qp)) = connected(&name);
+        let mr = b_pd.register(4096, crate::memory::Access::ALL).unwrap();
+        b_qp.post_recv(crate::engine::RecvWr::new(5, [mr.sge(0, 64)]))
+            .unwrap();
+        // a, in the middle of a SEND into that receive: it holds its send
+        // queue's lock, as a copy does, and has taken the receive.
+        let a = a_qp.shm_conn().unwrap();
+        let copying = a.sq.lock();
+        let taken = a.take_receive().expect("the posted receive");
+        let b_qp = std::sync::Arc::new(b_qp);
+        let ending = b_qp.clone();
+        let to_err = std::thread::spawn(move || {
+            if by_message {
+                // Not a message b knows: b ends the connection.
+                send_msg(a_qp.shm_conn().unwrap().sock.as_fd(), &[0xee; 8], &[]).unwrap();
+            } else {
+                let err = crate::verbs::QpAttr {
+                    state: Some(QpState::Err),
+                    ..Default::default()
+                };
+                ending.modify(&err, None).unwrap();
+            }
+            a_qp
+        });
+        // Longer than the 50 ms after which it was flushed, well within the
+        // second the peer has to answer.
+        std::thread::sleep(Duration::from_millis(200));
+        let early = b_cq.poll_one().unwrap();
+        // The copy ends: the receive completes, then a lets go.
+        a.put_completion(&taken, 64, false, WcStatus::Success, None, false);
+        drop(copying);
+        let _a_qp = to_err.join().unwrap();
+        assert!(
+            early.is_none(),
+            "flushed while the peer copies (by message: {by_message}): {early:?}"
+        );
+        let wc = b_cq
+            .wait(Duration::from_secs(5))
+            .unwrap()
+            .expect("the receive");
+        assert_eq!(
+            (wc.wr_id, wc.status, wc.byte_len),
+            (5, WcStatus::Success, 64)
+        );
+    }
 }
 
 /// A made-up peer's HELLO over `sock`: a real inbox, and `event` as its
