@@ -648,15 +648,11 @@ fn posting_to_a_peer_that_stops_reading_does_not_block() {
     assert_eq!(c.qp.state(), QpState::Rts);
 }
 
-/// A move to ERR waits (up to 2 s) for a transmit thread stuck in a full
-/// socket; other threads' posts and looks at the QP do not wait with it
-/// (they waited on the connection's lock for the whole 2 s).
-#[test]
-fn a_slow_move_to_err_holds_up_no_other_thread() {
-    use std::time::Instant;
-    let (c, _peer) = connected_to_a_peer_that_never_reads();
-    // 64 MiB fill the socket and the peer's (a few MiB each): the transmit
-    // thread blocks in its write.
+/// An end connected to a peer that never reads, with 64 WRITEs of 1 MiB
+/// posted: they fill the socket and the peer's (a few MiB each), and the
+/// transmit thread blocks in its write.
+fn a_transmit_thread_stuck_in_its_write() -> (End, std::net::TcpStream) {
+    let (c, peer) = connected_to_a_peer_that_never_reads();
     for k in 0..64u64 {
         c.qp.post_send(SendWr::new(
             k,
@@ -669,6 +665,16 @@ fn a_slow_move_to_err_holds_up_no_other_thread() {
         .unwrap();
     }
     std::thread::sleep(Duration::from_millis(100));
+    (c, peer)
+}
+
+/// A move to ERR waits (up to 2 s) for a transmit thread stuck in a full
+/// socket; other threads' posts and looks at the QP do not wait with it
+/// (they waited on the connection's lock for the whole 2 s).
+#[test]
+fn a_slow_move_to_err_holds_up_no_other_thread() {
+    use std::time::Instant;
+    let (c, _peer) = a_transmit_thread_stuck_in_its_write();
     let c = std::sync::Arc::new(c);
     let mover = c.clone();
     let t0 = Instant::now();
@@ -751,19 +757,7 @@ fn a_write_into_a_closed_stream_raises_no_sigpipe() {
     // SAFETY: restores the default action of one signal, with no handler
     // and no other thread of this process touching signal state.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
-    let (c, _peer) = connected_to_a_peer_that_never_reads();
-    for k in 0..64u64 {
-        c.qp.post_send(SendWr::new(
-            k,
-            SendOp::Write {
-                remote_addr: 0x1000,
-                rkey: 0x1234,
-            },
-            vec![c.mr.sge(0, 1 << 20)],
-        ))
-        .unwrap();
-    }
-    std::thread::sleep(Duration::from_millis(100));
+    let (c, _peer) = a_transmit_thread_stuck_in_its_write();
     let err = QpAttr {
         state: Some(QpState::Err),
         ..QpAttr::default()

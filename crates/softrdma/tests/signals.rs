@@ -144,9 +144,44 @@ fn a_timed_cq_wait_ends_on_time_under_signals() {
     });
 }
 
+/// SENDs into posted receives, WRITEs and READs, in turn, from `src` to
+/// `dst` (a QP, its region, the CQ of its completions), each checked.
+fn send_write_read(src: (&Qp, &Mr, &Cq), dst: (&Qp, &Mr, &Cq), what: &str) {
+    let (data_at, written_at) = (0usize, 1usize << 18);
+    let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+    src.1.write(0, &data).unwrap();
+    let mut sends = 0;
+    for k in 0..20u64 {
+        dst.0
+            .post_recv(RecvWr::new(k, [dst.1.sge(data_at, 1 << 17)]))
+            .unwrap();
+        let (remote_addr, rkey) = (dst.1.addr() + written_at as u64, dst.1.rkey());
+        let op = match k % 3 {
+            0 => {
+                sends += 1;
+                SendOp::Send
+            }
+            1 => SendOp::Write { remote_addr, rkey },
+            _ => SendOp::Read { remote_addr, rkey },
+        };
+        src.0
+            .post_send(SendWr::new(k, op, [src.1.sge(0, data.len() as u32)]))
+            .unwrap();
+        assert_eq!(one(src.2).status, WcStatus::Success, "{what} WR {k}");
+    }
+    for _ in 0..sends {
+        assert_eq!(one(dst.2).status, WcStatus::Success, "{what}");
+    }
+    assert_eq!(dst.1.read_vec(data_at, data.len()).unwrap(), data, "{what}");
+    assert_eq!(
+        dst.1.read_vec(written_at, data.len()).unwrap(),
+        data,
+        "{what}"
+    );
+}
+
 /// RoCEv2 and iWARP connect and move data with every thread interrupted
-/// each millisecond: SENDs into posted receives, WRITEs and READs, each
-/// checked.
+/// each millisecond.
 #[test]
 fn roce_and_iwarp_move_data_under_signals() {
     in_a_child_under_signals("roce_and_iwarp_move_data_under_signals", || {
@@ -154,57 +189,8 @@ fn roce_and_iwarp_move_data_under_signals() {
         let roce = |ip: &str| roce_end(Device::udp(format!("{ip}:0").parse().unwrap()));
         let (a, b) = (roce("127.0.0.61"), roce("127.0.0.62"));
         connect_rc(&a.qp, &b.qp, Some(&a.mr), &Default::default());
-        let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
-        a.mr.write(0, &data).unwrap();
-        for k in 0..20u64 {
-            b.qp.post_recv(RecvWr::new(k, [b.mr.sge(0, 1 << 17)]))
-                .unwrap();
-            let op = match k % 3 {
-                0 => SendOp::Send,
-                1 => SendOp::Write {
-                    remote_addr: b.mr.addr() + (1 << 18),
-                    rkey: b.mr.rkey(),
-                },
-                _ => SendOp::Read {
-                    remote_addr: b.mr.addr() + (1 << 18),
-                    rkey: b.mr.rkey(),
-                },
-            };
-            a.qp.post_send(SendWr::new(k, op, [a.mr.sge(0, data.len() as u32)]))
-                .unwrap();
-            assert_eq!(one(&a.cq).status, WcStatus::Success, "RoCEv2 WR {k}");
-        }
-        // Three SENDs landed in b's receives, at b's region's start.
-        for _ in 0..7 {
-            assert_eq!(one(&b.cq).status, WcStatus::Success);
-        }
-        assert_eq!(b.mr.read_vec(0, data.len()).unwrap(), data);
-        assert_eq!(b.mr.read_vec(1 << 18, data.len()).unwrap(), data);
-
+        send_write_read((&a.qp, &a.mr, &a.cq), (&b.qp, &b.mr, &b.cq), "RoCEv2");
         let (c, d) = iwarp_pair(Default::default(), |_| {});
-        c.mr.write(0, &data).unwrap();
-        for k in 0..20u64 {
-            d.qp.post_recv(RecvWr::new(k, [d.mr.sge(0, 1 << 17)]))
-                .unwrap();
-            let op = match k % 3 {
-                0 => SendOp::Send,
-                1 => SendOp::Write {
-                    remote_addr: d.mr.addr() + (1 << 18),
-                    rkey: d.mr.rkey(),
-                },
-                _ => SendOp::Read {
-                    remote_addr: d.mr.addr() + (1 << 18),
-                    rkey: d.mr.rkey(),
-                },
-            };
-            c.qp.post_send(SendWr::new(k, op, [c.mr.sge(0, data.len() as u32)]))
-                .unwrap();
-            assert_eq!(one(&c.scq).status, WcStatus::Success, "iWARP WR {k}");
-        }
-        for _ in 0..7 {
-            assert_eq!(one(&d.rcq).status, WcStatus::Success);
-        }
-        assert_eq!(d.mr.read_vec(0, data.len()).unwrap(), data);
-        assert_eq!(d.mr.read_vec(1 << 18, data.len()).unwrap(), data);
+        send_write_read((&c.qp, &c.mr, &c.scq), (&d.qp, &d.mr, &d.rcq), "iWARP");
     });
 }
