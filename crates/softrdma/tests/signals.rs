@@ -87,7 +87,7 @@ fn shm_end() -> End {
 
 /// The shm exchange runs under socket timeouts, where a signal interrupts
 /// even a restartable call: it failed with "Interrupted system call".
-/// Registrations after it tell the peer under a send timeout too.
+/// Registrations after it tell the peer by a deadline, across signals too.
 #[test]
 fn shm_connects_registers_and_writes_under_signals() {
     in_a_child_under_signals("shm_connects_registers_and_writes_under_signals", || {

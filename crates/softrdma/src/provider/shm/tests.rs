@@ -305,17 +305,32 @@ fn a_peer_that_stops_answering_is_dropped_when_a_region_is_revoked() {
     );
 }
 
+/// A PD with three QPs, each connected to a mute peer; `tag` unique per
+/// test.
+#[allow(clippy::type_complexity)]
+fn three_mute_peers(
+    tag: &str,
+) -> (
+    crate::verbs::Context,
+    crate::verbs::Pd,
+    crate::verbs::Cq,
+    Vec<(crate::verbs::Qp, impl Sized + use<>)>,
+) {
+    let ctx = Device::shm().open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let peers = (0..3)
+        .map(|k| connected_to_a_mute_peer(&ctx, &pd, &cq, &format!("{tag}{k}")))
+        .collect();
+    (ctx, pd, cq, peers)
+}
+
 /// Peers that stop answering are waited for together: three cost a
 /// registration and a deregistration one wait each, not three (each was
 /// waited for in turn).
 #[test]
 fn mute_peers_cost_one_wait_not_one_each() {
-    let ctx = Device::shm().open().unwrap();
-    let pd = ctx.alloc_pd().unwrap();
-    let cq = ctx.create_cq(16).unwrap();
-    let peers: Vec<_> = (0..3)
-        .map(|k| connected_to_a_mute_peer(&ctx, &pd, &cq, &format!("mute{k}")))
-        .collect();
+    let (_ctx, pd, _cq, peers) = three_mute_peers("mute");
     let t = Instant::now();
     let mr = pd.register(4096, crate::memory::Access::ALL).unwrap();
     let took = t.elapsed();
@@ -335,12 +350,7 @@ fn mute_peers_cost_one_wait_not_one_each() {
 /// for room, and those waits are shared too (each was up to a second).
 #[test]
 fn mute_peers_with_full_queues_cost_one_wait_not_one_each() {
-    let ctx = Device::shm().open().unwrap();
-    let pd = ctx.alloc_pd().unwrap();
-    let cq = ctx.create_cq(16).unwrap();
-    let peers: Vec<_> = (0..3)
-        .map(|k| connected_to_a_mute_peer(&ctx, &pd, &cq, &format!("full{k}")))
-        .collect();
+    let (_ctx, pd, _cq, peers) = three_mute_peers("full");
     let mut regions = Vec::new();
     let mut slowest = Duration::ZERO;
     // The first waits out the answers; the rest go unanswered into the
