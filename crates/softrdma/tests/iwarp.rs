@@ -1051,3 +1051,104 @@ fn a_qp_moved_to_err_while_accepting_ends_the_wait() {
     let client = connecting.join().unwrap().unwrap();
     common::a_send_lands(&client, &server, &second, b"late");
 }
+
+/// Two connections take their receives from one SRQ: each SEND takes the
+/// SRQ's oldest receive, the limit fires, a QP that fails reports its last
+/// WQE and flushes none of the SRQ's, and an empty SRQ is a missing receive.
+#[test]
+fn two_connections_share_one_srq() {
+    let ctx = Device::iwarp([127, 0, 0, 2].into()).open().unwrap();
+    assert!(ctx.query_device().max_srq_wr > 0);
+    let pd = ctx.alloc_pd().unwrap();
+    let mr = pd.register(1 << 20, Access::ALL).unwrap();
+    let (scq, rcq) = (ctx.create_cq(64).unwrap(), ctx.create_cq(64).unwrap());
+    let srq = pd.create_srq(16, 1).unwrap();
+    let listener = Listener::bind(&ctx, 0).unwrap();
+    let at = listener.local_addr();
+    let mut server = vec![];
+    let mut clients = vec![];
+    for ip in [[127, 0, 0, 1], [127, 0, 0, 3]] {
+        let qp = pd.create_qp(&QpInit::rc(&scq, &rcq).srq(&srq)).unwrap();
+        let e = qp.post_recv(RecvWr::new(0, [mr.sge(0, 8)])).unwrap_err();
+        assert!(e.to_string().contains("shared receive queue"), "{e}");
+        let connecting = std::thread::spawn(move || {
+            let c = end(ip);
+            iwarp::connect(&c.qp, at, &MpaConfig::default()).unwrap();
+            c
+        });
+        listener
+            .accept(&qp, &MpaConfig::default(), |_| Decision::Accept)
+            .unwrap();
+        server.push(qp);
+        clients.push(connecting.join().unwrap());
+    }
+    for k in 0..6u64 {
+        srq.post_recv(RecvWr::new(10 + k, [mr.sge(k as usize * 1000, 1000)]))
+            .unwrap();
+    }
+    srq.arm_limit(3).unwrap();
+    let send = |c: &End, wr_id: u64, text: &str| {
+        c.mr.write(0, text.as_bytes()).unwrap();
+        c.qp.post_send(SendWr::new(
+            wr_id,
+            SendOp::Send,
+            [c.mr.sge(0, text.len() as u32)],
+        ))
+        .unwrap();
+    };
+    // Alternating connections take the SRQ's receives in posting order.
+    for (k, c) in [0, 1, 0, 1].into_iter().enumerate() {
+        let text = format!("conn {c} message {k}");
+        send(&clients[c], k as u64, &text);
+        let wc = one(&rcq);
+        assert_eq!(
+            (wc.status, wc.wr_id, wc.qp_num, wc.byte_len),
+            (
+                WcStatus::Success,
+                10 + k as u64,
+                server[c].qpn(),
+                text.len() as u32
+            )
+        );
+        assert_eq!(mr.read_vec(k * 1000, text.len()).unwrap(), text.as_bytes());
+        assert_eq!(one(&clients[c].scq).status, WcStatus::Success);
+    }
+    // Two left, fewer than the limit of 3.
+    common::wait_event(&ctx, AsyncEvent::SrqLimitReached { srq: srq.id() });
+    // The first connection ends: its QP takes no more from the SRQ, and the
+    // SRQ's receives are not flushed.
+    clients[0]
+        .qp
+        .modify(
+            &QpAttr {
+                state: Some(QpState::Err),
+                ..QpAttr::default()
+            },
+            None,
+        )
+        .unwrap();
+    wait_state(&server[0], QpState::Err);
+    common::wait_event(
+        &ctx,
+        AsyncEvent::QpLastWqeReached {
+            qpn: server[0].qpn(),
+        },
+    );
+    assert!(rcq.poll_one().unwrap().is_none(), "nothing flushed");
+    assert_eq!(srq.query().0, 2);
+    // The second goes on with the rest.
+    for k in 4..6 {
+        send(&clients[1], k as u64, "more");
+        let wc = one(&rcq);
+        assert_eq!((wc.status, wc.wr_id), (WcStatus::Success, 10 + k as u64));
+        assert_eq!(wc.qp_num, server[1].qpn());
+    }
+    // The SRQ is empty: iWARP has no RNR, so the stream ends.
+    send(&clients[1], 6, "none left");
+    wait_state(&server[1], QpState::Err);
+    let t = server[1].iwarp_stats().unwrap().terminate_sent.unwrap();
+    assert_eq!(
+        (t.control.layer, t.control.etype, t.control.code),
+        (Layer::Ddp, 2, 0x02)
+    );
+}

@@ -547,6 +547,13 @@ pub(crate) fn check_post_send(wr: &SendWr, caps: &rc::QpCaps) -> Result<u64, Pos
 
 /// The checks of `ibv_post_recv` that RC and UD QPs share: not on an SRQ, not
 /// in RESET, SGEs and queue depth within the QP's capacities.
+impl PostError {
+    /// A receive posted to a QP that takes its receives from an SRQ.
+    pub const ON_SRQ: PostError = PostError::Unsupported(
+        "this QP takes its receives from a shared receive queue: post them there",
+    );
+}
+
 pub(crate) fn check_post_recv(
     wr: &RecvWr,
     on_srq: bool,
@@ -555,9 +562,7 @@ pub(crate) fn check_post_recv(
     caps: &rc::QpCaps,
 ) -> Result<(), PostError> {
     if on_srq {
-        return Err(PostError::Unsupported(
-            "this QP takes its receives from a shared receive queue: post them there",
-        ));
+        return Err(PostError::ON_SRQ);
     }
     if state == QpState::Reset {
         return Err(PostError::BadState(state));

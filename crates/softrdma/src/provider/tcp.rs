@@ -26,6 +26,7 @@ use softrdma_wire::ddp;
 use softrdma_wire::mpa::{self, Crc32c};
 
 use crate::engine::iwarp::{IwarpQp, MAX_HEADER_LEN, Placement, Transmit};
+use crate::engine::srq::Srq;
 use crate::engine::{MAX_INLINE_DATA, PostError, QpEvent, QpState, RecvWr, SendWr};
 use crate::memory::{MrTable, Segment};
 use crate::verbs::cq::CqInner;
@@ -57,6 +58,7 @@ struct Shared {
     send_cq: Arc<CqInner>,
     recv_cq: Arc<CqInner>,
     events: Arc<EventQueue>,
+    srq: Option<(u64, Arc<Mutex<Srq>>)>,
     /// Whichever thread sends holds this: the transmit thread, a poster
     /// sending its lone small work request itself, or a receiving thread
     /// answering a lone small READ.
@@ -144,6 +146,9 @@ pub(crate) struct ConnOptions {
     /// window shut, or keepalives unanswered) before the QP fails: RC's
     /// retries running out, where TCP's own would take some 15 minutes.
     pub peer_timeout: Duration,
+    /// The SRQ the engine takes receives from, and its number, for its
+    /// limit event.
+    pub srq: Option<(u64, Arc<Mutex<Srq>>)>,
 }
 
 /// [`ConnOptions::peer_timeout`] of the verbs' iWARP QPs.
@@ -279,6 +284,7 @@ impl TcpQp {
             send_cq,
             recv_cq,
             events,
+            srq: options.srq,
             tx: Mutex::new(Tx {
                 batch: (0..TX_BATCH).map(|_| TxFpdu::new()).collect(),
                 leftover: Vec::new(),
@@ -656,6 +662,11 @@ impl Shared {
             });
         }
         drop(qp);
+        if let Some((id, srq)) = &self.srq
+            && srq.lock().expect("SRQ lock").take_limit_event()
+        {
+            self.events.push(AsyncEvent::SrqLimitReached { srq: *id });
+        }
         if overran {
             // Its Terminate goes out from the transmit thread.
             self.kick();

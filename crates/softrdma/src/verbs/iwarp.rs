@@ -11,6 +11,7 @@ use super::{Pd, Provider, Qp, QpInit, QpKind, QpType, Result, VerbsError};
 use crate::cm::mpa::MpaOutcome;
 use crate::engine::iwarp::{IwarpConfig, IwarpQp, IwarpStats, P2p};
 use crate::engine::rc::QpCaps;
+use crate::engine::srq::Srq;
 use crate::engine::{PostError, QpState, RecvWr, SendWr, WcOpcode};
 use crate::provider::tcp::{ConnOptions, PEER_TIMEOUT, TcpQp, max_ulpdu_for};
 use softrdma_wire::rdmap::{TermEncoding, TerminateRepr};
@@ -34,6 +35,8 @@ pub(crate) struct IwarpSlot {
     caps: QpCaps,
     send_cq: Arc<CqInner>,
     recv_cq: Arc<CqInner>,
+    /// The SRQ receives come from (and its number), if shared.
+    srq: Option<(u64, Arc<Mutex<Srq>>)>,
     /// The connection, once up.
     conn: Mutex<Option<TcpQp>>,
     /// Held through a move to ERR, `conn`'s lock only for its start: a
@@ -115,6 +118,9 @@ impl IwarpSlot {
     }
 
     pub(crate) fn post_recv(&self, wr: RecvWr) -> Result<(), PostError> {
+        if self.srq.is_some() {
+            return Err(PostError::ON_SRQ);
+        }
         if let Some(c) = &*self.conn.lock().expect("conn lock") {
             return c.post_recv(wr);
         }
@@ -150,6 +156,7 @@ impl Pd {
                 caps: init.caps,
                 send_cq: init.send_cq.inner.clone(),
                 recv_cq: init.recv_cq.inner.clone(),
+                srq: init.srq.map(|s| (s.id, s.inner.clone())),
                 conn: Mutex::new(None),
                 moving_to_err: Mutex::new(()),
                 before: BeforeConnect::default(),
@@ -193,6 +200,9 @@ impl Qp {
             }),
         };
         let mut engine = IwarpQp::new(slot.qpn, slot.pd, slot.caps, cfg);
+        if let Some((_, srq)) = &slot.srq {
+            engine = engine.with_srq(srq.clone());
+        }
         // Receives posted before the connection are in place before its
         // first byte is read. If it fails to start, they stay the QP's.
         let early = connecting.receives();
@@ -211,6 +221,7 @@ impl Qp {
                 busy_poll: dev.busy_poll.clone(),
                 connections: Some(dev.connections.clone()),
                 peer_timeout: PEER_TIMEOUT,
+                srq: slot.srq.clone(),
             },
             slot.send_cq.clone(),
             slot.recv_cq.clone(),

@@ -658,8 +658,8 @@ impl Context {
             } else {
                 AtomicCap::Glob
             },
-            max_srq_wr: if roce { MAX_QP_WR } else { 0 },
-            max_srq_sge: if roce { MAX_SGE as u32 } else { 0 },
+            max_srq_wr: if self.is_shm() { 0 } else { MAX_QP_WR },
+            max_srq_sge: if self.is_shm() { 0 } else { MAX_SGE as u32 },
             ud: roce,
             max_msg_sz: crate::engine::rc::MAX_MESSAGE_LEN,
             max_mr_size: usize::MAX as u64,
@@ -840,9 +840,9 @@ impl Pd {
 
     /// A shared receive queue of `max_wr` receives with up to `max_sge` SGEs.
     pub fn create_srq(&self, max_wr: u32, max_sge: u32) -> Result<Srq> {
-        if !matches!(self.ctx.inner.dev, Provider::Udp(_)) {
+        if matches!(self.ctx.inner.dev, Provider::Shm(_)) {
             return Err(VerbsError::Invalid(
-                "shared receive queues are not supported on iWARP and shm devices yet".into(),
+                "shared receive queues are not supported on shm devices yet".into(),
             ));
         }
         if max_wr == 0 || max_wr > MAX_QP_WR || max_sge as usize > MAX_SGE {
@@ -958,7 +958,7 @@ impl Pd {
                 crate::engine::MAX_INLINE_DATA
             )));
         }
-        // An SRQ is of a RoCEv2 device (`create_srq`): an iWARP or shm QP
+        // An SRQ is of a RoCEv2 or iWARP device (`create_srq`): an shm QP
         // is refused one here.
         self.check_same_context(init)?;
         if let Provider::Iwarp(_) = &self.ctx.inner.dev {

@@ -27,6 +27,7 @@
 mod tests;
 
 use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
 
 use softrdma_wire::ddp::{self, QN_READ_REQUEST, QN_SEND, QN_TERMINATE};
 use softrdma_wire::rdmap::{
@@ -35,6 +36,7 @@ use softrdma_wire::rdmap::{
 };
 
 use super::rc::{MAX_MESSAGE_LEN, QpCaps};
+use super::srq::Srq;
 use super::{
     CqKind, PostError, QpEvent, RecvWr, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
     check_post_recv, push_pieces,
@@ -244,7 +246,10 @@ pub struct IwarpQp {
     sq: VecDeque<SqEntry>,
     reads_out: VecDeque<OutRead>,
     irq: VecDeque<InRead>,
+    /// Posted receives; with an SRQ, only the one a message is landing in.
     rq: VecDeque<RqEntry>,
+    /// Where receives come from, if shared.
+    srq: Option<Arc<Mutex<Srq>>>,
     /// Next MSN to send on the SEND queue and the READ queue.
     send_msn: u32,
     read_msn: u32,
@@ -290,6 +295,7 @@ impl IwarpQp {
             reads_out: VecDeque::new(),
             irq: VecDeque::new(),
             rq: VecDeque::new(),
+            srq: None,
             send_msn: 1,
             read_msn: 1,
             recv_send_msn: 1,
@@ -313,6 +319,13 @@ impl IwarpQp {
             rtr_response_due: false,
             stats: IwarpStats::default(),
         }
+    }
+
+    /// The QP takes its receives from `srq` (SENDs take one as they start);
+    /// receives posted to the QP itself are refused.
+    pub fn with_srq(mut self, srq: Arc<Mutex<Srq>>) -> IwarpQp {
+        self.srq = Some(srq);
+        self
     }
 
     /// QP number.
@@ -411,7 +424,7 @@ impl IwarpQp {
     /// Posts a receive WR.
     pub fn post_recv(&mut self, wr: RecvWr) -> Result<(), PostError> {
         let state = self.state();
-        check_post_recv(&wr, false, state, self.rq.len(), &self.caps)?;
+        check_post_recv(&wr, self.srq.is_some(), state, self.rq.len(), &self.caps)?;
         if state == QpState::Err {
             // Flushed at once, as a send WR is.
             let wc = WorkCompletion::new(wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.qpn);
@@ -493,10 +506,16 @@ impl IwarpQp {
         self.sq.clear();
         self.reads_out.clear();
         self.irq.clear();
+        // With an SRQ, only the receive this QP took is flushed: the
+        // SRQ's stay for its other QPs.
         while let Some(r) = self.rq.pop_front() {
             let wc =
                 WorkCompletion::new(r.wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.qpn);
             self.completions.push_back((CqKind::Recv, wc));
+        }
+        if self.srq.is_some() {
+            // IBV_EVENT_QP_LAST_WQE_REACHED: it takes no more from the SRQ.
+            self.events.push_back(QpEvent::LastWqeReached);
         }
         true
     }
@@ -1042,6 +1061,19 @@ impl IwarpQp {
                     return Placement::Discard;
                 }
                 let pd = self.pd;
+                if self.rq.is_empty()
+                    && message_offset == 0
+                    && let Some(srq) = &self.srq
+                    && let Some(wr) = srq.lock().expect("SRQ lock").take()
+                {
+                    let len = wr.sgl.iter().map(|s| s.len as usize).sum();
+                    self.rq.push_back(RqEntry {
+                        wr,
+                        segs: None,
+                        len,
+                        placed: 0,
+                    });
+                }
                 let Some(r) = self.rq.front_mut() else {
                     // No receive posted: iWARP has no RNR; the stream ends.
                     self.terminate(Layer::Ddp, 2, 0x02, hdr, None);

@@ -241,6 +241,67 @@ fn send_spans_many_fpdus_and_lands_in_the_receive() {
     }
 }
 
+/// With an SRQ, a SEND takes one receive when it starts and keeps it for
+/// every FPDU; a failure flushes only that one and reports the last WQE.
+#[test]
+fn sends_over_many_fpdus_take_one_srq_receive_each() {
+    let mut p = Pair::new();
+    let srq = Arc::new(std::sync::Mutex::new(Srq::new(8, 1)));
+    let qp = std::mem::replace(
+        &mut p.s[1].qp,
+        side(1, Access::ALL, IwarpConfig::default()).qp,
+    );
+    p.s[1].qp = qp.with_srq(srq.clone());
+    assert_eq!(
+        p.s[1].qp.post_recv(RecvWr::new(1, vec![sge(1, 0, 8)])),
+        Err(PostError::ON_SRQ)
+    );
+    for k in 0..4u64 {
+        let wr = RecvWr::new(10 + k, vec![sge(1, k * 20_000, 20_000)]);
+        srq.lock().unwrap().post_recv(wr).unwrap();
+    }
+    let data = pattern(10_000, 3);
+    p.s[0].mem.write(0, &data);
+    for k in 0..2 {
+        p.post(0, SendWr::new(k, SendOp::Send, vec![sge(0, 0, 10_000)]));
+    }
+    p.run();
+    let got: Vec<(u64, WcStatus, u32)> = p.s[1]
+        .wcs
+        .iter()
+        .map(|(_, w)| (w.wr_id, w.status, w.byte_len))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (10, WcStatus::Success, 10_000),
+            (11, WcStatus::Success, 10_000)
+        ]
+    );
+    for k in 0..2 {
+        let mut back = vec![0u8; 10_000];
+        p.s[1].mem.read(k * 20_000, &mut back);
+        assert_eq!(back, data);
+    }
+    assert_eq!(srq.lock().unwrap().len(), 2);
+    // A failure mid-message: the receive it took is flushed, not the SRQ's.
+    p.post(0, SendWr::new(2, SendOp::Send, vec![sge(0, 0, 10_000)]));
+    p.transmit(0);
+    let first = mpa::fpdu_len(u16::from_be_bytes([p.wire[0][0], p.wire[0][1]]) as usize);
+    p.wire[0].truncate(first);
+    p.receive(0);
+    p.s[1].qp.connection_lost();
+    while let Some(c) = p.s[1].qp.poll_completion() {
+        p.s[1].wcs.push(c);
+    }
+    assert_eq!(p.s[1].wcs[2].1.wr_id, 12);
+    assert_eq!(p.s[1].wcs[2].1.status, WcStatus::WrFlushErr);
+    assert_eq!(p.s[1].wcs.len(), 3);
+    assert_eq!(srq.lock().unwrap().len(), 1);
+    let events: Vec<QpEvent> = std::iter::from_fn(|| p.s[1].qp.poll_event()).collect();
+    assert!(events.contains(&QpEvent::LastWqeReached), "{events:?}");
+}
+
 #[test]
 fn write_and_read_place_at_the_tagged_offset() {
     let mut p = Pair::new();

@@ -79,6 +79,7 @@ fn end_watching(
             busy_poll: flag,
             connections: busy.map(|_| connections),
             peer_timeout,
+            srq: None,
         },
         scq.inner.clone(),
         rcq.inner.clone(),
