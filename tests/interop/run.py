@@ -336,6 +336,8 @@ def siw_cases():
     out.append(perf_case("write-lat", 64, 100, rdma_cm=True))
     out.append(perf_case("read-lat", 64, 100, rdma_cm=True))
     out.append(perf_case("send-lat", 64, 100, rdma_cm=True))
+    # Receives from a shared receive queue (siw has SRQs too).
+    out.append(perf_case("send-bw", 3000, 50, "--use-srq -r 8", rdma_cm=True))
     # softrdma's busy-poll mode (its receive threads spin) against siw.
     out.append(perf_case("write-bw", 65536, 20, rdma_cm=True, ours_extra="--busy-poll"))
     out.append(perf_case("write-lat", 64, 100, rdma_cm=True, ours_extra="--busy-poll"))
@@ -436,6 +438,10 @@ def cases(mtu4200=False):
     perf("send-bw", 4096, 20, "-b")
     perf("atomic-bw", None, 50, "-b")
     perf("send-bw", 1024, 50, "-c UD")
+    # Two QPs' receives from one shared receive queue of 8: a QP's SENDs
+    # land in the other's receives, and an empty SRQ is RNR-NAKed.
+    perf("send-bw", 3000, 50, "--use-srq -q 2 -r 8")
+    perf("send-lat", 64, 50, "--use-srq")
     # softrdma's busy-poll mode (a spinning progress thread, posts left to
     # the ACK path while anything is in flight) against rxe.
     perf("write-bw", 65536, 20, ours_extra="--busy-poll")

@@ -715,6 +715,48 @@ fn perf_over_shared_memory_between_two_processes() {
     }
 }
 
+/// `--use-srq`: the receiving QPs share one SRQ of rx-depth receives. With
+/// two QPs and 6 or 8 receives, a QP's messages land in receives the other
+/// posted, the receives are refilled as they are used, and the iWARP
+/// sender keeps to its QP's share (a SEND too many ends the connection).
+#[test]
+fn perf_send_tests_with_a_shared_receive_queue() {
+    for (k, args) in [
+        vec!["send-bw", "-q", "2", "-s", "3000", "-n", "300", "-r", "8"],
+        vec![
+            "send-bw", "-R", "-q", "2", "-s", "3000", "-n", "300", "-r", "6",
+        ],
+        vec!["send-bw", "-b", "-q", "2", "-s", "3000", "-n", "100"],
+        vec!["send-bw", "-c", "UD", "-s", "1000", "-n", "50"],
+        vec!["send-lat", "-s", "100", "-n", "50"],
+        vec!["send-lat", "-R", "-s", "100", "-n", "50"],
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut args = args;
+        args.extend(["--use-srq", "--verify"]);
+        let tcp = (19400 + k).to_string();
+        let (s, c) = tool_pair(&["perf"], &args, &args, "127.0.1.37", "127.0.1.38", &tcp);
+        assert_both_succeeded(args[0], &s, &c);
+        for o in [&s, &c] {
+            assert!(stdout(o).contains("Using SRQ      : ON"), "{args:?}");
+        }
+        let n: f64 = args[args.iter().position(|a| *a == "-n").unwrap() + 1]
+            .parse()
+            .unwrap();
+        let qps = if args.contains(&"-q") { 2.0 } else { 1.0 };
+        let rows = perf_rows(&c);
+        assert_eq!(rows.len(), 1, "{args:?}: {}", stdout(&c));
+        assert_eq!(rows[0][1], n * qps, "{args:?}");
+        assert!(
+            stdout(&s).contains("Payload check (--verify): OK"),
+            "{args:?}: {}",
+            stdout(&s)
+        );
+    }
+}
+
 #[test]
 fn perf_refuses_bad_flags_as_perftest_does() {
     let bin = env!("CARGO_BIN_EXE_softrdma");
@@ -755,6 +797,18 @@ fn perf_refuses_bad_flags_as_perftest_does() {
         (
             vec!["perf", "write-bw", "--provider", "shm", "-R"],
             "not rdma_cm",
+        ),
+        (
+            vec!["perf", "write-bw", "--use-srq"],
+            "only avavilible in SEND",
+        ),
+        (
+            vec!["perf", "send-bw", "--use-srq", "-q", "4", "-r", "2"],
+            "greater than number of QPs",
+        ),
+        (
+            vec!["perf", "send-bw", "--use-srq", "--provider", "shm"],
+            "no shared receive queues",
         ),
         (vec!["perf", "send-bw", "-R", "-c", "UD"], "iWARP has no UD"),
         (vec!["perf", "send-bw", "-R", "-b"], "not implemented"),

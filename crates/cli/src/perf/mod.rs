@@ -7,6 +7,7 @@
 mod oob;
 mod report;
 
+use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddrV4, TcpListener, TcpStream};
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -147,6 +148,11 @@ pub struct PerfArgs {
     /// Bidirectional: both sides send (BW tests).
     #[arg(short = 'b', long = "bidirectional")]
     pub bidir: bool,
+    /// SEND tests: the receiving QPs take their receives from one shared
+    /// receive queue of rx-depth receives (each QP's share refilled as it is
+    /// used). Give it to both sides, as with perftest.
+    #[arg(long = "use-srq")]
+    pub use_srq: bool,
     /// Sleep on completion events (softrdma always waits blocking; accepted).
     #[arg(short = 'e', long = "events")]
     pub events: bool,
@@ -228,6 +234,8 @@ struct Config {
     qps: usize,
     tx_depth: u32,
     rx_depth: u32,
+    /// `--use-srq`.
+    srq: bool,
     cq_mod: u32,
     inline: u32,
     out_reads: u8,
@@ -299,6 +307,14 @@ fn config(a: &PerfArgs) -> Result<Config, String> {
         return Err(
             " --busy-poll is for RoCEv2 and iWARP (shm completes on the poster's thread)".into(),
         );
+    }
+    if a.use_srq {
+        if verb != Verb::Send {
+            return Err(" Using SRQ only avavilible in SEND / SEND_IMM tests.".into());
+        }
+        if shm {
+            return Err(" --use-srq: shm devices have no shared receive queues yet".into());
+        }
     }
     if shm {
         if a.rdma_cm {
@@ -403,6 +419,9 @@ fn config(a: &PerfArgs) -> Result<Config, String> {
     } else {
         1
     };
+    if a.use_srq && a.qps > rx_depth {
+        return Err(" Using SRQ depth should be greater than number of QPs.".into());
+    }
     Ok(Config {
         test: t,
         client: a.host.is_some(),
@@ -412,6 +431,7 @@ fn config(a: &PerfArgs) -> Result<Config, String> {
         qps: a.qps as usize,
         tx_depth,
         rx_depth,
+        srq: a.use_srq,
         cq_mod,
         inline: a.inline.unwrap_or(0),
         out_reads: match verb {
@@ -462,6 +482,9 @@ struct Setup {
     ahs: Vec<Ah>,
     /// send-bw over iWARP: the receive credits.
     credit: Option<Credit>,
+    /// `--use-srq` on a receiving side: the SRQ, and each QP's index by
+    /// number (a receive's QP is the one that took it, not its poster's).
+    srq: Option<(Srq, HashMap<u32, usize>)>,
 }
 
 /// iWARP has no RNR: a SEND finding no receive ends the connection. So
@@ -503,7 +526,37 @@ const GRH: usize = 40;
 /// perftest's Q_Key.
 const QKEY: u32 = 0x1111_1111;
 
+impl Config {
+    /// Receives posted for each QP: rx-depth, or with `--use-srq` its share
+    /// of the SRQ's (as perftest).
+    fn rx_share(&self) -> u32 {
+        if self.srq {
+            self.rx_depth / self.qps as u32
+        } else {
+            self.rx_depth
+        }
+    }
+}
+
 impl Setup {
+    /// Posts a receive for QP `i`: on the SRQ if there is one.
+    fn post_recv(&self, i: usize, wr: RecvWr) -> Result<(), String> {
+        match &self.srq {
+            Some((srq, _)) => srq.post_recv(wr),
+            None => self.qps[i].post_recv(wr),
+        }
+        .map_err(|e| e.to_string())
+    }
+
+    /// The index of the QP a receive completed on (its wr_id names the QP
+    /// that posted it, which with an SRQ may be another).
+    fn receiving_qp(&self, wc: &WorkCompletion) -> usize {
+        match &self.srq {
+            Some((_, index)) => index.get(&wc.qp_num).copied().unwrap_or(0),
+            None => (wc.wr_id >> 40) as usize,
+        }
+    }
+
     /// Bytes a message takes in a receive buffer (with the GRH area on UD).
     fn span(&self, size: u64) -> u64 {
         if self.cfg.ud { size + GRH as u64 } else { size }
@@ -649,7 +702,7 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     fill(&mr, &cfg, half)?;
     let credit = if cfg.cm && cfg.test == Test::SendBw {
-        Some(Credit::new(&pd, cfg.qps, cfg.rx_depth)?)
+        Some(Credit::new(&pd, cfg.qps, cfg.rx_share())?)
     } else {
         None
     };
@@ -659,6 +712,15 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
     let rcq = ctx
         .create_cq((cfg.rx_depth as usize * cfg.qps).max(2))
         .map_err(|e| e.to_string())?;
+    // As perftest: an SRQ where receives are posted (a BW client has none).
+    let srq = if cfg.srq && (cfg.test.is_lat() || !cfg.client || cfg.duplex) {
+        Some(
+            pd.create_srq(cfg.rx_depth, 1)
+                .map_err(|e| format!("cannot create the SRQ: {e}"))?,
+        )
+    } else {
+        None
+    };
     let mut qps = Vec::new();
     let mut mine = Vec::new();
     for i in 0..cfg.qps {
@@ -666,6 +728,10 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
             QpInit::ud(&scq, &rcq)
         } else {
             QpInit::rc(&scq, &rcq)
+        };
+        let init = match &srq {
+            Some(srq) => init.srq(srq),
+            None => init,
         };
         let qp = pd
             .create_qp(&init.caps(QpCaps {
@@ -841,6 +907,10 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
     for k in &rem {
         print_addr("remote", k, verb);
     }
+    let srq = srq.map(|srq| {
+        let index = qps.iter().enumerate().map(|(i, q)| (q.qpn(), i)).collect();
+        (srq, index)
+    });
     let s = Setup {
         cfg: cfg.clone(),
         qps,
@@ -853,6 +923,7 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
         rem,
         ahs,
         credit,
+        srq,
     };
     let my0 = mine[0];
     let run = traffic(&s, oob, my0);
@@ -895,7 +966,7 @@ fn traffic(s: &Setup, mut oob: Oob, my0: Key) -> Result<(), String> {
             outln!("{RESULT_LINE}\n{}", bw_header(cfg.gbits));
             for &size in &cfg.sizes {
                 if verb == Verb::Send {
-                    post_recvs(s, size, cfg.rx_depth as u64)?;
+                    post_recvs(s, size, u64::from(cfg.rx_share()))?;
                 }
                 oob.key_again(&my0, &s.rem[0])?;
                 let ours = if verb == Verb::Send {
@@ -974,7 +1045,7 @@ fn traffic(s: &Setup, mut oob: Oob, my0: Key) -> Result<(), String> {
             outln!("{RESULT_LINE}\n{}", bw_header(cfg.gbits));
             for &size in &cfg.sizes {
                 if !client {
-                    post_recvs(s, size, cfg.rx_depth as u64)?;
+                    post_recvs(s, size, u64::from(cfg.rx_share()))?;
                 }
                 oob.key_again(&my0, &s.rem[0])?;
                 let r = if client {
@@ -1028,7 +1099,7 @@ fn traffic(s: &Setup, mut oob: Oob, my0: Key) -> Result<(), String> {
         (Test::SendLat, _) => {
             outln!("{RESULT_LINE}\n{}", lat_header(cfg));
             for &size in &cfg.sizes {
-                let posts = (cfg.rx_depth as u64).min(cfg.iters);
+                let posts = u64::from(cfg.rx_share()).min(cfg.iters);
                 post_recvs_at(s, size, posts, true)?;
                 oob.key_again(&my0, &s.rem[0])?;
                 let clock = Window::new(cfg);
@@ -1152,8 +1223,9 @@ fn print_header(cfg: &Config, a: &PerfArgs, dev: &str, mtu: Mtu) {
         }
     );
     outln!(
-        " Connection type : {}\t\tUsing SRQ      : OFF",
-        if cfg.ud { "UD" } else { "RC" }
+        " Connection type : {}\t\tUsing SRQ      : {}",
+        if cfg.ud { "UD" } else { "RC" },
+        if cfg.srq { "ON" } else { "OFF" }
     );
     outln!(" PCIe relax order: OFF");
     outln!(" ibv_wr* API     : OFF");
@@ -1476,7 +1548,7 @@ fn bw_client(s: &Setup, size: u64) -> Result<Report, String> {
         for i in 0..q {
             while scnt[i] < n && scnt[i] - ccnt[i] < u64::from(cfg.tx_depth) {
                 if let Some(c) = &s.credit
-                    && (scnt[i] + 1).saturating_sub(c.received(i)) >= u64::from(cfg.rx_depth)
+                    && (scnt[i] + 1).saturating_sub(c.received(i)) >= u64::from(cfg.rx_share())
                 {
                     starved = true;
                     break;
@@ -1598,18 +1670,20 @@ fn peak_rate(windows: &[(Instant, Instant, u64)], size: u64) -> f64 {
 /// Posts `count` receives of `size` on each QP, stepping through the target
 /// area (or all at its start).
 fn post_recvs_at(s: &Setup, size: u64, count: u64, same_place: bool) -> Result<(), String> {
-    for (i, qp) in s.qps.iter().enumerate() {
+    for i in 0..s.qps.len() {
         for k in 0..count {
             let step = if same_place {
                 0
             } else {
                 s.step(s.span(size), k)
             };
-            qp.post_recv(RecvWr::new(
-                ((i as u64) << 40) | k,
-                [s.mr.sge(s.target(i) + step, s.span(size) as u32)],
-            ))
-            .map_err(|e| e.to_string())?;
+            s.post_recv(
+                i,
+                RecvWr::new(
+                    ((i as u64) << 40) | k,
+                    [s.mr.sge(s.target(i) + step, s.span(size) as u32)],
+                ),
+            )?;
         }
     }
     Ok(())
@@ -1625,7 +1699,7 @@ fn send_bw_server(s: &Setup, size: u64, first_rx: Option<&AtomicBool>) -> Result
     let q = cfg.qps;
     let clock = Window::new(cfg);
     let n = if clock.is_some() { u64::MAX } else { cfg.iters };
-    let mut posted = vec![u64::from(cfg.rx_depth).min(n); q];
+    let mut posted = vec![u64::from(cfg.rx_share()).min(n); q];
     let mut received = vec![0u64; q];
     let mut grants_in_flight = 0u32;
     let mut sampled = 0u64;
@@ -1651,20 +1725,26 @@ fn send_bw_server(s: &Setup, size: u64, first_rx: Option<&AtomicBool>) -> Result
                 return Err(completion_error(wc, "server"));
             }
             got += 1;
-            let i = (wc.wr_id >> 40) as usize;
+            // The receive is refilled for the QP that posted it; the
+            // message is counted for the one that took it (another, on an
+            // SRQ).
+            let owner = (wc.wr_id >> 40) as usize;
+            let i = s.receiving_qp(wc);
             received[i] += 1;
-            if posted[i] < n {
-                let k = posted[i];
-                s.qps[i]
-                    .post_recv(RecvWr::new(
-                        ((i as u64) << 40) | k,
-                        [s.mr.sge(s.target(i) + s.step(s.span(size), k), s.span(size) as u32)],
-                    ))
-                    .map_err(|e| e.to_string())?;
-                posted[i] += 1;
+            if posted[owner] < n {
+                let k = posted[owner];
+                let span = s.span(size);
+                s.post_recv(
+                    owner,
+                    RecvWr::new(
+                        ((owner as u64) << 40) | k,
+                        [s.mr.sge(s.target(owner) + s.step(span, k), span as u32)],
+                    ),
+                )?;
+                posted[owner] += 1;
             }
             if let Some(c) = &s.credit
-                && (received[i] % u64::from(cfg.rx_depth)).is_multiple_of(c.every)
+                && (received[i] % u64::from(cfg.rx_share())).is_multiple_of(c.every)
             {
                 grant(s, i, received[i], &mut grants_in_flight)?;
             }
@@ -1840,7 +1920,7 @@ fn send_lat(s: &Setup, size: u64, clock: Option<Window>) -> Result<Vec<Instant>,
         s.cfg.iters
     };
     let end = clock.map(|c| c.end);
-    let rx_depth = u64::from(s.cfg.rx_depth).min(n);
+    let rx_depth = u64::from(s.cfg.rx_share()).min(n);
     let mut posted = Vec::new();
     let (mut scnt, mut rcnt) = (0u64, 0u64);
     while scnt < n || rcnt < n {
@@ -1852,12 +1932,10 @@ fn send_lat(s: &Setup, size: u64, clock: Option<Window>) -> Result<Vec<Instant>,
             }
             rcnt += 1;
             if rcnt.saturating_add(rx_depth) <= n {
-                s.qps[0]
-                    .post_recv(RecvWr::new(
-                        rcnt,
-                        [s.mr.sge(s.target(0), s.span(size) as u32)],
-                    ))
-                    .map_err(|e| e.to_string())?;
+                s.post_recv(
+                    0,
+                    RecvWr::new(rcnt, [s.mr.sge(s.target(0), s.span(size) as u32)]),
+                )?;
             }
         }
         if scnt < n {
