@@ -200,7 +200,6 @@ pub struct DeviceStats {
 pub(crate) struct Shared {
     pub mrs: Arc<RwLock<MrTable>>,
     pub qps: RwLock<HashMap<u32, Arc<QpSlot>, KeyHash>>,
-    /// Address handles: where UD sends go.
     /// Address handles: where each sends, and its protection domain.
     pub ahs: RwLock<HashMap<u64, (SocketAddrV4, PdId)>>,
     /// Asynchronous events.
@@ -232,6 +231,11 @@ pub(crate) struct Shared {
     /// When the progress thread will wake by itself (engine time; MAX = never).
     sleep_until: AtomicU64,
     stop: AtomicBool,
+    /// The progress thread died (a bug): see [`device_fatal`].
+    fatal: AtomicBool,
+    /// Tests: the progress thread panics at its next pass.
+    #[cfg(test)]
+    pub(crate) panic_next_pass: AtomicBool,
     /// Busy-poll mode: application threads polling the device's CQs receive
     /// (see [`poll_now`]); the progress thread stands by while they do.
     busy_poll: AtomicBool,
@@ -260,6 +264,18 @@ impl Shared {
     /// Whether the port is up (the last send worked, the hostd is there).
     pub fn port_up(&self) -> bool {
         self.port_up.load(Ordering::Acquire)
+    }
+
+    /// The device failed: its progress thread is gone.
+    pub fn is_fatal(&self) -> bool {
+        self.fatal.load(Ordering::Acquire)
+    }
+
+    /// Tests: makes the progress thread panic at its next pass.
+    #[cfg(test)]
+    pub(crate) fn panic_soon(&self) {
+        self.panic_next_pass.store(true, Ordering::SeqCst);
+        self.wake();
     }
 
     pub fn now(&self) -> Time {
@@ -757,6 +773,9 @@ impl UdpDevice {
             woken: AtomicBool::new(false),
             sleep_until: AtomicU64::new(u64::MAX),
             stop: AtomicBool::new(false),
+            fatal: AtomicBool::new(false),
+            #[cfg(test)]
+            panic_next_pass: AtomicBool::new(false),
             busy_poll: AtomicBool::new(busy_poll),
             app_polled: AtomicU64::new(0),
             standing_by: AtomicBool::new(false),
@@ -773,7 +792,12 @@ impl UdpDevice {
         let s = shared.clone();
         let thread = std::thread::Builder::new()
             .name(format!("softrdma-{}", local))
-            .spawn(move || progress(&s))?;
+            .spawn(move || {
+                let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| progress(&s)));
+                if ran.is_err() {
+                    device_fatal(&s);
+                }
+            })?;
         Ok(UdpDevice {
             shared,
             thread: Some(thread),
@@ -1196,6 +1220,10 @@ fn progress(shared: &Arc<Shared>) {
     // Consecutive looks that found a stream (see [`STREAM_GAP_NS`]).
     let mut stream_looks = 0u32;
     while !shared.stop.load(Ordering::Acquire) {
+        #[cfg(test)]
+        if shared.panic_next_pass.swap(false, Ordering::SeqCst) {
+            panic!("the progress thread fails, as a test asked");
+        }
         // Timers.
         let now = shared.now();
         let mut next = u64::MAX;
@@ -1340,6 +1368,43 @@ fn progress(shared: &Arc<Shared>) {
             }
         }
     }
+}
+
+/// The progress thread panicked (a bug): nothing moves the device's QPs on
+/// any more. So that no application waits forever, every QP goes to ERR (its
+/// work flushed to its CQs) and IBV_EVENT_DEVICE_FATAL is raised. Locks the
+/// panic left poisoned are taken and cleared: the QPs they guard are in ERR,
+/// where only flushes happen.
+fn device_fatal(shared: &Shared) {
+    shared.fatal.store(true, Ordering::Release);
+    let slots: Vec<Arc<QpSlot>> = shared
+        .qps
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .values()
+        .cloned()
+        .collect();
+    shared.qps.clear_poison();
+    let to_error = crate::engine::qp::QpAttr {
+        state: Some(crate::engine::qp::QpState::Err),
+        ..Default::default()
+    };
+    for slot in slots {
+        let mut qp = slot
+            .engine
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        slot.engine.clear_poison();
+        let _ = qp.modify(&to_error);
+        let mut signal = [false; 2];
+        drain_completions(&mut qp, &slot, &shared.events, &mut signal);
+        drop(qp);
+        signal_cqs(&slot, signal);
+    }
+    if shared.port_up.swap(false, Ordering::AcqRel) {
+        shared.events.push(AsyncEvent::PortDown);
+    }
+    shared.events.push(AsyncEvent::DeviceFatal);
 }
 
 /// Binds a UDP socket for RoCEv2 at `addr`; `ip_fields`: see

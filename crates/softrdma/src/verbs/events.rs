@@ -3,6 +3,7 @@
 
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -50,12 +51,17 @@ pub enum AsyncEvent {
     /// The port went down: the device's address is gone or unreachable
     /// (IBV_EVENT_PORT_ERR).
     PortDown,
+    /// The device failed and makes no more progress; its QPs are in ERR
+    /// (IBV_EVENT_DEVICE_FATAL). Open it again to go on.
+    DeviceFatal,
 }
 
 /// The event queue of a device.
 #[derive(Debug)]
 pub(crate) struct EventQueue {
     queue: Mutex<VecDeque<AsyncEvent>>,
+    /// Events dropped for room.
+    dropped: AtomicU64,
     ready: Condvar,
     fd: OwnedFd,
 }
@@ -68,6 +74,7 @@ impl EventQueue {
     pub(crate) fn new() -> std::io::Result<EventQueue> {
         Ok(EventQueue {
             queue: Mutex::new(VecDeque::new()),
+            dropped: AtomicU64::new(0),
             ready: Condvar::new(),
             fd: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?,
         })
@@ -77,11 +84,16 @@ impl EventQueue {
         let mut q = self.queue.lock().expect("event lock");
         if q.len() >= MAX_EVENTS {
             q.pop_front();
+            self.dropped.fetch_add(1, Ordering::Relaxed);
         }
         q.push_back(e);
         drop(q);
         self.ready.notify_all();
         let _ = rustix::io::write(&self.fd, &1u64.to_ne_bytes());
+    }
+
+    pub(crate) fn dropped(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
     }
 
     pub(crate) fn poll(&self) -> Option<AsyncEvent> {
@@ -124,5 +136,20 @@ impl EventQueue {
 impl AsFd for EventQueue {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_queue_drops_the_oldest_and_counts_it() {
+        let q = EventQueue::new().unwrap();
+        for qpn in 0..MAX_EVENTS as u32 + 3 {
+            q.push(AsyncEvent::QpFatal { qpn });
+        }
+        assert_eq!(q.dropped(), 3);
+        assert_eq!(q.poll(), Some(AsyncEvent::QpFatal { qpn: 3 }));
     }
 }

@@ -753,6 +753,12 @@ impl Context {
         self.inner.events().wait(timeout)
     }
 
+    /// Events dropped because the queue was full: it keeps the newest 4096,
+    /// so an application that does not read events loses the oldest.
+    pub fn async_events_dropped(&self) -> u64 {
+        self.inner.events().dropped()
+    }
+
     /// A descriptor that is readable while asynchronous events wait (epoll/tokio).
     pub fn async_fd(&self) -> std::os::fd::BorrowedFd<'_> {
         use std::os::fd::AsFd;
@@ -968,6 +974,9 @@ impl Pd {
             return self.create_shm_qp(init);
         }
         let shared = &self.ctx.inner.udp("a QP")?.shared;
+        if shared.is_fatal() {
+            return Err(device_failed());
+        }
         if init.qp_type == QpType::Ud {
             // A UD receive's GRH carries the datagram's TTL and TOS.
             shared
@@ -999,6 +1008,15 @@ impl Pd {
             kind: QpKind::Roce(slot),
         })
     }
+}
+
+/// What a RoCEv2 device whose progress thread died answers.
+fn device_failed() -> VerbsError {
+    VerbsError::Invalid(
+        "the device failed (its progress thread stopped; see AsyncEvent::DeviceFatal): \
+         open it again"
+            .into(),
+    )
 }
 
 /// A shared receive queue: receives that several QPs draw from.
@@ -1345,6 +1363,9 @@ impl Qp {
             _ if *attr == to_error && av.is_none() => return self.cm_qp_to_error(attr.cur_state),
             _ => return Err(self.brought_up_by_cm("modify")),
         };
+        if *attr != to_error && self.ctx.inner.udp("").is_ok_and(|d| d.shared.is_fatal()) {
+            return Err(device_failed());
+        }
         let mut a = *attr;
         a.has_av = av.is_some();
         if let Some(m) = a.path_mtu
@@ -1564,5 +1585,68 @@ mod qpn_tests {
                 "a dropped QP's number is free"
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod device_fatal_tests {
+    use super::*;
+    use crate::cm::{self, ConnInfo, RcOptions};
+
+    /// A RoCEv2 progress thread that dies (a bug) leaves no application
+    /// waiting: its QPs go to ERR with their work flushed, the device raises
+    /// DEVICE_FATAL, and it refuses new QPs and moves out of ERR.
+    #[test]
+    fn a_progress_thread_that_panics_fails_the_device_and_flushes_its_qps() {
+        let open = || Device::udp("127.0.0.1:0".parse().unwrap()).open().unwrap();
+        let (a, b) = (open(), open());
+        let (pa, pb) = (a.alloc_pd().unwrap(), b.alloc_pd().unwrap());
+        let mr = pa.register(4096, Access::LOCAL_WRITE).unwrap();
+        let (ca, cb) = (a.create_cq(16).unwrap(), b.create_cq(16).unwrap());
+        let qa = pa.create_qp(&QpInit::rc(&ca, &ca)).unwrap();
+        let qb = pb.create_qp(&QpInit::rc(&cb, &cb)).unwrap();
+        let (ia, ib) = (
+            ConnInfo::local(&qa, None).unwrap(),
+            ConnInfo::local(&qb, None).unwrap(),
+        );
+        cm::connect(&qa, &ia, &ib, &RcOptions::default()).unwrap();
+        cm::connect(&qb, &ib, &ia, &RcOptions::default()).unwrap();
+        qa.post_recv(RecvWr::new(7, [mr.sge(0, 64)])).unwrap();
+        // A SEND the peer has no receive for: retried on RNR until the end.
+        qa.post_send(SendWr::new(8, SendOp::Send, [mr.sge(64, 8)]))
+            .unwrap();
+        a.inner.udp("").unwrap().shared.panic_soon();
+        let t = std::time::Instant::now();
+        while a.poll_async_event() != Some(AsyncEvent::DeviceFatal) {
+            assert!(t.elapsed().as_secs() < 20, "no DeviceFatal");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let mut got: Vec<(u64, WcStatus)> = (0..2)
+            .map(|_| {
+                let wc = ca
+                    .wait(std::time::Duration::from_secs(20))
+                    .unwrap()
+                    .expect("a flush");
+                (wc.wr_id, wc.status)
+            })
+            .collect();
+        got.sort_by_key(|g| g.0);
+        assert_eq!(got, [(7, WcStatus::WrFlushErr), (8, WcStatus::WrFlushErr)]);
+        assert_eq!(qa.state(), QpState::Err);
+        // Posts are flushed, not left waiting.
+        qa.post_recv(RecvWr::new(9, [mr.sge(0, 64)])).unwrap();
+        let wc = ca
+            .wait(std::time::Duration::from_secs(20))
+            .unwrap()
+            .unwrap();
+        assert_eq!((wc.wr_id, wc.status), (9, WcStatus::WrFlushErr));
+        let e = pa.create_qp(&QpInit::rc(&ca, &ca)).unwrap_err();
+        assert!(e.to_string().contains("device failed"), "{e}");
+        let reset = QpAttr {
+            state: Some(QpState::Reset),
+            ..QpAttr::default()
+        };
+        assert!(qa.modify(&reset, None).is_err());
+        assert_eq!(a.query_port().state, PortState::Down);
     }
 }
