@@ -726,6 +726,12 @@ fn perf_send_tests_with_a_shared_receive_queue() {
         vec![
             "send-bw", "-R", "-q", "2", "-s", "3000", "-n", "300", "-r", "6",
         ],
+        // A share of one receive per QP; messages small enough to step
+        // through the buffer, so that they land at another QP's steps.
+        vec![
+            "send-bw", "-R", "-q", "2", "-s", "64", "-n", "200", "-r", "2",
+        ],
+        vec!["send-bw", "-q", "2", "-s", "64", "-n", "300", "-r", "8"],
         vec!["send-bw", "-b", "-q", "2", "-s", "3000", "-n", "100"],
         vec!["send-bw", "-c", "UD", "-s", "1000", "-n", "50"],
         vec!["send-lat", "-s", "100", "-n", "50"],

@@ -1143,6 +1143,15 @@ fn two_connections_share_one_srq() {
         assert_eq!((wc.status, wc.wr_id), (WcStatus::Success, 10 + k as u64));
         assert_eq!(wc.qp_num, server[1].qpn());
     }
+    // A QP of the SRQ moved to ERR before it ever connected says so too.
+    let idle = pd.create_qp(&QpInit::rc(&scq, &rcq).srq(&srq)).unwrap();
+    let err = QpAttr {
+        state: Some(QpState::Err),
+        ..QpAttr::default()
+    };
+    idle.modify(&err, None).unwrap();
+    common::wait_event(&ctx, AsyncEvent::QpLastWqeReached { qpn: idle.qpn() });
+    assert_eq!(srq.query().0, 0);
     // The SRQ is empty: iWARP has no RNR, so the stream ends.
     send(&clients[1], 6, "none left");
     wait_state(&server[1], QpState::Err);

@@ -545,8 +545,6 @@ pub(crate) fn check_post_send(wr: &SendWr, caps: &rc::QpCaps) -> Result<u64, Pos
     Ok(len)
 }
 
-/// The checks of `ibv_post_recv` that RC and UD QPs share: not on an SRQ, not
-/// in RESET, SGEs and queue depth within the QP's capacities.
 impl PostError {
     /// A receive posted to a QP that takes its receives from an SRQ.
     pub const ON_SRQ: PostError = PostError::Unsupported(
@@ -554,6 +552,8 @@ impl PostError {
     );
 }
 
+/// The checks of `ibv_post_recv` that RC, UD and iWARP QPs share: not on an
+/// SRQ, not in RESET, SGEs and queue depth within the QP's capacities.
 pub(crate) fn check_post_recv(
     wr: &RecvWr,
     on_srq: bool,

@@ -59,6 +59,9 @@ struct Shared {
     recv_cq: Arc<CqInner>,
     events: Arc<EventQueue>,
     srq: Option<(u64, Arc<Mutex<Srq>>)>,
+    /// The QP was destroyed: its flushes still reach the CQs, its events
+    /// (a last WQE) no longer name it.
+    destroyed: AtomicBool,
     /// Whichever thread sends holds this: the transmit thread, a poster
     /// sending its lone small work request itself, or a receiving thread
     /// answering a lone small READ.
@@ -105,6 +108,12 @@ struct Shared {
     /// receive buffer, which then always holds it whole, and at most
     /// [`POLL_FPDU_MAX`] (larger ones are the receive thread's).
     poll_fpdu_max: usize,
+    /// Tests: the receive thread panics at its next FPDU, the transmit
+    /// thread at its next pass.
+    #[cfg(test)]
+    panic_in_rx: AtomicBool,
+    #[cfg(test)]
+    panic_in_tx: AtomicBool,
 }
 
 /// What receiving keeps between FPDUs.
@@ -285,6 +294,7 @@ impl TcpQp {
             recv_cq,
             events,
             srq: options.srq,
+            destroyed: AtomicBool::new(false),
             tx: Mutex::new(Tx {
                 batch: (0..TX_BATCH).map(|_| TxFpdu::new()).collect(),
                 leftover: Vec::new(),
@@ -308,6 +318,10 @@ impl TcpQp {
             polled_fpdus: AtomicU64::new(0),
             deferred_bytes: AtomicU64::new(0),
             poll_fpdu_max,
+            #[cfg(test)]
+            panic_in_rx: AtomicBool::new(false),
+            #[cfg(test)]
+            panic_in_tx: AtomicBool::new(false),
         });
         // Busy-poll mode: the pollers of the device's CQs work for it.
         if let Some(c) = &options.connections {
@@ -316,10 +330,10 @@ impl TcpQp {
         let (a, b) = (shared.clone(), shared.clone());
         let rx = std::thread::Builder::new()
             .name("softrdma-iwarp-rx".into())
-            .spawn(move || receive_loop(&a))?;
+            .spawn(move || contained(&a, receive_loop))?;
         let tx = match std::thread::Builder::new()
             .name(TX_NAME.into())
-            .spawn(move || transmit_loop(&b))
+            .spawn(move || contained(&b, transmit_loop))
         {
             Ok(t) => t,
             Err(e) => {
@@ -463,6 +477,7 @@ impl Drop for ShutDownRest {
 
 impl Drop for TcpQp {
     fn drop(&mut self) {
+        self.shared.destroyed.store(true, Ordering::Release);
         self.shut_down();
     }
 }
@@ -555,6 +570,26 @@ impl Shared {
         self.closed.store(true, Ordering::Release);
         self.kick();
         self.wake_receiver();
+    }
+
+    /// A transport thread panicked (a bug): the QP fails as on a lost
+    /// connection. The locks the panic may have poisoned are cleared first:
+    /// the QP is in ERR after this, where only flushes happen.
+    fn thread_panicked(&self) {
+        self.engine.clear_poison();
+        self.mrs.clear_poison();
+        self.tx.clear_poison();
+        self.tx_pending.clear_poison();
+        self.rx.clear_poison();
+        self.rx_standby_lock.clear_poison();
+        if let Some((_, srq)) = &self.srq {
+            srq.clear_poison();
+        }
+        // First, as it ends the stream: a receive thread still reading
+        // holds the receive lock until its read ends.
+        self.lost();
+        // Nobody reads the stream any more, pollers included.
+        self.rx.lock().expect("rx lock").done = true;
     }
 
     /// Ends the receive thread's standby.
@@ -654,6 +689,9 @@ impl Shared {
         }
         let qpn = qp.qpn();
         while let Some(e) = qp.poll_event() {
+            if self.destroyed.load(Ordering::Acquire) {
+                continue;
+            }
             self.events.push(match e {
                 QpEvent::Fatal => AsyncEvent::QpFatal { qpn },
                 QpEvent::LastWqeReached => AsyncEvent::QpLastWqeReached { qpn },
@@ -680,6 +718,14 @@ impl Shared {
     }
 }
 
+/// Runs one of a connection's threads; if it panics (a bug), the QP fails
+/// rather than leave its work and its peer waiting forever.
+fn contained(s: &Shared, thread: fn(&Shared)) {
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| thread(s))).is_err() {
+        s.thread_panicked();
+    }
+}
+
 fn transmit_loop(s: &Shared) {
     loop {
         {
@@ -701,6 +747,10 @@ fn transmit_loop(s: &Shared) {
             p.work = false;
         }
         let mut tx = s.tx.lock().expect("tx buffers lock");
+        #[cfg(test)]
+        if s.panic_in_tx.swap(false, Ordering::SeqCst) {
+            panic!("the transmit thread fails, as a test asked");
+        }
         if s.closed.load(Ordering::Acquire) {
             // Send a queued Terminate before leaving, if the socket still takes it.
             let _ = send_all(s, &mut tx, true);
@@ -981,6 +1031,10 @@ fn receive_loop(s: &Shared) {
         let mut rx = s.rx.lock().expect("rx lock");
         if rx.done {
             return;
+        }
+        #[cfg(test)]
+        if s.panic_in_rx.swap(false, Ordering::SeqCst) {
+            panic!("the receive thread fails, as a test asked");
         }
         let RxState {
             control,

@@ -137,6 +137,21 @@ impl TransmitTurn {
     }
 }
 
+/// Gives a turn back if its holder unwinds (a bug): a turn held by a dead
+/// thread would keep every later pass, flushes included, from running.
+struct TurnGivenBackOnPanic<'a> {
+    turn: &'a TransmitTurn,
+    left: bool,
+}
+
+impl Drop for TurnGivenBackOnPanic<'_> {
+    fn drop(&mut self) {
+        if !self.left {
+            self.turn.0.store(0, Ordering::Release);
+        }
+    }
+}
+
 impl QpSlot {
     pub fn new(
         qp: QpEngine,
@@ -917,6 +932,10 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
     if slot.destroyed.load(Ordering::Acquire) || !slot.tx.enter() {
         return None;
     }
+    let mut turn = TurnGivenBackOnPanic {
+        turn: &slot.tx,
+        left: false,
+    };
     let mut timer = None;
     TX.with_borrow_mut(|tx| {
         loop {
@@ -1015,6 +1034,7 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
             }
         }
     });
+    turn.left = true;
     timer
 }
 
@@ -1385,21 +1405,29 @@ fn device_fatal(shared: &Shared) {
         .cloned()
         .collect();
     shared.qps.clear_poison();
+    shared.mrs.clear_poison();
     let to_error = crate::engine::qp::QpAttr {
         state: Some(crate::engine::qp::QpState::Err),
         ..Default::default()
     };
     for slot in slots {
-        let mut qp = slot
-            .engine
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        slot.engine.clear_poison();
-        let _ = qp.modify(&to_error);
-        let mut signal = [false; 2];
-        drain_completions(&mut qp, &slot, &shared.events, &mut signal);
-        drop(qp);
-        signal_cqs(&slot, signal);
+        // A QP whose state the bug broke may panic again here: the others
+        // are still failed, and the event still raised.
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut qp = slot
+                .engine
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            slot.engine.clear_poison();
+            if let Some((_, srq)) = &slot.srq {
+                srq.clear_poison();
+            }
+            let _ = qp.modify(&to_error);
+            let mut signal = [false; 2];
+            drain_completions(&mut qp, &slot, &shared.events, &mut signal);
+            drop(qp);
+            signal_cqs(&slot, signal);
+        }));
     }
     if shared.port_up.swap(false, Ordering::AcqRel) {
         shared.events.push(AsyncEvent::PortDown);

@@ -91,18 +91,23 @@ impl BeforeConnect {
     }
 
     /// Moves the QP to ERR (`modify` to ERR): no connection will be made,
-    /// and the receives kept for one are returned, to be flushed. Waits for
-    /// a connection being brought up (after which there are none).
-    pub(crate) fn fail(&self) -> Vec<RecvWr> {
+    /// and the receives kept for one are returned, to be flushed; `true` if
+    /// this call was the one that ended a QP never connected. Waits for a
+    /// connection being brought up (after which there are none).
+    pub(crate) fn fail(&self) -> (Vec<RecvWr>, bool) {
         let mut used = self.used.lock().expect("lock");
-        *used = true;
-        std::mem::take(&mut *self.early.lock().expect("lock"))
+        let ended = !std::mem::replace(&mut *used, true);
+        (
+            std::mem::take(&mut *self.early.lock().expect("lock")),
+            ended,
+        )
     }
 
     /// [`fail`](Self::fail), with the receives flushed to `cq`.
-    pub(crate) fn fail_and_flush(&self, qpn: u32, cq: &CqInner) {
+    pub(crate) fn fail_and_flush(&self, qpn: u32, cq: &CqInner) -> bool {
         let mut signal = false;
-        for wr in self.fail() {
+        let (early, ended) = self.fail();
+        for wr in early {
             signal |= cq.push(WorkCompletion::new(
                 wr.wr_id,
                 WcStatus::WrFlushErr,
@@ -113,6 +118,7 @@ impl BeforeConnect {
         if signal {
             cq.signal();
         }
+        ended
     }
 
     /// Starts bringing the connection up; `None` if the QP was connected

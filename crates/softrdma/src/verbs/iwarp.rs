@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use super::cq::CqInner;
 use super::early::{BeforeConnect, Kept};
+use super::events::{AsyncEvent, EventQueue};
 use super::{Pd, Provider, Qp, QpInit, QpKind, QpType, Result, VerbsError};
 use crate::cm::mpa::MpaOutcome;
 use crate::engine::iwarp::{IwarpConfig, IwarpQp, IwarpStats, P2p};
@@ -81,8 +82,12 @@ impl IwarpSlot {
 
     /// `modify` to ERR: a connection is closed (its work flushed, the peer
     /// sees it go), receives kept for one are flushed.
-    pub(crate) fn to_error(&self) {
-        self.before.fail_and_flush(self.qpn, &self.recv_cq);
+    pub(crate) fn to_error(&self, events: &EventQueue) {
+        if self.before.fail_and_flush(self.qpn, &self.recv_cq) && self.srq.is_some() {
+            // Never connected, it takes nothing from its SRQ (a connected
+            // QP's engine says so when it flushes).
+            events.push(AsyncEvent::QpLastWqeReached { qpn: self.qpn });
+        }
         let _moving = self.moving_to_err.lock().expect("move lock");
         // The wait for the threads runs with the connection's lock let go:
         // posts and polls on other threads see ERR at once, not after up to

@@ -974,9 +974,6 @@ impl Pd {
             return self.create_shm_qp(init);
         }
         let shared = &self.ctx.inner.udp("a QP")?.shared;
-        if shared.is_fatal() {
-            return Err(device_failed());
-        }
         if init.qp_type == QpType::Ud {
             // A UD receive's GRH carries the datagram's TTL and TOS.
             shared
@@ -984,6 +981,10 @@ impl Pd {
                 .map_err(io_err("asking the sockets for TTL and TOS"))?;
         }
         let mut qps = shared.qps.write().expect("QP table lock");
+        // Under the table's lock: a failing device fails every QP it holds.
+        if shared.is_fatal() {
+            return Err(device_failed());
+        }
         let qpn = self.ctx.inner.take_qpn(|q| qps.contains_key(&q))?;
         let mtu = self.ctx.inner.active_mtu;
         let engine = match (init.qp_type, init.srq) {
@@ -1336,7 +1337,7 @@ impl Qp {
             )));
         }
         match &self.kind {
-            QpKind::Iwarp(s) => s.to_error(),
+            QpKind::Iwarp(s) => s.to_error(self.ctx.inner.events()),
             QpKind::Shm(s) => s.to_error(),
             QpKind::Roce(_) => unreachable!("RoCEv2 QPs move through their engine"),
         }
@@ -1363,9 +1364,6 @@ impl Qp {
             _ if *attr == to_error && av.is_none() => return self.cm_qp_to_error(attr.cur_state),
             _ => return Err(self.brought_up_by_cm("modify")),
         };
-        if *attr != to_error && self.ctx.inner.udp("").is_ok_and(|d| d.shared.is_fatal()) {
-            return Err(device_failed());
-        }
         let mut a = *attr;
         a.has_av = av.is_some();
         if let Some(m) = a.path_mtu
@@ -1379,6 +1377,10 @@ impl Qp {
         }
         {
             let mut qp = slot.engine.lock().expect("QP lock");
+            // Under the QP's lock: a failing device moves it to ERR after.
+            if *attr != to_error && self.ctx.inner.udp("").is_ok_and(|d| d.shared.is_fatal()) {
+                return Err(device_failed());
+            }
             qp.modify(&a)?;
             if let Some(av) = av {
                 slot.set_peer(Some(av.addr));

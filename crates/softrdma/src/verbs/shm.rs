@@ -43,7 +43,7 @@ impl ShmSlot {
     /// `modify` to ERR: a connection is closed (its work flushed, the peer
     /// sees it go), receives kept for one are flushed.
     pub(crate) fn to_error(&self) {
-        self.before.fail_and_flush(self.qpn, &self.recv_cq);
+        let _ = self.before.fail_and_flush(self.qpn, &self.recv_cq);
         if let Some(c) = self.conn() {
             c.close();
         }

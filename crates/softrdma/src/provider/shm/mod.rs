@@ -293,6 +293,9 @@ pub(crate) struct ShmQp {
     /// wake-up from it).
     end_now: OwnedFd,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// Tests: the progress thread panics at its next wake-up.
+    #[cfg(test)]
+    panic_in_progress: AtomicBool,
 }
 
 /// The send queue's lock. It is held for one operation (its copy at most)
@@ -711,6 +714,8 @@ pub(crate) fn establish(
         slow_to_ack: AtomicBool::new(false),
         end_now: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?,
         thread: Mutex::new(None),
+        #[cfg(test)]
+        panic_in_progress: AtomicBool::new(false),
     });
     {
         let regions = device.regions.lock().expect("shm regions lock");
@@ -737,7 +742,12 @@ pub(crate) fn establish(
     let runner = qp.clone();
     let t = std::thread::Builder::new()
         .name("softrdma-shm".into())
-        .spawn(move || runner.progress())?;
+        .spawn(move || {
+            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| runner.progress()));
+            if ran.is_err() {
+                runner.progress_panicked();
+            }
+        })?;
     *qp.thread.lock().expect("thread lock") = Some(t);
     Ok(qp)
 }
@@ -1379,6 +1389,10 @@ impl ShmQp {
             }
             let ready = |i: usize| !fds[i].revents().is_empty();
             let (sock_ready, event_ready, end_ready) = (ready(0), ready(1), ready(2));
+            #[cfg(test)]
+            if self.panic_in_progress.swap(false, Ordering::SeqCst) {
+                panic!("the shm progress thread fails, as a test asked");
+            }
             if end_ready {
                 let mut b = [0u8; 8];
                 let _ = rustix::io::read(&self.end_now, &mut b);
@@ -1410,6 +1424,43 @@ impl ShmQp {
             // The peer ended first: this side answers.
             self.failed.store(true, Ordering::Release);
             self.let_go_of_the_peer();
+        }
+        self.lost();
+    }
+
+    /// The progress thread panicked (a bug): the connection ends through
+    /// the same handshake as on any failure, so that no work waits forever
+    /// and no receive is flushed while the peer may still copy into it.
+    fn progress_panicked(&self) {
+        self.posted.clear_poison();
+        self.acks.clear_poison();
+        self.mrs.clear_poison();
+        self.fail();
+        self.let_go_of_the_peer();
+        // The peer's answer: the end of its stream, within ACK_WAIT.
+        let until = Instant::now() + ACK_WAIT;
+        let mut buf = [0u8; MSG_MAX];
+        loop {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            let ts = rustix::time::Timespec {
+                tv_sec: left.as_secs() as i64,
+                tv_nsec: i64::from(left.subsec_nanos()),
+            };
+            let mut fds = [PollFd::new(&self.sock, PollFlags::IN)];
+            match rustix::event::poll(&mut fds, Some(&ts)) {
+                Ok(_) | Err(rustix::io::Errno::INTR) => {}
+                Err(_) => break,
+            }
+            if fds[0].revents().is_empty() {
+                continue;
+            }
+            match recv_msg(self.sock.as_fd(), &mut buf) {
+                Ok((0, _)) | Err(_) => break,
+                Ok(_) => {}
+            }
         }
         self.lost();
     }

@@ -377,3 +377,27 @@ fn a_peer_that_announces_too_many_regions_is_refused() {
     drop(ours);
     peer.join().unwrap();
 }
+
+/// A progress thread that panics (a bug) ends the connection as any failure
+/// does: this side's receives are flushed, the peer ends too, nobody hangs.
+#[test]
+fn a_progress_thread_that_panics_ends_the_connection_and_flushes() {
+    let ((_a_ctx, _a_pd, _a_cq, a_qp), (_b_ctx, b_pd, b_cq, b_qp)) = connected("panics");
+    let mr = b_pd.register(4096, crate::memory::Access::ALL).unwrap();
+    b_qp.post_recv(crate::engine::RecvWr::new(7, [mr.sge(0, 16)]))
+        .unwrap();
+    let b = b_qp.shm_conn().unwrap();
+    b.panic_in_progress.store(true, Ordering::SeqCst);
+    b.mine.wake();
+    let wc = b_cq
+        .wait(Duration::from_secs(5))
+        .unwrap()
+        .expect("the receive, flushed");
+    assert_eq!((wc.wr_id, wc.status), (7, WcStatus::WrFlushErr));
+    assert_eq!(b_qp.state(), QpState::Err);
+    let t = Instant::now();
+    while a_qp.state() != QpState::Err {
+        assert!(t.elapsed() < Duration::from_secs(5), "the peer never ended");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}

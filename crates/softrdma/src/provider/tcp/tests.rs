@@ -531,6 +531,71 @@ fn a_peer_that_vanishes_mid_transfer_flushes_and_never_hangs() {
     assert_eq!(a.qp.with_engine(|q| q.state()), crate::engine::QpState::Err);
 }
 
+/// A transmit thread that panics (a bug) fails the QP too, though the
+/// receive thread sits in a read that would never end (its lock held).
+#[test]
+fn a_transmit_thread_that_panics_fails_the_qp_and_flushes() {
+    let (a, b) = pair(false);
+    a.qp.post_recv(RecvWr::new(5, [sge(&a, 0, 64)])).unwrap();
+    a.qp.shared.panic_in_tx.store(true, Ordering::SeqCst);
+    // Too large for the poster's own thread: the transmit thread's.
+    a.qp.post_send(SendWr::new(
+        6,
+        SendOp::Write {
+            remote_addr: b.iova,
+            rkey: b.rkey,
+        },
+        vec![sge(&a, 0, 1 << 20)],
+    ))
+    .unwrap();
+    let w = one(&a.scq);
+    assert_eq!((w.wr_id, w.status), (6, WcStatus::WrFlushErr));
+    let r = one(&a.rcq);
+    assert_eq!((r.wr_id, r.status), (5, WcStatus::WrFlushErr));
+    let deadline = std::time::Instant::now() + T;
+    while b.qp.with_engine(|q| q.state()) != crate::engine::QpState::Err {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the peer never failed"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// A receive thread that panics (a bug) fails the QP as a lost connection
+/// does: its work is flushed, the peer sees the stream end, nobody hangs.
+#[test]
+fn a_receive_thread_that_panics_fails_the_qp_and_flushes() {
+    let (a, b) = pair(false);
+    for k in 0..2 {
+        b.qp.post_recv(RecvWr::new(k, [sge(&b, k * 64, 64)]))
+            .unwrap();
+    }
+    b.qp.shared.panic_in_rx.store(true, Ordering::SeqCst);
+    a.qp.post_send(SendWr::new(7, SendOp::Send, vec![sge(&a, 0, 8)]))
+        .unwrap();
+    let got: Vec<(u64, WcStatus)> = (0..2)
+        .map(|_| {
+            let w = one(&b.rcq);
+            (w.wr_id, w.status)
+        })
+        .collect();
+    // The panic comes before the SEND is placed or after it: the first
+    // receive completes either way, flushed or not, and the second is flushed.
+    assert_eq!(got[0].0, 0);
+    assert_eq!(got[1], (1, WcStatus::WrFlushErr));
+    assert_eq!(b.qp.with_engine(|q| q.state()), crate::engine::QpState::Err);
+    // The peer sees the connection end.
+    let deadline = std::time::Instant::now() + T;
+    while a.qp.with_engine(|q| q.state()) != crate::engine::QpState::Err {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the peer never failed"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// Spins on `cq` (a busy-polling application) until a completion comes.
 fn spin(cq: &Cq) -> WorkCompletion {
     let deadline = std::time::Instant::now() + T;
