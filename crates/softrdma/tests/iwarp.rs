@@ -1161,3 +1161,34 @@ fn two_connections_share_one_srq() {
         (Layer::Ddp, 2, 0x02)
     );
 }
+
+/// A connected QP of an SRQ that is destroyed flushes its work but raises
+/// no event naming it: its number may be handed out again.
+#[test]
+fn a_destroyed_srq_qp_raises_no_event() {
+    let ctx = Device::iwarp([127, 0, 0, 2].into()).open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let srq = pd.create_srq(4, 1).unwrap();
+    let listener = Listener::bind(&ctx, 0).unwrap();
+    let at = listener.local_addr();
+    let qp = pd.create_qp(&QpInit::rc(&cq, &cq).srq(&srq)).unwrap();
+    let client = std::thread::spawn(move || {
+        let c = end([127, 0, 0, 1]);
+        iwarp::connect(&c.qp, at, &MpaConfig::default()).unwrap();
+        c
+    });
+    listener
+        .accept(&qp, &MpaConfig::default(), |_| Decision::Accept)
+        .unwrap();
+    let client = client.join().unwrap();
+    let qpn = qp.qpn();
+    drop(qp);
+    wait_state(&client.qp, QpState::Err);
+    let t = std::time::Instant::now();
+    while t.elapsed() < Duration::from_millis(300) {
+        if let Some(e) = ctx.wait_async_event(Duration::from_millis(50)) {
+            assert_ne!(e, AsyncEvent::QpLastWqeReached { qpn });
+        }
+    }
+}
