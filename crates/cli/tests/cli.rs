@@ -548,6 +548,18 @@ fn assert_both_succeeded(test: &str, s: &Output, c: &Output) {
     }
 }
 
+/// The client printed one result row, of the `-n` iterations of every QP
+/// (`-q 2`, or one).
+fn assert_one_row_of_every_iteration(what: &str, args: &[&str], c: &Output) {
+    let n: f64 = args[args.iter().position(|a| *a == "-n").unwrap() + 1]
+        .parse()
+        .unwrap();
+    let qps = if args.contains(&"-q") { 2.0 } else { 1.0 };
+    let rows = perf_rows(c);
+    assert_eq!(rows.len(), 1, "{what}: {}", stdout(c));
+    assert_eq!(rows[0][1], n * qps, "{what}");
+}
+
 /// With --verify, the side where the data lands (the client for READs)
 /// checked it.
 fn assert_verified(test: &str, args: &[&str], s: &Output, c: &Output) {
@@ -674,13 +686,7 @@ fn perf_over_iwarp_with_rdma_cm_between_two_processes() {
         for o in [&s, &c] {
             assert!(stdout(o).contains("Data ex. method : rdma_cm"), "{test}");
         }
-        let n: f64 = args[args.iter().position(|a| *a == "-n").unwrap() + 1]
-            .parse()
-            .unwrap();
-        let qps = if args.contains(&"-q") { 2.0 } else { 1.0 };
-        let rows = perf_rows(&c);
-        assert_eq!(rows.len(), 1, "{test}: {}", stdout(&c));
-        assert_eq!(rows[0][1], n * qps, "{test}");
+        assert_one_row_of_every_iteration(test, &args, &c);
         assert_verified(test, &args, &s, &c);
     }
 }
@@ -748,13 +754,7 @@ fn perf_send_tests_with_a_shared_receive_queue() {
         for o in [&s, &c] {
             assert!(stdout(o).contains("Using SRQ      : ON"), "{args:?}");
         }
-        let n: f64 = args[args.iter().position(|a| *a == "-n").unwrap() + 1]
-            .parse()
-            .unwrap();
-        let qps = if args.contains(&"-q") { 2.0 } else { 1.0 };
-        let rows = perf_rows(&c);
-        assert_eq!(rows.len(), 1, "{args:?}: {}", stdout(&c));
-        assert_eq!(rows[0][1], n * qps, "{args:?}");
+        assert_one_row_of_every_iteration(&format!("{args:?}"), &args, &c);
         assert!(
             stdout(&s).contains("Payload check (--verify): OK"),
             "{args:?}: {}",

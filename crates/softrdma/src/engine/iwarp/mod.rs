@@ -211,6 +211,18 @@ struct RqEntry {
     placed: usize,
 }
 
+impl RqEntry {
+    fn new(wr: RecvWr) -> RqEntry {
+        let len = wr.sgl.iter().map(|s| s.len as usize).sum();
+        RqEntry {
+            wr,
+            segs: None,
+            len,
+            placed: 0,
+        }
+    }
+}
+
 /// What the current inbound segment is, between `accept_header` and
 /// `segment_done`.
 #[derive(Debug, Clone, Copy)]
@@ -431,13 +443,7 @@ impl IwarpQp {
             self.completions.push_back((CqKind::Recv, wc));
             return Ok(());
         }
-        let len = wr.sgl.iter().map(|s| s.len as usize).sum();
-        self.rq.push_back(RqEntry {
-            wr,
-            segs: None,
-            len,
-            placed: 0,
-        });
+        self.rq.push_back(RqEntry::new(wr));
         Ok(())
     }
 
@@ -1066,13 +1072,7 @@ impl IwarpQp {
                     && let Some(srq) = &self.srq
                     && let Some(wr) = srq.lock().expect("SRQ lock").take()
                 {
-                    let len = wr.sgl.iter().map(|s| s.len as usize).sum();
-                    self.rq.push_back(RqEntry {
-                        wr,
-                        segs: None,
-                        len,
-                        placed: 0,
-                    });
+                    self.rq.push_back(RqEntry::new(wr));
                 }
                 let Some(r) = self.rq.front_mut() else {
                     // No receive posted: iWARP has no RNR; the stream ends.
