@@ -5,17 +5,19 @@
 //! region or place more than a segment carries, and what it sends must fit
 //! its FPDUs.
 //!
-//! Input: a control byte, then segments, each a flags byte (bit 0: the CRC
+//! Input: a control byte (bit 0: the QP takes its receives from an SRQ),
+//! then segments, each a flags byte (bit 0: the CRC
 //! held; bit 1: send and reap after it; bit 2: patch a tagged segment's STag
 //! to the region's and fold its TO near it, or an untagged one's MSN near
 //! the expected), a 2-byte little-endian payload length, the DDP header (14
 //! bytes if the first byte's top bit says tagged, else 18) and the payload.
 #![no_main]
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use libfuzzer_sys::fuzz_target;
 use softrdma::engine::iwarp::{IwarpConfig, IwarpQp, MAX_HEADER_LEN, Placement};
 use softrdma::engine::rc::QpCaps;
+use softrdma::engine::srq::Srq;
 use softrdma::engine::{RecvWr, SendFlags, SendOp, SendWr, Sge};
 use softrdma::memory::{Access, MrTable, Region, RegionMemory};
 
@@ -53,7 +55,16 @@ fuzz_target!(|data: &[u8]| {
         len,
         lkey: LKEY,
     };
-    if ctl & 0x10 != 0 {
+    if ctl & 1 != 0 {
+        // Receives from an SRQ: each SEND that starts takes one.
+        let srq = Arc::new(Mutex::new(Srq::new(4, 2)));
+        for k in 0..3 {
+            let wr = RecvWr::new(10 + k, [sge(k * 4000, 3000)]);
+            srq.lock().unwrap().post_recv(wr).unwrap();
+        }
+        qp = qp.with_srq(srq);
+        assert!(qp.post_recv(RecvWr::new(1, [sge(0, 8)])).is_err());
+    } else if ctl & 0x10 != 0 {
         let _ = qp.post_recv(RecvWr::new(1, [sge(0, 3000)]));
     }
     if ctl & 0x20 != 0 {
