@@ -20,3 +20,11 @@ pub(crate) fn unix_seqpacket(
         None,
     )?)
 }
+
+/// `d` as a poll or timer timeout.
+pub(crate) fn timespec(d: std::time::Duration) -> rustix::time::Timespec {
+    rustix::time::Timespec {
+        tv_sec: d.as_secs() as i64,
+        tv_nsec: i64::from(d.subsec_nanos()),
+    }
+}

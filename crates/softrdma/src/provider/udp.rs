@@ -33,6 +33,7 @@ use spin::mutex::SpinMutex;
 use spin::relax::Yield;
 
 use super::pcap::{PacketMeta, PcapWriter};
+use super::timespec;
 use crate::engine::gsi;
 use crate::engine::rc::MAX_HEADER_LEN;
 use crate::engine::srq::Srq;
@@ -250,7 +251,7 @@ pub(crate) struct Shared {
     fatal: AtomicBool,
     /// Tests: the progress thread panics at its next pass.
     #[cfg(test)]
-    pub(crate) panic_next_pass: AtomicBool,
+    panic_next_pass: AtomicBool,
     /// Busy-poll mode: application threads polling the device's CQs receive
     /// (see [`poll_now`]); the progress thread stands by while they do.
     busy_poll: AtomicBool,
@@ -1036,13 +1037,6 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
     });
     turn.left = true;
     timer
-}
-
-fn timespec(d: Duration) -> rustix::time::Timespec {
-    rustix::time::Timespec {
-        tv_sec: d.as_secs() as i64,
-        tv_nsec: i64::from(d.subsec_nanos()),
-    }
 }
 
 /// The UDP length of a packet.

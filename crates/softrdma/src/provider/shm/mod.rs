@@ -1368,10 +1368,7 @@ impl ShmQp {
             if left.is_some_and(|l| l.is_zero()) {
                 break;
             }
-            let ts = left.map(|l| rustix::time::Timespec {
-                tv_sec: l.as_secs() as i64,
-                tv_nsec: i64::from(l.subsec_nanos()),
-            });
+            let ts = left.map(super::timespec);
             let mut fds = [
                 PollFd::new(&self.sock, PollFlags::IN),
                 PollFd::new(&self.mine.event, PollFlags::IN),
@@ -1445,12 +1442,8 @@ impl ShmQp {
             if left.is_zero() {
                 break;
             }
-            let ts = rustix::time::Timespec {
-                tv_sec: left.as_secs() as i64,
-                tv_nsec: i64::from(left.subsec_nanos()),
-            };
             let mut fds = [PollFd::new(&self.sock, PollFlags::IN)];
-            match rustix::event::poll(&mut fds, Some(&ts)) {
+            match rustix::event::poll(&mut fds, Some(&super::timespec(left))) {
                 Ok(_) | Err(rustix::io::Errno::INTR) => {}
                 Err(_) => break,
             }
