@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """softrdma against Linux rxe and rdma-core's own tools, in QEMU guests.
 
-Boots one guest per variant (rxe on a 1500-byte link, rxe on a 4200-byte link)
-in the harness's private network namespace and runs every case in both roles:
-the rdma-core tool in the guest and `softrdma` on the host (10.99.0.1), then
-the other way round. Each case checks both sides' exit status and parses their
+Boots one guest per variant (rxe on a 1500-byte link, rxe on a 4200-byte link,
+siw, siw requiring CRC, and rxe for softrdma's libibverbs provider) in the
+harness's private network namespace and runs every case in both roles: the
+rdma-core tool in the guest and `softrdma` on the host (10.99.0.1), then the
+other way round. The ibverbs variant runs softrdma in the guest too, on rxe0. Each case checks both sides' exit status and parses their
 result lines (bytes, iterations, a non-zero rate).
 
     tests/interop/run.py [--only REGEX] [--variant REGEX] [--list] [--keep]
@@ -14,6 +15,7 @@ $SOFTRDMA_PEERS). Without them it skips, unless CI=true: then it fails.
 """
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -156,7 +158,7 @@ def guest_aftermath(guest, port):
     tools killed so that they hold nothing the next case needs."""
     job = f"aftermath_{port}"
     tools = "ib_read_bw ib_write_bw ib_send_bw ib_atomic_bw ib_read_lat ib_write_lat " \
-            "ib_send_lat ib_atomic_lat rping"
+            "ib_send_lat ib_atomic_lat rping softrdma"
     guest.start(job, "dmesg | tail -n 40; echo '--- processes:'; "
                      "ps -o pid,stat,args | grep -v -E '^ *[0-9]+ +[IS][^ ]* +\\['; "
                      "for p in /proc/[0-9]*; do grep -q '^State:.*D' $p/status 2>/dev/null && "
@@ -467,6 +469,103 @@ def cases(mtu4200=False):
     return out, p
 
 
+# softrdma in the guest, for the ibverbs variant (the guest's share).
+GUEST_BIN = "/mnt/share/softrdma"
+IBVERBS = "--provider ibverbs -d rxe0"
+
+
+def ibverbs_cases():
+    """softrdma's libibverbs provider on the guest's rxe0: against perftest
+    in the same guest (`in_guest`: both ends there, rxe looping back), and
+    against softrdma's own RoCEv2 on the host (the guest's side is the
+    `tool`)."""
+    out = []
+
+    def local(test, size, iters, extra="", ours_extra=""):
+        c = perf_case(test, size, iters, extra)
+        c.ours = f"{GUEST_BIN} {c.ours.replace(' --stats', '')} {IBVERBS} {ours_extra}".strip()
+        c.name += f" (softrdma {IBVERBS}{' ' + ours_extra if ours_extra else ''})"
+        c.in_guest = True
+        out.append(c)
+
+    def cross(test, size, iters, extra=""):
+        c = perf_case(test, size, iters, extra)
+        c.tool = f"{GUEST_BIN} {c.ours.replace(' --stats', '')} {IBVERBS}"
+        c.tool_label = "rxe0's softrdma"
+        c.name = f"softrdma {IBVERBS} against softrdma's RoCEv2: perf {test} " \
+            f"-s {size} -n {iters} {extra}".strip()
+        out.append(c)
+
+    local("write-bw", 65536, 20)
+    local("write-bw", 8192, 20, "-b")
+    local("read-bw", 4096, 50)
+    local("send-bw", 3000, 50)
+    local("atomic-bw", None, 100)
+    local("send-bw", 1024, 50, "-c UD")
+    local("send-bw", 3000, 50, "--use-srq -q 2 -r 8")
+    local("write-lat", 64, 100)
+    local("write-lat", 64, 100, ours_extra="-I 64")
+    local("read-lat", 64, 100)
+    local("send-lat", 64, 100)
+    local("atomic-lat", None, 100)
+    local("write-bw", 65536, 20, ours_extra="--busy-poll")
+    # Between two softrdma ends `--verify` checks every byte: here the
+    # guest's are rxe's DMA, the host's softrdma's own RoCEv2.
+    cross("write-bw", 65536, 20, "--verify")
+    cross("read-bw", 10000, 20, "--verify")
+    cross("send-bw", 3000, 50, "--verify")
+    cross("read-lat", 64, 100, "--verify")
+    cross("send-lat", 64, 50, "-c UD")
+    return out
+
+
+def ibverbs_tests_binary():
+    """Builds tests/ibverbs.rs (release) and returns its executable."""
+    r = subprocess.run(["cargo", "test", "--release", "-q", "-p", "softrdma", "--test", "ibverbs",
+                        "--no-run", "--message-format=json"], cwd=REPO, check=True,
+                       capture_output=True, text=True)
+    for line in r.stdout.splitlines():
+        m = json.loads(line)
+        if m.get("reason") == "compiler-artifact" and m.get("executable") \
+                and m["target"]["name"] == "ibverbs":
+            return m["executable"]
+    raise RuntimeError("cargo built no tests/ibverbs.rs executable")
+
+
+def run_ibverbs_tests(guest):
+    """tests/ibverbs.rs's device tests, in the guest on rxe0."""
+    job = "ibverbs_tests"
+    guest.start(job, "SOFTRDMA_IBVERBS_DEV=rxe0 /mnt/share/ibverbs-tests --ignored "
+                "--test-threads=1")
+    rc, out = guest.wait(job, 300)
+    m = re.search(r"test result: ok\. (\d+) passed; 0 failed", out)
+    if rc != 0 or not m or int(m.group(1)) == 0:
+        return f"exit status {rc}:\n{out}"
+    return None
+
+
+def run_guest_pair(guest, case, port, ours_is_server, job):
+    """softrdma and the tool both in the guest, on rxe0."""
+    server, client = (case.ours, case.tool) if ours_is_server else (case.tool, case.ours)
+    err = guest_server(guest, job + "_s", f"{server} -p {port}", port)
+    if err:
+        return err
+    guest.start(job + "_c", f"{client} -p {port} {GUEST_IP}")
+    rc_c, out_c = guest.wait(job + "_c", case.timeout)
+    rc_s, out_s = guest.wait(job + "_s", case.timeout)
+    problems = []
+    for role, rc, out in (("server", rc_s, out_s), ("client", rc_c, out_c)):
+        who = "softrdma" if (role == "server") == ours_is_server else "tool"
+        if rc != 0:
+            problems.append(f"{who} ({role}) exit status {rc}")
+        e = case.check(out, role)
+        if e:
+            problems.append(f"{who} ({role}): {e}")
+    if problems:
+        return "; ".join(problems) + f"\n--- server:\n{out_s}\n--- client:\n{out_c}"
+    return None
+
+
 def guest_server(guest, job, cmd, port, give_up_after=None):
     """Starts `cmd` in the guest and waits until it listens on `port` (or,
     with `give_up_after` seconds, until then: kernel listeners of rdma_cm may
@@ -548,6 +647,8 @@ def run_cm_reject(guest, case, port, job):
 def run_case(guest, case, port, tool_is_server, keep_going=True):
     """Runs one case in one role; returns None or what failed."""
     job = re.sub(r"[^A-Za-z0-9]+", "_", case.name) + ("_tsrv" if tool_is_server else "_tcli")
+    if getattr(case, "in_guest", False):
+        return run_guest_pair(guest, case, port, not tool_is_server, job)
     if case.name.startswith("rping over RoCE"):
         return run_cm_reject(guest, case, port, job)
     if case.ours.startswith("rping"):
@@ -686,7 +787,7 @@ def run_rping(guest, case, port, tool_is_server, job):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="run the cases whose name matches this regular expression")
-    ap.add_argument("--variant", help="run the variants (guests: rxe1500, rxe4200, siw, siwcrc) "
+    ap.add_argument("--variant", help="run the variants (guests: rxe1500, rxe4200, siw, siwcrc, ibverbs) "
                     "whose name matches this regular expression")
     ap.add_argument("--list", action="store_true", help="list the cases")
     ap.add_argument("--keep", action="store_true", help="leave the guests up")
@@ -696,6 +797,7 @@ def main():
         ("rxe4200", {"MTU": "4200"}, cases(True)[0]),
         ("siw", {"LINKS": "siw"}, siw_cases()),
         ("siwcrc", {"LINKS": "siw", "SIW_CRC": "1"}, siw_cases()),
+        ("ibverbs", {}, ibverbs_cases()),
     ]
     if args.list:
         for v, _, cs in variants:
@@ -718,18 +820,35 @@ def main():
         if args.variant and not re.search(args.variant, vname):
             continue
         cs = [c for c in cs if not args.only or re.search(args.only, c.name)]
-        if not cs:
+        # The ibverbs variant also runs tests/ibverbs.rs in its guest.
+        tests = vname == "ibverbs" and (not args.only or re.search(args.only, "ibverbs tests"))
+        if not cs and not tests:
             continue
         guest = Guest(harness, vname, env)
+        if vname == "ibverbs":
+            # softrdma runs in the guest (bookworm's glibc on both sides).
+            shutil.copy(REPO / "target/release/softrdma", guest.share / "softrdma")
+            shutil.copy(ibverbs_tests_binary(), guest.share / "ibverbs-tests")
         t = time.time()
         guest.boot()
         log(f"{vname}: guest up in {time.time() - t:.0f} s")
         try:
+            if tests:
+                t = time.time()
+                err = run_ibverbs_tests(guest)
+                log(f"{vname}: tests/ibverbs.rs on rxe0 {'ok' if err is None else 'FAIL'} "
+                    f"({time.time() - t:.1f} s)")
+                if err:
+                    failures.append(f"{vname}: tests/ibverbs.rs: {err}")
+                    print(f"\nFAILED {failures[-1]}", flush=True)
+                else:
+                    passed += 1
             for c in cs:
                 for tool_is_server in c.tool_roles:
                     port += 1
-                    role = ("Linux server, softrdma client" if tool_is_server
-                            else "softrdma server, Linux client")
+                    tool = getattr(c, "tool_label", "Linux")
+                    role = (f"{tool} server, softrdma client" if tool_is_server
+                            else f"softrdma server, {tool} client")
                     t = time.time()
                     err = run_case(guest, c, port, tool_is_server)
                     if err and CLOCK_FAILED in err:

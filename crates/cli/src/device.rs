@@ -17,6 +17,15 @@ pub struct Chosen {
 }
 
 impl Chosen {
+    /// A libibverbs device, by name (its address comes with the context).
+    pub fn named(name: &str) -> Chosen {
+        Chosen {
+            name: Some(name.to_string()),
+            addr: Ipv4Addr::UNSPECIFIED,
+            link_mtu: None,
+        }
+    }
+
     /// The device on `udp_port`.
     pub fn device(&self, udp_port: u16) -> Device {
         let d = Device::udp(SocketAddrV4::new(self.addr, udp_port).into());
@@ -164,6 +173,17 @@ pub fn list() -> ExitCode {
                 d.netdev
             );
         }
+    }
+    // Devices of rdma-core (--provider ibverbs -d NAME), where it is installed.
+    match softrdma::verbs::ibverbs_devices() {
+        Ok(names) if !names.is_empty() => {
+            outln!(
+                "libibverbs devices (--provider ibverbs -d NAME): {}",
+                names.join(", ")
+            );
+        }
+        Ok(_) => outln!("libibverbs devices: none"),
+        Err(e) => outln!("libibverbs devices: none; {e}"),
     }
     if all.is_empty() {
         eprintln!("softrdma devices: no interface with an IPv4 address is up");

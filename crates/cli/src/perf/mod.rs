@@ -170,9 +170,10 @@ pub struct PerfArgs {
     /// implemented.
     #[arg(short = 'R', long = "rdma_cm")]
     pub rdma_cm: bool,
-    /// The provider: roce (RoCEv2 over UDP, default), iwarp (as -R) or shm
+    /// The provider: roce (RoCEv2 over UDP, default), iwarp (as -R), shm
     /// (shared memory; both processes on this host, both with --provider
-    /// shm; the exchange still runs on the TCP port).
+    /// shm; the exchange still runs on the TCP port) or ibverbs (the
+    /// libibverbs device -d names: a RoCE NIC, or the kernel's rxe).
     #[arg(long, value_enum, default_value_t = ProviderKind::Roce)]
     pub provider: ProviderKind,
     /// RoCEv2: spin on completions (and target memory) instead of blocking,
@@ -202,6 +203,8 @@ pub enum ProviderKind {
     Roce,
     Iwarp,
     Shm,
+    /// A libibverbs device named by -d (rxe0, mlx5_0): RoCE ports.
+    Ibverbs,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -314,6 +317,29 @@ fn config(a: &PerfArgs) -> Result<Config, String> {
         }
         if shm {
             return Err(" --use-srq: shm devices have no shared receive queues yet".into());
+        }
+    }
+    if a.provider == ProviderKind::Ibverbs {
+        if a.dev.is_none() {
+            return Err(
+                " --provider ibverbs needs -d, a device of `softrdma devices`'s \
+                        libibverbs list (rxe0, mlx5_0)"
+                    .into(),
+            );
+        }
+        if a.rdma_cm {
+            return Err(
+                " --provider ibverbs connects by the TCP exchange; rdma_cm (-R) is \
+                        not implemented for it"
+                    .into(),
+            );
+        }
+        if a.shared_port || a.pcap.is_some() {
+            return Err(
+                " --shared-port and --pcap are for softrdma's RoCEv2 device, not \
+                        --provider ibverbs"
+                    .into(),
+            );
         }
     }
     if shm {
@@ -598,8 +624,17 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
         Some(h) => Some(crate::ping::resolve_v4(h, a.port)?),
         None => None,
     };
-    let chosen = crate::device::choose(a.dev.as_deref(), a.gid, a.bind, peer_ip)?;
-    let ctx = if cfg.shm {
+    let ibverbs = a.provider == ProviderKind::Ibverbs;
+    let chosen = if ibverbs {
+        crate::device::Chosen::named(a.dev.as_deref().unwrap_or_default())
+    } else {
+        crate::device::choose(a.dev.as_deref(), a.gid, a.bind, peer_ip)?
+    };
+    let ctx = if ibverbs {
+        Device::ibverbs(a.dev.as_deref().unwrap_or_default())
+            .busy_poll(a.busy_poll)
+            .open()
+    } else if cfg.shm {
         Device::shm().open()
     } else if cfg.cm {
         Device::iwarp(chosen.addr).busy_poll(a.busy_poll).open()
@@ -615,6 +650,16 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
     }
     .map_err(|e| e.to_string())?;
     let port = ctx.query_port();
+    // The device's QPs send from its RoCEv2 IPv4 GID, the last it lists.
+    if ibverbs && a.gid + 1 != port.gids.len() {
+        return Err(format!(
+            "-x {}: {} sends from its RoCEv2 IPv4 GID, index {}: use -x {}",
+            a.gid,
+            chosen.name.as_deref().unwrap_or_default(),
+            port.gids.len() - 1,
+            port.gids.len() - 1
+        ));
+    }
     let gid = *port
         .gids
         .get(a.gid)

@@ -492,6 +492,9 @@ pub enum PostError {
     /// An atomic whose remote address is not 8-byte aligned.
     #[error("atomic operations need an 8-byte-aligned remote address, not {0:#x}")]
     MisalignedAtomic(u64),
+    /// A hardware device refused the post (its errno).
+    #[error("the device refused the work request: {}", std::io::Error::from_raw_os_error(*.0))]
+    Device(i32),
 }
 
 /// The checks of `ibv_post_send` that every QP shares (RoCEv2 RC and UD,

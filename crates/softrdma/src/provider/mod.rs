@@ -2,6 +2,7 @@
 //! that drives the engine. A provider never re-implements transport rules.
 
 pub mod hostd;
+pub mod ibverbs;
 pub mod netdev;
 mod pcap;
 pub(crate) mod shm;

@@ -58,7 +58,8 @@ impl AsyncCq {
     ///
     /// Outside a tokio runtime with I/O enabled (as `AsyncFd`).
     pub fn new(cq: Cq) -> io::Result<AsyncCq> {
-        let fd = cq.inner.event.try_clone()?;
+        // The CQ's channel: a libibverbs device's, else softrdma's eventfd.
+        let fd = std::os::fd::AsFd::as_fd(&cq).try_clone_to_owned()?;
         // SAFETY: the `AsyncFd` owns `fd`, a descriptor of its own (a
         // duplicate): it stays open and the same until the `AsyncFd` drops
         // it or gives it back.

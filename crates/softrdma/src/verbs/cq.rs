@@ -210,6 +210,8 @@ pub struct Cq {
     /// The iWARP device's connections, whose receiving a poll may do, and
     /// its busy-poll flag.
     connections: Option<(Arc<crate::provider::tcp::Connections>, Arc<AtomicBool>)>,
+    /// A libibverbs device's CQ, which every call goes to instead.
+    pub(crate) hw: Option<Arc<crate::provider::ibverbs::HwCq>>,
 }
 
 impl Cq {
@@ -222,7 +224,14 @@ impl Cq {
             inner: Arc::new(CqInner::new(capacity, id, events)?),
             driver: None,
             connections: None,
+            hw: None,
         })
+    }
+
+    /// A libibverbs device's CQ.
+    pub(crate) fn on_hardware(mut self, hw: Arc<crate::provider::ibverbs::HwCq>) -> Cq {
+        self.hw = Some(hw);
+        self
     }
 
     /// A CQ of an iWARP device: in the device's busy-poll mode, polling it
@@ -311,6 +320,9 @@ impl Cq {
 
     /// Takes up to `out.len()` completions (`ibv_poll_cq`); returns how many.
     pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize, CqError> {
+        if let Some(hw) = &self.hw {
+            return hw.poll(out);
+        }
         self.poll_device_if_empty();
         if self.inner.is_empty() {
             return self.overran().map(|()| 0);
@@ -330,6 +342,9 @@ impl Cq {
     // 8-byte post and poll took 66 ns, inline 51).
     #[inline]
     pub fn poll_one(&self) -> Result<Option<WorkCompletion>, CqError> {
+        if let Some(hw) = &self.hw {
+            return hw.poll_one();
+        }
         self.poll_device_if_empty();
         match self.inner.pop() {
             Some(wc) => Ok(Some(wc)),
@@ -356,6 +371,9 @@ impl Cq {
     /// receives for the device) until then.
     pub fn wait(&self, timeout: Duration) -> Result<Option<WorkCompletion>, CqError> {
         let deadline = super::deadline_after(timeout);
+        if let Some(hw) = &self.hw {
+            return Ok(hw.wait_for(1, deadline)?.pop());
+        }
         if self.busy() {
             let mut spins = 0u32;
             loop {
@@ -424,6 +442,9 @@ impl Cq {
     /// A blocking wait sleeps until all `n` are there: one wake-up, not `n`.
     pub fn wait_for(&self, n: usize, timeout: Duration) -> Result<Vec<WorkCompletion>, CqError> {
         let deadline = super::deadline_after(timeout);
+        if let Some(hw) = &self.hw {
+            return hw.wait_for(n, deadline);
+        }
         // More than the CQ holds may come over time, but needn't be reserved.
         let mut got = Vec::with_capacity(n.min(self.capacity()));
         let busy = self.busy();
@@ -458,6 +479,9 @@ impl Cq {
     /// An arm for any completion is not narrowed by a later solicited-only
     /// one (as rdmavt's `req_notify_cq` keeps NEXT_COMP).
     pub fn req_notify(&self, solicited_only: bool) {
+        if let Some(hw) = &self.hw {
+            return hw.req_notify(solicited_only);
+        }
         let mut s = self.inner.state.lock();
         let solicited_only = solicited_only && s.armed != Some(false);
         let pending = s.queue.iter().any(|wc| {
@@ -475,6 +499,9 @@ impl Cq {
     /// Consumes the pending events of the completion channel (`ibv_get_cq_event`
     /// plus `ibv_ack_cq_events`); returns how many there were (0 if none).
     pub fn take_events(&self) -> u64 {
+        if let Some(hw) = &self.hw {
+            return hw.take_events();
+        }
         let mut n = 0;
         while self.take_event() {
             n += 1;
@@ -491,6 +518,9 @@ impl Cq {
     /// Blocks until the completion channel fires or `timeout` passes; `true`
     /// if it fired.
     pub fn wait_event(&self, timeout: Duration) -> bool {
+        if let Some(hw) = &self.hw {
+            return hw.wait_event(timeout);
+        }
         let mut fds = [rustix::event::PollFd::new(
             &self.inner.event,
             rustix::event::PollFlags::IN,
@@ -532,6 +562,9 @@ impl Cq {
 impl AsFd for Cq {
     /// The completion channel: readable when an event fired.
     fn as_fd(&self) -> BorrowedFd<'_> {
+        if let Some(hw) = &self.hw {
+            return hw.as_fd();
+        }
         self.inner.event.as_fd()
     }
 }

@@ -55,6 +55,7 @@ use crate::engine::ud::UdQp;
 pub use crate::engine::ud::UdStats;
 pub use crate::engine::{AhId, UdDest};
 use crate::memory::{MrTable, PdId, Region, RegionMemory};
+use crate::provider::ibverbs::{HwAh, HwContext, HwCq, HwMr, HwPd, HwQp, HwSrq};
 use crate::provider::udp::{MAX_SGE, QpSlot, UdpDevice};
 use events::EventQueue;
 
@@ -109,6 +110,8 @@ pub struct Device {
     pcap: Option<std::path::PathBuf>,
     iwarp: bool,
     shm: bool,
+    /// A libibverbs device's name (the hardware provider).
+    ibverbs: Option<String>,
 }
 
 impl Device {
@@ -129,6 +132,7 @@ impl Device {
             pcap: None,
             iwarp: false,
             shm: false,
+            ibverbs: None,
         }
     }
 
@@ -162,6 +166,18 @@ impl Device {
         let local = crate::provider::netdev::route_to(peer)
             .map_err(io_err(format!("no route to {peer}")))?;
         Ok(Device::udp(SocketAddrV4::new(local, 4791).into()))
+    }
+
+    /// A device libibverbs lists (`rxe0`, `mlx5_0`; see [`ibverbs_devices`]):
+    /// an RDMA NIC, or the kernel's rxe, which is then the transport. Its
+    /// port 1 must be RoCE with an IPv4 GID: its address is the device's.
+    /// RC and UD QPs, SRQs and address handles; no iWARP or InfiniBand
+    /// ports yet (`docs/ibverbs.md`).
+    pub fn ibverbs(name: &str) -> Device {
+        Device {
+            ibverbs: Some(name.to_string()),
+            ..Device::udp(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 0).into())
+        }
     }
 
     /// Whether this is the shared-memory device.
@@ -216,6 +232,9 @@ impl Device {
 
     /// Opens the device: binds the socket and starts its progress thread.
     pub fn open(&self) -> Result<Context> {
+        if let Some(name) = &self.ibverbs {
+            return self.open_ibverbs(name);
+        }
         if self.addr.ip().is_unspecified() {
             return Err(VerbsError::Invalid(
                 "a device needs a specific IPv4 address (its GID), not 0.0.0.0".into(),
@@ -303,6 +322,51 @@ impl Device {
     }
 }
 
+impl Device {
+    fn open_ibverbs(&self, name: &str) -> Result<Context> {
+        let events = Arc::new(EventQueue::new().map_err(io_err("cannot open an ibverbs device"))?);
+        let hw =
+            HwContext::open(name, self.busy_poll, events.clone()).map_err(VerbsError::Invalid)?;
+        if hw.port_attr.state == 4 {
+            events.push(AsyncEvent::PortActive);
+        }
+        let active_mtu = hw.active_mtu();
+        let gids = hw.gids.clone();
+        Ok(Context {
+            inner: Arc::new(ContextInner {
+                dev: Provider::Ibverbs(IbverbsDevice {
+                    hw,
+                    mrs: Arc::new(RwLock::new(MrTable::new())),
+                    events,
+                    ahs: Arc::default(),
+                }),
+                qpn_range: qpn_range(0),
+                next_qpn: Mutex::new(*qpn_range(0).start()),
+                cm_qpns: Arc::default(),
+                gids,
+                active_mtu,
+            }),
+        })
+    }
+}
+
+/// The names of the devices libibverbs lists on this host (none where
+/// rdma-core is not installed; an error says why it could not be loaded).
+pub fn ibverbs_devices() -> Result<Vec<String>> {
+    crate::provider::ibverbs::device_names().map_err(VerbsError::Invalid)
+}
+
+/// A libibverbs device.
+#[derive(Debug)]
+pub(crate) struct IbverbsDevice {
+    hw: Arc<HwContext>,
+    /// Regions as softrdma sees them (for `Mr`'s copies); the device has
+    /// its own keys, which these carry.
+    mrs: Arc<RwLock<MrTable>>,
+    events: Arc<EventQueue>,
+    ahs: Arc<crate::provider::ibverbs::AhTable>,
+}
+
 /// The provider behind a context.
 #[derive(Debug)]
 enum Provider {
@@ -312,6 +376,8 @@ enum Provider {
     Iwarp(IwarpDevice),
     /// Shared memory.
     Shm(ShmDeviceSlot),
+    /// A device of libibverbs.
+    Ibverbs(IbverbsDevice),
 }
 
 /// A shared-memory device.
@@ -377,6 +443,7 @@ impl ContextInner {
             Provider::Udp(d) => &d.shared.mrs,
             Provider::Iwarp(d) => &d.mrs,
             Provider::Shm(d) => &d.mrs,
+            Provider::Ibverbs(d) => &d.mrs,
         }
     }
 
@@ -385,6 +452,7 @@ impl ContextInner {
             Provider::Udp(d) => &d.shared.events,
             Provider::Iwarp(d) => &d.events,
             Provider::Shm(d) => &d.events,
+            Provider::Ibverbs(d) => &d.events,
         }
     }
 
@@ -397,6 +465,16 @@ impl ContextInner {
             Provider::Shm(_) => Err(VerbsError::Invalid(format!(
                 "{what} is for RoCEv2 devices; this one is shared memory"
             ))),
+            Provider::Ibverbs(_) => Err(VerbsError::Invalid(format!(
+                "{what} is for software RoCEv2 devices; this one is libibverbs'"
+            ))),
+        }
+    }
+
+    fn ibverbs(&self) -> Option<&IbverbsDevice> {
+        match &self.dev {
+            Provider::Ibverbs(d) => Some(d),
+            _ => None,
         }
     }
 }
@@ -622,7 +700,13 @@ impl Context {
             Provider::Udp(d) => d.local_addr(),
             Provider::Iwarp(d) => SocketAddrV4::new(d.addr, 0),
             Provider::Shm(_) => SocketAddrV4::new(Ipv4Addr::LOCALHOST, 0),
+            Provider::Ibverbs(d) => SocketAddrV4::new(d.hw.addr, 4791),
         }
+    }
+
+    /// Whether this is a libibverbs device.
+    pub fn is_ibverbs(&self) -> bool {
+        matches!(self.inner.dev, Provider::Ibverbs(_))
     }
 
     /// Whether this is a shared-memory device.
@@ -637,6 +721,9 @@ impl Context {
 
     /// The device's attributes and limits (`ibv_query_device`).
     pub fn query_device(&self) -> DeviceAttr {
+        if let Some(d) = self.inner.ibverbs() {
+            return d.hw.device_attr();
+        }
         let range = &self.inner.qpn_range;
         let roce = matches!(self.inner.dev, Provider::Udp(_));
         let max_rd = u32::from(crate::engine::qp::MAX_RD_ATOMIC);
@@ -669,6 +756,19 @@ impl Context {
     /// The port's attributes.
     pub fn query_port(&self) -> PortAttr {
         let a = self.local_addr();
+        if let Some(d) = self.inner.ibverbs() {
+            return PortAttr {
+                state: if d.hw.port_attr.state == 4 {
+                    PortState::Active
+                } else {
+                    PortState::Down
+                },
+                max_mtu: Mtu::from_code(d.hw.port_attr.max_mtu as u8).unwrap_or(Mtu::Mtu1024),
+                active_mtu: self.inner.active_mtu,
+                gids: self.inner.gids.clone(),
+                udp_port: a.port(),
+            };
+        }
         PortAttr {
             state: if self.inner.udp("").is_ok_and(|d| d.shared.port_up())
                 || self.is_iwarp()
@@ -714,14 +814,20 @@ impl Context {
                 }
             }
             Provider::Shm(_) => {}
+            Provider::Ibverbs(d) => d.hw.busy_poll.store(on, Ordering::Relaxed),
         }
     }
 
     /// A protection domain.
     pub fn alloc_pd(&self) -> Result<Pd> {
+        let hw = match self.inner.ibverbs() {
+            Some(d) => Some(HwPd::new(&d.hw).map_err(VerbsError::Invalid)?),
+            None => None,
+        };
         Ok(Pd {
             ctx: self.clone(),
             id: next_object_id(),
+            hw,
         })
     }
 
@@ -739,6 +845,9 @@ impl Context {
             Provider::Udp(d) => cq.driven_by(&d.shared),
             Provider::Iwarp(d) => cq.polls_connections(&d.connections, &d.busy_poll),
             Provider::Shm(_) => cq,
+            Provider::Ibverbs(d) => cq.on_hardware(Arc::new(
+                HwCq::new(&d.hw, capacity, id).map_err(VerbsError::Invalid)?,
+            )),
         })
     }
 
@@ -795,6 +904,8 @@ pub struct DeviceCounters {
 pub struct Pd {
     ctx: Context,
     id: PdId,
+    /// The device's PD (libibverbs devices).
+    hw: Option<Arc<HwPd>>,
 }
 
 fn random_key(taken: impl Fn(u32) -> bool) -> Result<u32> {
@@ -823,9 +934,26 @@ impl Pd {
     }
 
     fn insert(&self, memory: RegionMemory, access: Access) -> Result<Mr> {
+        let hw = match &self.hw {
+            Some(pd) => {
+                let (addr, len) = (memory.addr() as *mut u8, memory.len());
+                // SAFETY: the memory is the region's, which the Mr holds
+                // (and drops only after the HwMr: see Mr's drop).
+                let mr = unsafe { HwMr::register(pd, addr, len, access) }.map_err(|e| {
+                    VerbsError::Invalid(format!("cannot register {len} bytes: {e}"))
+                })?;
+                Some(mr)
+            }
+            None => None,
+        };
         let mut mrs = self.ctx.inner.mrs().write().expect("MR table lock");
-        let lkey = random_key(|k| mrs.key_in_use(k))?;
-        let rkey = random_key(|k| k == lkey || mrs.key_in_use(k))?;
+        let (lkey, rkey) = match &hw {
+            Some(mr) => mr.keys(),
+            None => {
+                let lkey = random_key(|k| mrs.key_in_use(k))?;
+                (lkey, random_key(|k| k == lkey || mrs.key_in_use(k))?)
+            }
+        };
         let len = memory.len();
         let iova = memory.addr();
         let region = Region::new(
@@ -840,6 +968,7 @@ impl Pd {
         let region = mrs.insert(region);
         Ok(Mr {
             ctx: self.ctx.clone(),
+            hw,
             region,
         })
     }
@@ -856,10 +985,18 @@ impl Pd {
                 "an SRQ needs 1..={MAX_QP_WR} receives and at most {MAX_SGE} SGEs each"
             )));
         }
+        let id = next_object_id();
+        let hw = match &self.hw {
+            Some(pd) => Some(Arc::new(
+                HwSrq::new(pd, max_wr, max_sge, id).map_err(VerbsError::Invalid)?,
+            )),
+            None => None,
+        };
         Ok(Srq {
             ctx: self.ctx.clone(),
-            id: next_object_id(),
+            id,
             inner: Arc::new(Mutex::new(crate::engine::srq::Srq::new(max_wr, max_sge))),
+            hw,
         })
     }
 
@@ -871,8 +1008,20 @@ impl Pd {
                 attr.addr
             )));
         }
-        let dev = self.ctx.inner.udp("an address handle")?;
         let id = AhId(next_object_id());
+        if let (Some(d), Some(pd)) = (self.ctx.inner.ibverbs(), &self.hw) {
+            let ah = HwAh::new(pd, *attr.addr.ip()).map_err(VerbsError::Invalid)?;
+            d.ahs
+                .write()
+                .expect("AH table lock")
+                .insert(id.0, Arc::new(ah));
+            return Ok(Ah {
+                ctx: self.ctx.clone(),
+                id,
+                attr,
+            });
+        }
+        let dev = self.ctx.inner.udp("an address handle")?;
         dev.shared
             .ahs
             .write()
@@ -973,6 +1122,9 @@ impl Pd {
         if let Provider::Shm(_) = &self.ctx.inner.dev {
             return self.create_shm_qp(init);
         }
+        if let Some(d) = self.ctx.inner.ibverbs() {
+            return self.create_hw_qp(d, init);
+        }
         let shared = &self.ctx.inner.udp("a QP")?.shared;
         if init.qp_type == QpType::Ud {
             // A UD receive's GRH carries the datagram's TTL and TOS.
@@ -1011,6 +1163,22 @@ impl Pd {
     }
 }
 
+impl Pd {
+    fn create_hw_qp(&self, d: &IbverbsDevice, init: &QpInit<'_>) -> Result<Qp> {
+        let (Some(pd), Some(scq), Some(rcq)) = (&self.hw, &init.send_cq.hw, &init.recv_cq.hw)
+        else {
+            unreachable!("a libibverbs context's PDs and CQs are the device's");
+        };
+        let srq = init.srq.and_then(|s| s.hw.as_ref());
+        let qp = HwQp::new(pd, init.qp_type, init.caps, scq, rcq, srq, &d.ahs)
+            .map_err(|e| VerbsError::Invalid(format!("{}: {e}", d.hw.name)))?;
+        Ok(Qp {
+            ctx: self.ctx.clone(),
+            kind: QpKind::Hw(Arc::new(qp)),
+        })
+    }
+}
+
 /// What a RoCEv2 device whose progress thread died answers.
 fn device_failed() -> VerbsError {
     VerbsError::Invalid(
@@ -1027,6 +1195,8 @@ pub struct Srq {
     ctx: Context,
     id: u64,
     inner: Arc<Mutex<crate::engine::srq::Srq>>,
+    /// The device's SRQ (libibverbs devices), which `inner` then is not.
+    hw: Option<Arc<HwSrq>>,
 }
 
 impl Srq {
@@ -1037,17 +1207,27 @@ impl Srq {
 
     /// Posts a receive any QP on the SRQ may take.
     pub fn post_recv(&self, wr: RecvWr) -> Result<()> {
+        if let Some(hw) = &self.hw {
+            return Ok(hw.post_recv(&wr)?);
+        }
         Ok(self.inner.lock().expect("SRQ lock").post_recv(wr)?)
     }
 
     /// Arms the limit (`ibv_modify_srq`): one [`AsyncEvent::SrqLimitReached`]
     /// when fewer than `limit` receives remain; 0 disarms.
     pub fn arm_limit(&self, limit: u32) -> Result<()> {
+        if let Some(hw) = &self.hw {
+            return hw.arm_limit(limit).map_err(VerbsError::Invalid);
+        }
         Ok(self.inner.lock().expect("SRQ lock").arm_limit(limit)?)
     }
 
-    /// Receives waiting, the armed limit (0: none) and the size.
+    /// Receives waiting, the armed limit (0: none) and the size. A
+    /// libibverbs device's SRQ reports no count (0) and no limit here.
     pub fn query(&self) -> (usize, u32, u32) {
+        if let Some(hw) = &self.hw {
+            return (0, 0, hw.max_wr);
+        }
         let s = self.inner.lock().expect("SRQ lock");
         (s.len(), s.limit(), s.max_wr())
     }
@@ -1089,6 +1269,9 @@ impl Ah {
 
 impl Drop for Ah {
     fn drop(&mut self) {
+        if let Some(d) = self.ctx.inner.ibverbs() {
+            d.ahs.write().expect("AH table lock").remove(&self.id.0);
+        }
         if let Provider::Udp(d) = &self.ctx.inner.dev {
             d.shared
                 .ahs
@@ -1105,6 +1288,8 @@ impl Drop for Ah {
 #[derive(Debug)]
 pub struct Mr {
     ctx: Context,
+    /// The device's registration (libibverbs devices): dropped first.
+    hw: Option<HwMr>,
     region: Arc<Region>,
 }
 
@@ -1200,6 +1385,8 @@ impl Mr {
 
 impl Drop for Mr {
     fn drop(&mut self) {
+        // The device stops using the memory before it can be freed.
+        drop(self.hw.take());
         if let Provider::Shm(d) = &self.ctx.inner.dev {
             // Peers let go of it first: no access with its keys after this.
             d.shm.deregistered(self.region.lkey);
@@ -1295,6 +1482,7 @@ enum QpKind {
     Roce(Arc<QpSlot>),
     Iwarp(Arc<iwarp::IwarpSlot>),
     Shm(Arc<shm::ShmSlot>),
+    Hw(Arc<HwQp>),
 }
 
 impl Qp {
@@ -1304,6 +1492,7 @@ impl Qp {
             QpKind::Roce(s) => s.qpn,
             QpKind::Iwarp(s) => s.qpn,
             QpKind::Shm(s) => s.qpn,
+            QpKind::Hw(q) => q.qpn,
         }
     }
 
@@ -1339,7 +1528,7 @@ impl Qp {
         match &self.kind {
             QpKind::Iwarp(s) => s.to_error(self.ctx.inner.events()),
             QpKind::Shm(s) => s.to_error(),
-            QpKind::Roce(_) => unreachable!("RoCEv2 QPs move through their engine"),
+            QpKind::Roce(_) | QpKind::Hw(_) => unreachable!("these QPs move through modify"),
         }
         Ok(())
     }
@@ -1359,6 +1548,18 @@ impl Qp {
             cur_state: attr.cur_state,
             ..QpAttr::default()
         };
+        if let QpKind::Hw(q) = &self.kind {
+            if let Some(m) = attr.path_mtu
+                && m > self.ctx.inner.active_mtu
+            {
+                return Err(VerbsError::Invalid(format!(
+                    "path MTU {} is larger than the port's active MTU {}",
+                    m.bytes(),
+                    self.ctx.inner.active_mtu.bytes()
+                )));
+            }
+            return q.modify(attr, av.map(|a| *a.addr.ip()));
+        }
         let slot = match &self.kind {
             QpKind::Roce(s) => s,
             _ if *attr == to_error && av.is_none() => return self.cm_qp_to_error(attr.cur_state),
@@ -1406,6 +1607,7 @@ impl Qp {
                 state: Some(s.state()),
                 ..QpAttr::default()
             },
+            QpKind::Hw(q) => q.query(),
         }
     }
 
@@ -1415,6 +1617,7 @@ impl Qp {
             QpKind::Roce(s) => s.engine.lock().expect("QP lock").state(),
             QpKind::Iwarp(s) => s.state(),
             QpKind::Shm(s) => s.state(),
+            QpKind::Hw(q) => q.state(),
         }
     }
 
@@ -1444,7 +1647,7 @@ impl Qp {
     pub fn iwarp_stats(&self) -> Option<iwarp::IwarpQpStats> {
         match &self.kind {
             QpKind::Iwarp(s) => Some(s.stats()),
-            QpKind::Roce(_) | QpKind::Shm(_) => None,
+            QpKind::Roce(_) | QpKind::Shm(_) | QpKind::Hw(_) => None,
         }
     }
 
@@ -1473,6 +1676,7 @@ impl Qp {
             }
             QpKind::Iwarp(s) => s.post_send(wr)?,
             QpKind::Shm(s) => s.post_send(&wr)?,
+            QpKind::Hw(q) => q.post_send(&wr)?,
         }
         Ok(())
     }
@@ -1487,6 +1691,7 @@ impl Qp {
             }
             QpKind::Iwarp(s) => s.post_recv(wr)?,
             QpKind::Shm(s) => s.post_recv(wr)?,
+            QpKind::Hw(q) => q.post_recv(&wr)?,
         }
         Ok(())
     }
@@ -1498,7 +1703,7 @@ impl Qp {
         let used = match &self.kind {
             QpKind::Iwarp(s) => s.before.state() != QpState::Init,
             QpKind::Shm(s) => s.before.state() != QpState::Init,
-            QpKind::Roce(_) => false,
+            QpKind::Roce(_) | QpKind::Hw(_) => false,
         };
         if used {
             return Err(VerbsError::Invalid(
@@ -1512,7 +1717,7 @@ impl Qp {
     pub(crate) fn iwarp_slot(&self) -> Option<&Arc<iwarp::IwarpSlot>> {
         match &self.kind {
             QpKind::Iwarp(s) => Some(s),
-            QpKind::Roce(_) | QpKind::Shm(_) => None,
+            QpKind::Roce(_) | QpKind::Shm(_) | QpKind::Hw(_) => None,
         }
     }
 }
@@ -1574,7 +1779,7 @@ mod qpn_tests {
             let slot: Box<dyn std::any::Any> = match &first.kind {
                 QpKind::Iwarp(s) => Box::new(s.clone()),
                 QpKind::Shm(s) => Box::new(s.clone()),
-                QpKind::Roce(_) => unreachable!("no RoCEv2 device here"),
+                QpKind::Roce(_) | QpKind::Hw(_) => unreachable!("no RoCEv2 device here"),
             };
             drop(first);
             *ctx.inner.next_qpn.lock().unwrap() = *range.start();
