@@ -496,6 +496,19 @@ def ibverbs_cases():
             f"-s {size} -n {iters} {extra}".strip()
         out.append(c)
 
+    def ping(kind, size, iters, extra=""):
+        tool = "ibv_ud_pingpong" if kind == "ud" else "ibv_rc_pingpong"
+        ud = " --ud" if kind == "ud" else ""
+        c = Case(f"{tool} -s {size} -n {iters} {extra} (softrdma ping {IBVERBS})",
+                 f"{tool} -d rxe0 -g 1 -n {iters} -s {size} {extra}",
+                 f"{GUEST_BIN} ping{ud} -g 1 -n {iters} -s {size} {extra} {IBVERBS}",
+                 check=lambda o, role, s=size, n=iters: pingpong_result(o, s, n))
+        c.in_guest = True
+        out.append(c)
+
+    ping("rc", 4096, 50, "-c")
+    ping("rc", 5000, 20, "-e")
+    ping("ud", 1024, 50, "-c")
     local("write-bw", 65536, 20)
     local("write-bw", 8192, 20, "-b")
     local("read-bw", 4096, 50)

@@ -66,6 +66,17 @@ pub struct PingArgs {
     /// Write what this side sends and receives to a pcap file.
     #[arg(long, value_name = "FILE")]
     pub pcap: Option<std::path::PathBuf>,
+    /// The provider: roce (softrdma's RoCEv2 over UDP, default) or ibverbs
+    /// (the libibverbs device -d names: a RoCE NIC, or the kernel's rxe).
+    #[arg(long, value_enum, default_value_t = PingProvider::Roce)]
+    pub provider: PingProvider,
+}
+
+/// `--provider`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PingProvider {
+    Roce,
+    Ibverbs,
 }
 
 /// How long a ping waits for its next completion before giving up.
@@ -178,7 +189,23 @@ fn run_inner(a: &PingArgs) -> Result<(), String> {
         Some(h) => Some(resolve_v4(h, a.port)?),
         None => None,
     };
-    let chosen = crate::device::choose(a.dev.as_deref(), a.gid_idx, a.bind, peer_ip)?;
+    let ibverbs = a.provider == PingProvider::Ibverbs;
+    if ibverbs {
+        if a.dev.is_none() {
+            return Err("--provider ibverbs needs -d, a libibverbs device (rxe0, mlx5_0)".into());
+        }
+        if a.shared_port || a.pcap.is_some() {
+            return Err(
+                "--shared-port and --pcap are for softrdma's RoCEv2 device, not --provider ibverbs"
+                    .into(),
+            );
+        }
+    }
+    let chosen = if ibverbs {
+        crate::device::Chosen::named(a.dev.as_deref().unwrap_or_default())
+    } else {
+        crate::device::choose(a.dev.as_deref(), a.gid_idx, a.bind, peer_ip)?
+    };
     let mut tcp = match peer_ip {
         Some(ip) => TcpStream::connect((ip, a.port)).map_err(|e| {
             format!(
@@ -194,7 +221,11 @@ fn run_inner(a: &PingArgs) -> Result<(), String> {
             l.accept().map_err(|e| format!("accept: {e}"))?.0
         }
     };
-    let mut dev = chosen.device(a.udp_port);
+    let mut dev = if ibverbs {
+        Device::ibverbs(a.dev.as_deref().unwrap_or_default())
+    } else {
+        chosen.device(a.udp_port)
+    };
     if a.shared_port {
         dev = dev.shared_port(true);
     }
@@ -203,6 +234,16 @@ fn run_inner(a: &PingArgs) -> Result<(), String> {
     }
     let ctx = dev.open().map_err(|e| e.to_string())?;
     let port = ctx.query_port();
+    // A libibverbs device's QPs send from its RoCEv2 IPv4 GID, its last.
+    if ibverbs && a.gid_idx + 1 != port.gids.len() {
+        return Err(format!(
+            "-g {}: {} sends from its RoCEv2 IPv4 GID, index {}: use -g {}",
+            a.gid_idx,
+            chosen.name.as_deref().unwrap_or_default(),
+            port.gids.len() - 1,
+            port.gids.len() - 1
+        ));
+    }
     let gid = *port.gids.get(a.gid_idx).ok_or(format!(
         "-g {}: no such GID index (the table has {})",
         a.gid_idx,

@@ -433,3 +433,73 @@ fn an_async_cq_awaits_the_devices_completions() {
     });
     assert_eq!(p.cq_a.wait_for(3, T).unwrap().len(), 3);
 }
+
+#[test]
+#[ignore = "needs an RDMA device (SOFTRDMA_IBVERBS_DEV); run by tests/interop/run.py"]
+fn two_threads_waiting_on_one_cq_both_wake() {
+    let p = pair();
+    for k in 0..2 {
+        p.qb.post_recv(RecvWr::new(k, [p.b.sge(64 * k as usize, 64)]))
+            .unwrap();
+    }
+    std::thread::scope(|s| {
+        // Both asleep on the CQ's one channel before anything comes.
+        let waiters: Vec<_> = (0..2)
+            .map(|_| {
+                let cq = p.cq_b.clone();
+                s.spawn(move || cq.wait(Duration::from_secs(10)).unwrap())
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(200));
+        for k in 0..2 {
+            p.qa.post_send(SendWr::new(k, SendOp::Send, [p.a.sge(0, 8)]))
+                .unwrap();
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let t = Instant::now();
+        let mut got: Vec<u64> = waiters
+            .into_iter()
+            .map(|w| w.join().unwrap().expect("each waiter a completion").wr_id)
+            .collect();
+        got.sort();
+        assert_eq!(got, [0, 1]);
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    });
+}
+
+#[test]
+#[ignore = "needs an RDMA device (SOFTRDMA_IBVERBS_DEV); run by tests/interop/run.py"]
+fn an_address_handle_dropped_after_its_post_still_delivers() {
+    let ctx = device().open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let mr = pd.register(8192, Access::LOCAL_WRITE).unwrap();
+    let cq = ctx.create_cq(64).unwrap();
+    let (qa, qb) = (
+        pd.create_qp(&QpInit::ud(&cq, &cq)).unwrap(),
+        pd.create_qp(&QpInit::ud(&cq, &cq)).unwrap(),
+    );
+    for q in [&qa, &qb] {
+        softrdma::cm::ready_ud(q, 0x2222, 0).unwrap();
+    }
+    for round in 0..20u64 {
+        qb.post_recv(RecvWr::new(100 + round, [mr.sge(4096, 40 + 64)]))
+            .unwrap();
+        let ah = pd
+            .create_ah(AhAttr {
+                addr: ctx.local_addr(),
+            })
+            .unwrap();
+        qa.post_send(
+            SendWr::new(round, SendOp::Send, [mr.sge(0, 32)]).to(ah.dest(qb.qpn(), 0x2222)),
+        )
+        .unwrap();
+        drop(ah);
+        let mut got = cq.wait_for(2, T).unwrap();
+        got.sort_by_key(|w| w.wr_id);
+        assert_eq!(
+            got.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
+            [(round, WcStatus::Success), (100 + round, WcStatus::Success)]
+        );
+    }
+    assert_eq!(qa.state(), QpState::Rts);
+}

@@ -282,8 +282,13 @@ pub enum WcStatus {
     LocProtErr = 4,
     /// Flushed: the QP was in the error state.
     WrFlushErr = 5,
+    /// A memory window bind failed (devices through libibverbs).
+    MwBindErr = 6,
     /// The responder's answer was malformed.
     BadRespErr = 7,
+    /// A protection error on a local buffer the responder's answer was to
+    /// fill (devices through libibverbs).
+    LocAccessErr = 8,
     /// The responder found the request invalid (or its QP forbids it).
     RemInvReqErr = 9,
     /// The responder refused the remote key, bounds or rights.
@@ -294,6 +299,15 @@ pub enum WcStatus {
     RetryExcErr = 12,
     /// Receiver not ready after rnr_retry retries.
     RnrRetryExcErr = 13,
+    /// The responder could not serve the READ request (devices through
+    /// libibverbs).
+    RemInvRdReqErr = 15,
+    /// The responder aborted the operation (devices through libibverbs).
+    RemAbortErr = 16,
+    /// The device failed (devices through libibverbs).
+    FatalErr = 19,
+    /// The responder did not answer in time (devices through libibverbs).
+    RespTimeoutErr = 20,
     /// General error.
     GeneralErr = 21,
 }
@@ -309,12 +323,18 @@ impl WcStatus {
             LocQpOpErr,
             LocProtErr,
             WrFlushErr,
+            MwBindErr,
             BadRespErr,
+            LocAccessErr,
             RemInvReqErr,
             RemAccessErr,
             RemOpErr,
             RetryExcErr,
             RnrRetryExcErr,
+            RemInvRdReqErr,
+            RemAbortErr,
+            FatalErr,
+            RespTimeoutErr,
         ]
         .into_iter()
         .find(|s| *s as u32 == code)
@@ -330,6 +350,12 @@ impl fmt::Display for WcStatus {
             WcStatus::LocQpOpErr => "local QP operation error",
             WcStatus::LocProtErr => "local protection error",
             WcStatus::WrFlushErr => "work request flushed",
+            WcStatus::MwBindErr => "memory window bind error",
+            WcStatus::LocAccessErr => "local access error",
+            WcStatus::RemInvRdReqErr => "remote invalid RD request",
+            WcStatus::RemAbortErr => "remote abort error",
+            WcStatus::FatalErr => "fatal error",
+            WcStatus::RespTimeoutErr => "response timeout error",
             WcStatus::BadRespErr => "bad response",
             WcStatus::RemInvReqErr => "remote invalid request",
             WcStatus::RemAccessErr => "remote access error",

@@ -21,6 +21,10 @@ pub enum CqError {
     /// queue pairs that lost them are unreliable now. Create larger CQs.
     #[error("completion queue overrun: more than {0} completions were waiting; some are lost")]
     Overrun(usize),
+    /// A device through libibverbs failed to poll the CQ (its return
+    /// code), or is gone (0): its QPs make no more progress.
+    #[error("the device failed to poll the completion queue ({0}); see its async events")]
+    Device(i32),
 }
 
 #[derive(Debug)]
@@ -478,6 +482,9 @@ impl Cq {
     /// or an error. If completions are already waiting, the event fires now.
     /// An arm for any completion is not narrowed by a later solicited-only
     /// one (as rdmavt's `req_notify_cq` keeps NEXT_COMP).
+    /// On a libibverbs device the device's rule holds instead: rxe fires
+    /// only for completions that come after the arming, so arm, then poll
+    /// once more before waiting (as libibverbs programs do).
     pub fn req_notify(&self, solicited_only: bool) {
         if let Some(hw) = &self.hw {
             return hw.req_notify(solicited_only);

@@ -757,13 +757,14 @@ impl Context {
     pub fn query_port(&self) -> PortAttr {
         let a = self.local_addr();
         if let Some(d) = self.inner.ibverbs() {
+            let now = d.hw.port_now();
             return PortAttr {
-                state: if d.hw.port_attr.state == 4 {
+                state: if now.state == 4 {
                     PortState::Active
                 } else {
                     PortState::Down
                 },
-                max_mtu: Mtu::from_code(d.hw.port_attr.max_mtu as u8).unwrap_or(Mtu::Mtu1024),
+                max_mtu: Mtu::from_code(now.max_mtu as u8).unwrap_or(Mtu::Mtu1024),
                 active_mtu: self.inner.active_mtu,
                 gids: self.inner.gids.clone(),
                 udp_port: a.port(),
@@ -934,16 +935,11 @@ impl Pd {
     }
 
     fn insert(&self, memory: RegionMemory, access: Access) -> Result<Mr> {
+        let memory = Arc::new(memory);
         let hw = match &self.hw {
-            Some(pd) => {
-                let (addr, len) = (memory.addr() as *mut u8, memory.len());
-                // SAFETY: the memory is the region's, which the Mr holds
-                // (and drops only after the HwMr: see Mr's drop).
-                let mr = unsafe { HwMr::register(pd, addr, len, access) }.map_err(|e| {
-                    VerbsError::Invalid(format!("cannot register {len} bytes: {e}"))
-                })?;
-                Some(mr)
-            }
+            Some(pd) => Some(HwMr::register(pd, &memory, access).map_err(|e| {
+                VerbsError::Invalid(format!("cannot register {} bytes: {e}", memory.len()))
+            })?),
             None => None,
         };
         let mut mrs = self.ctx.inner.mrs().write().expect("MR table lock");
@@ -956,15 +952,7 @@ impl Pd {
         };
         let len = memory.len();
         let iova = memory.addr();
-        let region = Region::new(
-            self.id,
-            (lkey, rkey),
-            Arc::new(memory),
-            0,
-            len,
-            iova,
-            access,
-        )?;
+        let region = Region::new(self.id, (lkey, rkey), memory, 0, len, iova, access)?;
         let region = mrs.insert(region);
         Ok(Mr {
             ctx: self.ctx.clone(),

@@ -556,7 +556,7 @@ impl Lib {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
     use std::mem::{offset_of, size_of};

@@ -15,7 +15,7 @@ use std::ffi::{CStr, c_int, c_void};
 use std::net::Ipv4Addr;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
@@ -145,6 +145,13 @@ impl HwContext {
         busy_poll: bool,
         events: Arc<EventQueue>,
     ) -> Result<Arc<HwContext>, String> {
+        // ffi.rs's layouts (pthread sizes, the send request's packing) are
+        // x86-64's.
+        if !cfg!(all(target_arch = "x86_64", target_os = "linux")) {
+            return Err(
+                "the ibverbs provider's ABI tables are written for x86-64 Linux so far".into(),
+            );
+        }
         let lib = lib()?;
         let mut n: c_int = 0;
         // SAFETY: as in `device_names`.
@@ -323,6 +330,17 @@ impl HwContext {
         }
     }
 
+    /// The port's attributes now (the ones from open if the query fails).
+    pub(crate) fn port_now(&self) -> ibv_port_attr {
+        let mut port = ibv_port_attr::default();
+        // SAFETY: an open context and a port struct of at least the
+        // library's compat size.
+        if unsafe { (self.lib.query_port)(self.ptr(), PORT, &mut port) } != 0 {
+            return self.port_attr;
+        }
+        port
+    }
+
     /// The port's active MTU.
     pub(crate) fn active_mtu(&self) -> Mtu {
         Mtu::from_code(self.port_attr.active_mtu as u8).unwrap_or(Mtu::Mtu1024)
@@ -368,6 +386,15 @@ fn forward_events(lib: &'static Lib, ctx: ContextPtr, stop: OwnedFd, events: &Ev
             Err(_) => return,
         }
         if !fds[1].revents().is_empty() {
+            return;
+        }
+        // A device taken away (a NIC reset, its driver unbound) leaves the
+        // fd in error for good: say so once, and stop watching it.
+        if fds[0]
+            .revents()
+            .intersects(rustix::event::PollFlags::ERR | rustix::event::PollFlags::HUP)
+        {
+            events.push(AsyncEvent::DeviceFatal);
             return;
         }
         loop {
@@ -456,6 +483,9 @@ impl Drop for HwPd {
 pub(crate) struct HwMr {
     pd: Arc<HwPd>,
     mr: NonNull<ibv_mr>,
+    /// The memory: kept for good if deregistering fails, since the device
+    /// may still reach it.
+    memory: Arc<crate::memory::RegionMemory>,
 }
 
 // SAFETY: see HwContext.
@@ -464,23 +494,25 @@ unsafe impl Send for HwMr {}
 unsafe impl Sync for HwMr {}
 
 impl HwMr {
-    /// Registers `len` bytes at `addr`.
-    ///
-    /// # Safety
-    /// The memory must stay allocated until the `HwMr` is dropped: the
-    /// device reads and writes it, as its access allows, until then.
-    pub(crate) unsafe fn register(
+    /// Registers `memory`, which the device reads and writes, as `access`
+    /// allows, until the `HwMr` is dropped (it holds the memory until then).
+    pub(crate) fn register(
         pd: &Arc<HwPd>,
-        addr: *mut u8,
-        len: usize,
+        memory: &Arc<crate::memory::RegionMemory>,
         access: Access,
     ) -> Result<HwMr, String> {
-        // SAFETY: the caller keeps the memory; the PD is alive.
+        let addr = memory.addr() as *mut c_void;
+        // SAFETY: the memory is allocated for its length and held by the
+        // HwMr until deregistered; the PD is alive.
         let mr = unsafe {
-            (pd.ctx.lib.reg_mr)(pd.pd.as_ptr(), addr.cast(), len, access.bits() as c_int)
+            (pd.ctx.lib.reg_mr)(pd.pd.as_ptr(), addr, memory.len(), access.bits() as c_int)
         };
         let mr = NonNull::new(mr).ok_or_else(|| os_error("ibv_reg_mr"))?;
-        Ok(HwMr { pd: pd.clone(), mr })
+        Ok(HwMr {
+            pd: pd.clone(),
+            mr,
+            memory: memory.clone(),
+        })
     }
 
     pub(crate) fn keys(&self) -> (u32, u32) {
@@ -493,7 +525,11 @@ impl Drop for HwMr {
     fn drop(&mut self) {
         // SAFETY: registered above, deregistered once; after this the
         // device no longer touches the memory.
-        unsafe { (self.pd.ctx.lib.dereg_mr)(self.mr.as_ptr()) };
+        if unsafe { (self.pd.ctx.lib.dereg_mr)(self.mr.as_ptr()) } != 0 {
+            // Still registered: the device may write it, so it is never
+            // freed (a leak, not a use after free).
+            std::mem::forget(self.memory.clone());
+        }
     }
 }
 
@@ -553,6 +589,8 @@ pub(crate) struct HwCq {
     channel: NonNull<ibv_comp_channel>,
     cq: NonNull<ibv_cq>,
     capacity: usize,
+    /// Threads in `wait_for`.
+    waiters: AtomicUsize,
 }
 
 // SAFETY: see HwContext; ibv_poll_cq and ibv_req_notify_cq may be called
@@ -592,6 +630,7 @@ impl HwCq {
             channel,
             cq,
             capacity,
+            waiters: AtomicUsize::new(0),
         })
     }
 
@@ -611,10 +650,11 @@ impl HwCq {
             let n =
                 unsafe { (self.ctx.poll_cq)(self.cq.as_ptr(), want as c_int, wcs.as_mut_ptr()) };
             if n < 0 {
+                // The device's failure (an overrun comes as an async event).
                 return if got > 0 {
                     Ok(got)
                 } else {
-                    Err(CqError::Overrun(self.capacity))
+                    Err(CqError::Device(n))
                 };
             }
             let n = n as usize;
@@ -663,6 +703,28 @@ impl HwCq {
         n
     }
 
+    /// Sleeps on the channel until it is readable or `left` has passed.
+    /// Err when the device is gone (the channel reports an error).
+    fn sleep_on_channel(&self, left: Duration) -> Result<(), CqError> {
+        let fd = self.fd();
+        let mut fds = [rustix::event::PollFd::new(
+            &fd,
+            rustix::event::PollFlags::IN,
+        )];
+        let ts = i64::try_from(left.as_secs())
+            .ok()
+            .map(|_| crate::provider::timespec(left));
+        match rustix::event::poll(&mut fds, ts.as_ref()) {
+            Ok(_) | Err(rustix::io::Errno::INTR) => {}
+            Err(_) => return Err(CqError::Device(0)),
+        }
+        let gone = rustix::event::PollFlags::ERR | rustix::event::PollFlags::HUP;
+        if fds[0].revents().intersects(gone) {
+            return Err(CqError::Device(0));
+        }
+        Ok(())
+    }
+
     /// Waits up to `timeout` for the channel to fire; takes its event.
     pub(crate) fn wait_event(&self, timeout: Duration) -> bool {
         let deadline = crate::verbs::deadline_after(timeout);
@@ -671,20 +733,8 @@ impl HwCq {
                 return true;
             }
             let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
+            if left.is_zero() || self.sleep_on_channel(left).is_err() {
                 return false;
-            }
-            let fd = self.fd();
-            let mut fds = [rustix::event::PollFd::new(
-                &fd,
-                rustix::event::PollFlags::IN,
-            )];
-            let ts = i64::try_from(left.as_secs())
-                .ok()
-                .map(|_| crate::provider::timespec(left));
-            match rustix::event::poll(&mut fds, ts.as_ref()) {
-                Ok(_) | Err(rustix::io::Errno::INTR) => {}
-                Err(_) => return false,
             }
         }
     }
@@ -698,6 +748,7 @@ impl HwCq {
         let mut got = Vec::with_capacity(n.min(self.capacity));
         let mut buf = [WorkCompletion::new(0, WcStatus::Success, WcOpcode::Send, 0); 16];
         let busy = self.ctx.busy_poll.load(Ordering::Relaxed);
+        let _waiting = Waiting::new(&self.waiters);
         let mut armed = false;
         loop {
             let want = (n - got.len()).min(buf.len());
@@ -714,7 +765,8 @@ impl HwCq {
                 armed = false;
                 continue;
             }
-            if Instant::now() >= deadline {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
                 return Ok(got);
             }
             if busy {
@@ -728,10 +780,42 @@ impl HwCq {
                 armed = true;
                 continue;
             }
-            let left = deadline.saturating_duration_since(Instant::now());
-            self.wait_event(left);
+            // One event per arming wakes every sleeper, but another waiter
+            // may take it (and its completion) before this one sleeps, and
+            // then nothing re-arms for this one: with company, sleep in
+            // short slices and look again.
+            let slice = if self.waiters.load(Ordering::Relaxed) > 1 {
+                left.min(SHARED_WAIT_SLICE)
+            } else {
+                left
+            };
+            match self.sleep_on_channel(slice) {
+                Ok(()) => {}
+                Err(e) if got.is_empty() => return Err(e),
+                Err(_) => return Ok(got),
+            }
+            self.take_events();
             armed = false;
         }
+    }
+}
+
+/// How long a CQ waiter sleeps at a time while others wait on the same CQ.
+const SHARED_WAIT_SLICE: Duration = Duration::from_millis(20);
+
+/// Counts a waiter of a CQ while it lives.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl<'a> Waiting<'a> {
+    fn new(count: &'a AtomicUsize) -> Waiting<'a> {
+        count.fetch_add(1, Ordering::Relaxed);
+        Waiting(count)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -904,6 +988,12 @@ pub(crate) struct HwQp {
     ahs: Arc<AhTable>,
     /// Serialises modifies, so a check against the current state holds.
     modify_lock: Mutex<()>,
+    /// The AHs of the last `max_send_wr` UD sends: the device may read an
+    /// AH until the send is done, and a send is done once that many more
+    /// have been posted (they took its queue slot), so an `Ah` dropped
+    /// meanwhile is destroyed only then. Held across the post, so that the
+    /// ring's order is the queue's.
+    ud_ahs: Mutex<std::collections::VecDeque<Arc<HwAh>>>,
 }
 
 // SAFETY: see HwContext; posts on one QP from several threads are
@@ -988,6 +1078,7 @@ impl HwQp {
             _srq: srq.cloned(),
             ahs: ahs.clone(),
             modify_lock: Mutex::new(()),
+            ud_ahs: Mutex::default(),
         })
     }
 
@@ -1056,6 +1147,30 @@ impl HwQp {
         let mut checked = *attr;
         checked.has_av = to.is_some();
         crate::engine::qp::check_transition(self.qp_type, self.state(), &checked)?;
+        let dev = &self.pd.ctx.attr;
+        for (given, limit, name, field) in [
+            (
+                attr.max_rd_atomic,
+                dev.max_qp_init_rd_atom,
+                "max_rd_atomic",
+                "max_qp_init_rd_atom",
+            ),
+            (
+                attr.max_dest_rd_atomic,
+                dev.max_qp_rd_atom,
+                "max_dest_rd_atomic",
+                "max_qp_rd_atom",
+            ),
+        ] {
+            if let Some(n) = given
+                && i32::from(n) > limit
+            {
+                return Err(VerbsError::Invalid(format!(
+                    "{name} {n} is above {}'s limit of {limit} (query_device().{field})",
+                    self.pd.ctx.name
+                )));
+            }
+        }
         let mut a = ibv_qp_attr::default();
         let mut mask = 0;
         let mut set = |bit: c_int, present: bool| {
@@ -1206,8 +1321,8 @@ impl HwQp {
                 };
             }
         }
-        // Held through the post: the AH must not be destroyed under it.
-        let ah = match (self.qp_type, wr.ud) {
+        let mut bad = std::ptr::null_mut();
+        let rc = match (self.qp_type, wr.ud) {
             (QpType::Ud, Some(dest)) => {
                 let ah = self
                     .ahs
@@ -1218,21 +1333,31 @@ impl HwQp {
                     .cloned()
                     .ok_or(PostError::BadAh(dest.ah.0))?;
                 w.wr.w0 = ah.ah.as_ptr() as u64;
-                w.wr.w1 = u64::from(dest.remote_qpn) | u64::from(dest.remote_qkey) << 32;
-                Some(ah)
+                w.wr.w1 = u64::from(dest.remote_qpn) | (u64::from(dest.remote_qkey) << 32);
+                let mut ring = self.ud_ahs.lock().expect("UD AH ring lock");
+                // SAFETY: a live QP; the request, its SGEs and inline bytes
+                // live through the call, which copies what it keeps; the AH
+                // lives on in the ring.
+                let rc = unsafe { (self.pd.ctx.post_send)(self.qp.as_ptr(), &mut w, &mut bad) };
+                if rc == 0 {
+                    ring.push_back(ah);
+                    while ring.len() > self.caps.max_send_wr.max(1) as usize {
+                        ring.pop_front();
+                    }
+                }
+                rc
             }
             (QpType::Ud, None) => {
                 return Err(PostError::Unsupported(
                     "a UD send needs a destination (SendWr::to)",
                 ));
             }
-            (QpType::Rc, _) => None,
+            // SAFETY: a live QP; the request, its SGEs and inline bytes live
+            // through the call, which copies what it keeps.
+            (QpType::Rc, _) => unsafe {
+                (self.pd.ctx.post_send)(self.qp.as_ptr(), &mut w, &mut bad)
+            },
         };
-        let mut bad = std::ptr::null_mut();
-        // SAFETY: a live QP; the request, its SGEs, inline bytes and AH live
-        // through the call, which copies what it keeps.
-        let rc = unsafe { (self.pd.ctx.post_send)(self.qp.as_ptr(), &mut w, &mut bad) };
-        drop(ah);
         match rc {
             0 => Ok(()),
             rc => Err(posted_error(rc, self.caps.max_send_wr)),
