@@ -546,7 +546,8 @@ def ibverbs_tests_binary():
 
 
 def run_ibverbs_tests(guest):
-    """tests/ibverbs.rs's device tests, in the guest on rxe0."""
+    """tests/ibverbs.rs's device tests, then `softrdma demo` (every RC
+    operation from 1 B to 1 MiB, verified), in the guest on rxe0."""
     job = "ibverbs_tests"
     guest.start(job, "SOFTRDMA_IBVERBS_DEV=rxe0 /mnt/share/ibverbs-tests --ignored "
                 "--test-threads=1")
@@ -554,6 +555,12 @@ def run_ibverbs_tests(guest):
     m = re.search(r"test result: ok\. (\d+) passed; 0 failed", out)
     if rc != 0 or not m or int(m.group(1)) == 0:
         return f"exit status {rc}:\n{out}"
+    job = "ibverbs_demo"
+    guest.start(job, f"{GUEST_BIN} demo --ibverbs rxe0")
+    rc, out = guest.wait(job, 300)
+    if rc != 0 or not re.search(r"^all \d+ operations verified$", out, re.M) \
+            or "rxe0 (libibverbs)" not in out:
+        return f"softrdma demo --ibverbs rxe0: exit status {rc}:\n{out}"
     return None
 
 
@@ -849,7 +856,7 @@ def main():
             if tests:
                 t = time.time()
                 err = run_ibverbs_tests(guest)
-                log(f"{vname}: tests/ibverbs.rs on rxe0 {'ok' if err is None else 'FAIL'} "
+                log(f"{vname}: tests/ibverbs.rs and the demo on rxe0 {'ok' if err is None else 'FAIL'} "
                     f"({time.time() - t:.1f} s)")
                 if err:
                     failures.append(f"{vname}: tests/ibverbs.rs: {err}")

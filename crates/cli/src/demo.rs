@@ -20,8 +20,8 @@ struct End {
     _pd: Pd,
 }
 
-fn end(ip: &str) -> Result<End, VerbsError> {
-    let ctx = Device::udp(format!("{ip}:0").parse().expect("an IPv4 address")).open()?;
+fn end(device: &Device) -> Result<End, VerbsError> {
+    let ctx = device.open()?;
     let pd = ctx.alloc_pd()?;
     // Two MiB: the first half is what the other side writes or reads, the
     // second the local sources and sinks.
@@ -178,8 +178,14 @@ fn check(got: &[u8], want: &[u8]) -> Result<(), String> {
     }
 }
 
-pub fn run(ip: &str, busy_poll: bool) -> ExitCode {
-    let (a, b) = match (end(ip), end(ip)) {
+/// Over softrdma's RoCEv2 on `ip`, or with `ibverbs` through that
+/// libibverbs device (both QPs on it, the device looping back).
+pub fn run(ip: &str, busy_poll: bool, ibverbs: Option<&str>) -> ExitCode {
+    let device = match ibverbs {
+        Some(name) => Device::ibverbs(name),
+        None => Device::udp(format!("{ip}:0").parse().expect("an IPv4 address")),
+    };
+    let (a, b) = match (end(&device), end(&device)) {
         (Ok(a), Ok(b)) => (a, b),
         (Err(e), _) | (_, Err(e)) => {
             eprintln!("softrdma demo: {e}");
@@ -196,7 +202,8 @@ pub fn run(ip: &str, busy_poll: bool) -> ExitCode {
         return ExitCode::FAILURE;
     }
     outln!(
-        "RC over RoCEv2: {} QP {:#08x} <-> {} QP {:#08x}, path MTU {}",
+        "RC over {}: {} QP {:#08x} <-> {} QP {:#08x}, path MTU {}",
+        ibverbs.map_or("RoCEv2".to_string(), |d| format!("{d} (libibverbs)")),
         a.info.addr,
         a.info.qpn,
         b.info.addr,

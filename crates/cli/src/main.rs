@@ -67,6 +67,10 @@ enum Command {
         /// Busy-poll: the demo thread spins on completions and receives the devices' packets itself instead of sleeping (lower latency, burns CPU).
         #[arg(long)]
         busy_poll: bool,
+        /// Run it on this libibverbs device instead (rxe0, mlx5_0): both queue
+        /// pairs on it, the device looping back (--addr is then unused).
+        #[arg(long, value_name = "DEVICE")]
+        ibverbs: Option<String>,
     },
     /// perftest's bandwidth and latency tests (ib_write_bw, ib_read_lat ...),
     /// compatible with perftest 4.5 in both roles: same flags, same TCP
@@ -124,7 +128,11 @@ fn main() -> ExitCode {
         Command::Devices => device::list(),
         Command::Perf(args) => perf::run(&args),
         Command::Rping(args) => rping::run(&args),
-        Command::Demo { addr, busy_poll } => demo::run(&addr.to_string(), busy_poll),
+        Command::Demo {
+            addr,
+            busy_poll,
+            ibverbs,
+        } => demo::run(&addr.to_string(), busy_poll, ibverbs.as_deref()),
         Command::Hostd {
             addr,
             exit_when_idle,
