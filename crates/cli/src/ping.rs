@@ -206,6 +206,16 @@ fn run_inner(a: &PingArgs) -> Result<(), String> {
     } else {
         crate::device::choose(a.dev.as_deref(), a.gid_idx, a.bind, peer_ip)?
     };
+    // A libibverbs device is opened before the exchange, so that a wrong
+    // name fails at once (softrdma's own are checked by `choose`).
+    let hw_ctx = match ibverbs {
+        true => Some(
+            Device::ibverbs(a.dev.as_deref().unwrap_or_default())
+                .open()
+                .map_err(|e| e.to_string())?,
+        ),
+        false => None,
+    };
     let mut tcp = match peer_ip {
         Some(ip) => TcpStream::connect((ip, a.port)).map_err(|e| {
             format!(
@@ -221,18 +231,19 @@ fn run_inner(a: &PingArgs) -> Result<(), String> {
             l.accept().map_err(|e| format!("accept: {e}"))?.0
         }
     };
-    let mut dev = if ibverbs {
-        Device::ibverbs(a.dev.as_deref().unwrap_or_default())
-    } else {
-        chosen.device(a.udp_port)
+    let ctx = match hw_ctx {
+        Some(ctx) => ctx,
+        None => {
+            let mut dev = chosen.device(a.udp_port);
+            if a.shared_port {
+                dev = dev.shared_port(true);
+            }
+            if let Some(p) = &a.pcap {
+                dev = dev.pcap(p);
+            }
+            dev.open().map_err(|e| e.to_string())?
+        }
     };
-    if a.shared_port {
-        dev = dev.shared_port(true);
-    }
-    if let Some(p) = &a.pcap {
-        dev = dev.pcap(p);
-    }
-    let ctx = dev.open().map_err(|e| e.to_string())?;
     let port = ctx.query_port();
     // A libibverbs device's QPs send from its RoCEv2 IPv4 GID, its last.
     if ibverbs && a.gid_idx + 1 != port.gids.len() {

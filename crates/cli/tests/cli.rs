@@ -1082,3 +1082,64 @@ fn a_persistent_rping_server_outlives_a_bad_client() {
         "{server:?}"
     );
 }
+
+/// `--provider ibverbs` (and `demo --ibverbs`) need a libibverbs device by
+/// name; a wrong one fails at once, before any exchange, saying why.
+#[test]
+fn ibverbs_devices_are_named_and_checked() {
+    assert_refused(
+        &["perf", "write-bw", "--provider", "ibverbs"],
+        1,
+        "needs -d",
+    );
+    assert_refused(&["ping", "--provider", "ibverbs"], 1, "needs -d");
+    assert_refused(
+        &[
+            "perf",
+            "write-bw",
+            "--provider",
+            "ibverbs",
+            "-d",
+            "rxe0",
+            "-R",
+        ],
+        1,
+        "rdma_cm (-R) is not implemented",
+    );
+    assert_refused(
+        &[
+            "ping",
+            "--provider",
+            "ibverbs",
+            "-d",
+            "rxe0",
+            "--pcap",
+            "/dev/null",
+        ],
+        1,
+        "not --provider ibverbs",
+    );
+    for args in [
+        &["perf", "write-bw", "--provider", "ibverbs", "-d", "nosuch0"][..],
+        &[
+            "ping",
+            "--provider",
+            "ibverbs",
+            "-d",
+            "nosuch0",
+            "127.0.0.1",
+        ],
+        &["demo", "--ibverbs", "nosuch0"],
+    ] {
+        let o = Command::new(env!("CARGO_BIN_EXE_softrdma"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(1), "{args:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            err.contains("no RDMA device nosuch0") || err.contains("cannot load libibverbs"),
+            "{args:?}: {err}"
+        );
+    }
+}

@@ -547,6 +547,11 @@ unsafe impl Sync for HwAh {}
 
 /// The address attributes that reach `ip` from the context's IPv4 GID.
 fn ah_attr(ctx: &HwContext, ip: Ipv4Addr) -> ibv_ah_attr {
+    ah_attr_for(ctx.gid_index, ip)
+}
+
+/// The address attributes that reach `ip` from GID `sgid_index`.
+fn ah_attr_for(sgid_index: u8, ip: Ipv4Addr) -> ibv_ah_attr {
     let mut dgid = [0u8; 16];
     dgid[10] = 0xff;
     dgid[11] = 0xff;
@@ -555,7 +560,7 @@ fn ah_attr(ctx: &HwContext, ip: Ipv4Addr) -> ibv_ah_attr {
         grh: ibv_global_route {
             dgid,
             flow_label: 0,
-            sgid_index: ctx.gid_index,
+            sgid_index,
             hop_limit: 64,
             traffic_class: 0,
         },
@@ -970,6 +975,107 @@ fn posted_error(rc: c_int, depth: u32) -> PostError {
     }
 }
 
+/// The libibverbs request for `wr`, its SGEs in `sges` (which must outlive
+/// the post). A UD send's destination is set apart ([`ud_destination`]).
+fn send_request(wr: &SendWr, sges: &mut SmallVec<[ibv_sge; 4]>) -> ibv_send_wr {
+    *sges = if wr.flags.inline {
+        // The provider copies the bytes during the call.
+        [ibv_sge {
+            addr: wr.inline_data.as_ptr() as u64,
+            length: wr.inline_data.len() as u32,
+            lkey: 0,
+        }]
+        .into_iter()
+        .collect()
+    } else {
+        wr.sgl.iter().map(sge).collect()
+    };
+    let mut w = ibv_send_wr::zeroed();
+    w.wr_id = wr.wr_id;
+    w.sg_list = sges.as_mut_ptr();
+    w.num_sge = sges.len() as c_int;
+    let f = wr.flags;
+    w.send_flags = [
+        (f.signaled, IBV_SEND_SIGNALED),
+        (f.fence, IBV_SEND_FENCE),
+        (f.solicited, IBV_SEND_SOLICITED),
+        (f.inline, IBV_SEND_INLINE),
+    ]
+    .iter()
+    .filter(|(on, _)| *on)
+    .fold(0, |acc, (_, bit)| acc | bit);
+    let rdma = |w: &mut ibv_send_wr, addr: u64, rkey: u32| {
+        w.wr.w0 = addr;
+        w.wr.w1 = u64::from(rkey);
+    };
+    match wr.op {
+        SendOp::Send => w.opcode = IBV_WR_SEND,
+        SendOp::SendWithImm(imm) => {
+            w.opcode = IBV_WR_SEND_WITH_IMM;
+            w.imm_or_rkey = imm.to_be();
+        }
+        SendOp::SendWithInv(rkey) => {
+            w.opcode = IBV_WR_SEND_WITH_INV;
+            w.imm_or_rkey = rkey;
+        }
+        SendOp::LocalInv(rkey) => {
+            w.opcode = IBV_WR_LOCAL_INV;
+            w.imm_or_rkey = rkey;
+        }
+        SendOp::Write { remote_addr, rkey } => {
+            w.opcode = IBV_WR_RDMA_WRITE;
+            rdma(&mut w, remote_addr, rkey);
+        }
+        SendOp::WriteWithImm {
+            remote_addr,
+            rkey,
+            imm,
+        } => {
+            w.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+            w.imm_or_rkey = imm.to_be();
+            rdma(&mut w, remote_addr, rkey);
+        }
+        SendOp::Read { remote_addr, rkey } => {
+            w.opcode = IBV_WR_RDMA_READ;
+            rdma(&mut w, remote_addr, rkey);
+        }
+        SendOp::CompareSwap {
+            remote_addr,
+            rkey,
+            compare,
+            swap,
+        } => {
+            w.opcode = IBV_WR_ATOMIC_CMP_AND_SWP;
+            w.wr = ibv_wr_union {
+                w0: remote_addr,
+                w1: compare,
+                w2: swap,
+                w3: rkey,
+            };
+        }
+        SendOp::FetchAdd {
+            remote_addr,
+            rkey,
+            add,
+        } => {
+            w.opcode = IBV_WR_ATOMIC_FETCH_AND_ADD;
+            w.wr = ibv_wr_union {
+                w0: remote_addr,
+                w1: add,
+                w2: 0,
+                w3: rkey,
+            };
+        }
+    }
+    w
+}
+
+/// A UD send's address handle, remote QPN and Q_Key (`wr.ud`).
+fn ud_destination(w: &mut ibv_send_wr, ah: *mut ibv_ah, qpn: u32, qkey: u32) {
+    w.wr.w0 = ah as u64;
+    w.wr.w1 = u64::from(qpn) | (u64::from(qkey) << 32);
+}
+
 /// The address handles of a device, by softrdma's number.
 pub(crate) type AhTable = RwLock<HashMap<u64, Arc<HwAh>>>;
 
@@ -1232,95 +1338,8 @@ impl HwQp {
 
     pub(crate) fn post_send(&self, wr: &SendWr) -> Result<(), PostError> {
         crate::engine::check_post_send(wr, &self.caps)?;
-        let mut sges: SmallVec<[ibv_sge; 4]> = if wr.flags.inline {
-            // The provider copies the bytes during the call.
-            [ibv_sge {
-                addr: wr.inline_data.as_ptr() as u64,
-                length: wr.inline_data.len() as u32,
-                lkey: 0,
-            }]
-            .into_iter()
-            .collect()
-        } else {
-            wr.sgl.iter().map(sge).collect()
-        };
-        let mut w = ibv_send_wr::zeroed();
-        w.wr_id = wr.wr_id;
-        w.sg_list = sges.as_mut_ptr();
-        w.num_sge = sges.len() as c_int;
-        let f = wr.flags;
-        w.send_flags = [
-            (f.signaled, IBV_SEND_SIGNALED),
-            (f.fence, IBV_SEND_FENCE),
-            (f.solicited, IBV_SEND_SOLICITED),
-            (f.inline, IBV_SEND_INLINE),
-        ]
-        .iter()
-        .filter(|(on, _)| *on)
-        .fold(0, |acc, (_, bit)| acc | bit);
-        let rdma = |w: &mut ibv_send_wr, addr: u64, rkey: u32| {
-            w.wr.w0 = addr;
-            w.wr.w1 = u64::from(rkey);
-        };
-        match wr.op {
-            SendOp::Send => w.opcode = IBV_WR_SEND,
-            SendOp::SendWithImm(imm) => {
-                w.opcode = IBV_WR_SEND_WITH_IMM;
-                w.imm_or_rkey = imm.to_be();
-            }
-            SendOp::SendWithInv(rkey) => {
-                w.opcode = IBV_WR_SEND_WITH_INV;
-                w.imm_or_rkey = rkey;
-            }
-            SendOp::LocalInv(rkey) => {
-                w.opcode = IBV_WR_LOCAL_INV;
-                w.imm_or_rkey = rkey;
-            }
-            SendOp::Write { remote_addr, rkey } => {
-                w.opcode = IBV_WR_RDMA_WRITE;
-                rdma(&mut w, remote_addr, rkey);
-            }
-            SendOp::WriteWithImm {
-                remote_addr,
-                rkey,
-                imm,
-            } => {
-                w.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
-                w.imm_or_rkey = imm.to_be();
-                rdma(&mut w, remote_addr, rkey);
-            }
-            SendOp::Read { remote_addr, rkey } => {
-                w.opcode = IBV_WR_RDMA_READ;
-                rdma(&mut w, remote_addr, rkey);
-            }
-            SendOp::CompareSwap {
-                remote_addr,
-                rkey,
-                compare,
-                swap,
-            } => {
-                w.opcode = IBV_WR_ATOMIC_CMP_AND_SWP;
-                w.wr = ibv_wr_union {
-                    w0: remote_addr,
-                    w1: compare,
-                    w2: swap,
-                    w3: rkey,
-                };
-            }
-            SendOp::FetchAdd {
-                remote_addr,
-                rkey,
-                add,
-            } => {
-                w.opcode = IBV_WR_ATOMIC_FETCH_AND_ADD;
-                w.wr = ibv_wr_union {
-                    w0: remote_addr,
-                    w1: add,
-                    w2: 0,
-                    w3: rkey,
-                };
-            }
-        }
+        let mut sges = SmallVec::new();
+        let mut w = send_request(wr, &mut sges);
         let mut bad = std::ptr::null_mut();
         let rc = match (self.qp_type, wr.ud) {
             (QpType::Ud, Some(dest)) => {
@@ -1332,8 +1351,7 @@ impl HwQp {
                     .filter(|ah| Arc::ptr_eq(&ah.pd, &self.pd))
                     .cloned()
                     .ok_or(PostError::BadAh(dest.ah.0))?;
-                w.wr.w0 = ah.ah.as_ptr() as u64;
-                w.wr.w1 = u64::from(dest.remote_qpn) | (u64::from(dest.remote_qkey) << 32);
+                ud_destination(&mut w, ah.ah.as_ptr(), dest.remote_qpn, dest.remote_qkey);
                 let mut ring = self.ud_ahs.lock().expect("UD AH ring lock");
                 // SAFETY: a live QP; the request, its SGEs and inline bytes
                 // live through the call, which copies what it keeps; the AH
@@ -1394,5 +1412,176 @@ impl Drop for HwQp {
 impl AsFd for HwCq {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.fd()
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+    use crate::engine::Sge;
+
+    /// The request's bytes, as the device's library reads them.
+    fn bytes(w: &ibv_send_wr) -> &[u8] {
+        // SAFETY: a plain repr(C) struct of integers and pointers, viewed
+        // for its size while borrowed.
+        unsafe {
+            std::slice::from_raw_parts(
+                (w as *const ibv_send_wr).cast::<u8>(),
+                std::mem::size_of::<ibv_send_wr>(),
+            )
+        }
+    }
+
+    fn u32_at(b: &[u8], at: usize) -> u32 {
+        u32::from_ne_bytes(b[at..at + 4].try_into().unwrap())
+    }
+
+    fn u64_at(b: &[u8], at: usize) -> u64 {
+        u64::from_ne_bytes(b[at..at + 8].try_into().unwrap())
+    }
+
+    // Offsets from verbs.h (checked against the compiler in ffi.rs):
+    // opcode 28, send_flags 32, imm_data 36, wr.rdma.remote_addr 40,
+    // wr.rdma.rkey 48, wr.atomic.{compare_add 48, swap 56, rkey 64},
+    // wr.ud.{ah 40, remote_qpn 48, remote_qkey 52}.
+    #[test]
+    fn requests_carry_each_field_where_verbs_h_puts_it() {
+        let sge = Sge {
+            addr: 0x1000,
+            len: 64,
+            lkey: 7,
+        };
+        let mut sges = SmallVec::new();
+        let wimm = SendOp::WriteWithImm {
+            remote_addr: 0xdead_beef_0000,
+            rkey: 0x1234_5678,
+            imm: 0x0102_0304,
+        };
+        let w = send_request(&SendWr::new(9, wimm, [sge]).fenced(), &mut sges);
+        let b = bytes(&w);
+        assert_eq!(u32_at(b, 28), IBV_WR_RDMA_WRITE_WITH_IMM);
+        assert_eq!(u32_at(b, 32), IBV_SEND_SIGNALED | IBV_SEND_FENCE);
+        // Immediate data in network order, as the wire carries it.
+        assert_eq!(b[36..40], [1, 2, 3, 4]);
+        assert_eq!(u64_at(b, 40), 0xdead_beef_0000);
+        assert_eq!(u32_at(b, 48), 0x1234_5678);
+        assert_eq!(
+            (w.num_sge, sges[0].addr, sges[0].length, sges[0].lkey),
+            (1, 0x1000, 64, 7)
+        );
+        let cas = SendOp::CompareSwap {
+            remote_addr: 0x8000,
+            rkey: 0xaabb,
+            compare: 5,
+            swap: 6,
+        };
+        let w = send_request(&SendWr::new(1, cas, [sge]).unsignaled(), &mut sges);
+        let b = bytes(&w);
+        assert_eq!(u32_at(b, 28), IBV_WR_ATOMIC_CMP_AND_SWP);
+        assert_eq!(u32_at(b, 32), 0);
+        assert_eq!(
+            (u64_at(b, 40), u64_at(b, 48), u64_at(b, 56)),
+            (0x8000, 5, 6)
+        );
+        assert_eq!(u32_at(b, 64), 0xaabb);
+        let mut w = send_request(
+            &SendWr::new(2, SendOp::Send, []).inline(b"hi").solicited(),
+            &mut sges,
+        );
+        assert_eq!(
+            u32_at(bytes(&w), 32),
+            IBV_SEND_SIGNALED | IBV_SEND_SOLICITED | IBV_SEND_INLINE
+        );
+        assert_eq!((w.num_sge, sges[0].length), (1, 2));
+        ud_destination(&mut w, 0x5000 as *mut ibv_ah, 0x00ab_cdef, 0x1111_2222);
+        let b = bytes(&w);
+        assert_eq!(
+            (u64_at(b, 40), u32_at(b, 48), u32_at(b, 52)),
+            (0x5000, 0x00ab_cdef, 0x1111_2222)
+        );
+        // SEND with invalidate carries the rkey in host order.
+        let w = send_request(&SendWr::new(3, SendOp::SendWithInv(0x99), []), &mut sges);
+        assert_eq!(
+            (u32_at(bytes(&w), 28), u32_at(bytes(&w), 36)),
+            (IBV_WR_SEND_WITH_INV, 0x99)
+        );
+    }
+
+    #[test]
+    fn completions_read_every_field() {
+        let mut wc = ibv_wc {
+            wr_id: 77,
+            status: 0,
+            opcode: IBV_WC_RECV_RDMA_WITH_IMM,
+            byte_len: 300,
+            imm_or_rkey: u32::from_ne_bytes([0xa, 0xb, 0xc, 0xd]),
+            qp_num: 0x11,
+            src_qp: 0x22,
+            wc_flags: IBV_WC_WITH_IMM | IBV_WC_GRH,
+            ..ibv_wc::default()
+        };
+        let c = completion(&wc);
+        assert_eq!(
+            (
+                c.wr_id, c.status, c.opcode, c.byte_len, c.qp_num, c.src_qp, c.grh
+            ),
+            (
+                77,
+                WcStatus::Success,
+                WcOpcode::RecvRdmaWithImm,
+                300,
+                0x11,
+                0x22,
+                true
+            )
+        );
+        assert_eq!(c.imm, Some(0x0a0b_0c0d), "network order on the wire");
+        wc.wc_flags = IBV_WC_WITH_INV;
+        wc.imm_or_rkey = 0x4321;
+        wc.opcode = IBV_WC_RECV;
+        let c = completion(&wc);
+        assert_eq!(
+            (c.imm, c.invalidated_rkey, c.grh),
+            (None, Some(0x4321), false)
+        );
+        for (code, status) in [
+            (10, WcStatus::RemAccessErr),
+            (12, WcStatus::RetryExcErr),
+            (20, WcStatus::RespTimeoutErr),
+            (21, WcStatus::GeneralErr),
+            (99, WcStatus::GeneralErr),
+        ] {
+            wc.status = code;
+            assert_eq!(completion(&wc).status, status);
+        }
+        for (code, opcode) in [
+            (IBV_WC_SEND, WcOpcode::Send),
+            (IBV_WC_RDMA_WRITE, WcOpcode::RdmaWrite),
+            (IBV_WC_RDMA_READ, WcOpcode::RdmaRead),
+            (IBV_WC_COMP_SWAP, WcOpcode::CompareSwap),
+            (IBV_WC_FETCH_ADD, WcOpcode::FetchAdd),
+            (IBV_WC_LOCAL_INV, WcOpcode::LocalInv),
+        ] {
+            wc.opcode = code;
+            assert_eq!(completion(&wc).opcode, opcode);
+        }
+    }
+
+    #[test]
+    fn an_address_vector_is_the_ipv4_mapped_gid_from_the_ipv4_gid_index() {
+        let attr = ah_attr_for(3, Ipv4Addr::new(10, 99, 0, 2));
+        assert_eq!(
+            attr.grh.dgid,
+            [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 10, 99, 0, 2]
+        );
+        assert_eq!(
+            (
+                attr.is_global,
+                attr.grh.sgid_index,
+                attr.port_num,
+                attr.dlid
+            ),
+            (1, 3, PORT, 0)
+        );
     }
 }
