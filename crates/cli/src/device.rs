@@ -36,6 +36,18 @@ impl Chosen {
     }
 }
 
+/// A libibverbs device's QPs send from its RoCEv2 IPv4 GID, the last of
+/// the `gids` it lists: the GID index given with `flag` must be that one.
+pub fn check_ibverbs_gid(flag: &str, gid: usize, name: &str, gids: usize) -> Result<(), String> {
+    let want = gids.saturating_sub(1);
+    if gid != want {
+        return Err(format!(
+            "{flag} {gid}: {name} sends from its RoCEv2 IPv4 GID, index {want}: use {flag} {want}"
+        ));
+    }
+    Ok(())
+}
+
 fn check_gid(name: &str, gid: usize) -> Result<(), String> {
     match gid {
         IPV4_GID_INDEX => Ok(()),

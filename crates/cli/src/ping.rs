@@ -245,15 +245,13 @@ fn run_inner(a: &PingArgs) -> Result<(), String> {
         }
     };
     let port = ctx.query_port();
-    // A libibverbs device's QPs send from its RoCEv2 IPv4 GID, its last.
-    if ibverbs && a.gid_idx + 1 != port.gids.len() {
-        return Err(format!(
-            "-g {}: {} sends from its RoCEv2 IPv4 GID, index {}: use -g {}",
+    if ibverbs {
+        crate::device::check_ibverbs_gid(
+            "-g",
             a.gid_idx,
             chosen.name.as_deref().unwrap_or_default(),
-            port.gids.len() - 1,
-            port.gids.len() - 1
-        ));
+            port.gids.len(),
+        )?;
     }
     let gid = *port.gids.get(a.gid_idx).ok_or(format!(
         "-g {}: no such GID index (the table has {})",

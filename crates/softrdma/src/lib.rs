@@ -1,7 +1,8 @@
-//! softrdma: the RDMA verbs model over RoCEv2, iWARP and shared memory (a
-//! libibverbs provider for RDMA NICs is not written yet). The layers, bottom up: [`wire`] (byte formats), [`memory`]
-//! (registered regions), [`engine`] (sans-I/O transports), [`provider`]
-//! (sockets and progress threads), [`verbs`] (the public API), [`cm`]
+//! softrdma: the RDMA verbs model over RoCEv2, iWARP and shared memory, and
+//! on RDMA NICs (RoCE) through rdma-core's libibverbs. The layers, bottom up:
+//! [`wire`] (byte formats), [`memory`] (registered regions), [`engine`]
+//! (sans-I/O transports), [`provider`] (sockets and progress threads; the
+//! libibverbs device), [`verbs`] (the public API), [`cm`]
 //! (connection set-up). [`capture`] reads and decodes packet captures.
 
 #![warn(missing_docs)]

@@ -61,6 +61,38 @@ fn ok(cq: &Cq, wr_id: u64, opcode: WcOpcode) -> WorkCompletion {
     wc
 }
 
+/// Two UD QPs of one context in RTS with Q_Key `qkey`, one CQ for all.
+struct UdPair {
+    ctx: Context,
+    pd: Pd,
+    mr: Mr,
+    cq: Cq,
+    qa: Qp,
+    qb: Qp,
+}
+
+fn ud_pair(qkey: u32) -> UdPair {
+    let ctx = device().open().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let mr = pd.register(8192, Access::LOCAL_WRITE).unwrap();
+    let cq = ctx.create_cq(64).unwrap();
+    let (qa, qb) = (
+        pd.create_qp(&QpInit::ud(&cq, &cq)).unwrap(),
+        pd.create_qp(&QpInit::ud(&cq, &cq)).unwrap(),
+    );
+    for q in [&qa, &qb] {
+        softrdma::cm::ready_ud(q, qkey, 0).unwrap();
+    }
+    UdPair {
+        ctx,
+        pd,
+        mr,
+        cq,
+        qa,
+        qb,
+    }
+}
+
 #[test]
 fn an_unknown_device_is_a_clear_error() {
     let e = Device::ibverbs("no-such-dev0")
@@ -304,17 +336,14 @@ fn waits_sleep_on_the_completion_channel() {
 #[test]
 #[ignore = "needs an RDMA device (SOFTRDMA_IBVERBS_DEV); run by tests/interop/run.py"]
 fn ud_datagrams_go_through_an_address_handle() {
-    let ctx = device().open().unwrap();
-    let pd = ctx.alloc_pd().unwrap();
-    let mr = pd.register(8192, Access::LOCAL_WRITE).unwrap();
-    let cq = ctx.create_cq(16).unwrap();
-    let (qa, qb) = (
-        pd.create_qp(&QpInit::ud(&cq, &cq)).unwrap(),
-        pd.create_qp(&QpInit::ud(&cq, &cq)).unwrap(),
-    );
-    for q in [&qa, &qb] {
-        softrdma::cm::ready_ud(q, 0x1111, 0).unwrap();
-    }
+    let UdPair {
+        ctx,
+        pd,
+        mr,
+        cq,
+        qa,
+        qb,
+    } = ud_pair(0x1111);
     qb.post_recv(RecvWr::new(1, [mr.sge(4096, 40 + 512)]))
         .unwrap();
     mr.write(0, &[9u8; 300]).unwrap();
@@ -470,17 +499,14 @@ fn two_threads_waiting_on_one_cq_both_wake() {
 #[test]
 #[ignore = "needs an RDMA device (SOFTRDMA_IBVERBS_DEV); run by tests/interop/run.py"]
 fn an_address_handle_dropped_after_its_post_still_delivers() {
-    let ctx = device().open().unwrap();
-    let pd = ctx.alloc_pd().unwrap();
-    let mr = pd.register(8192, Access::LOCAL_WRITE).unwrap();
-    let cq = ctx.create_cq(64).unwrap();
-    let (qa, qb) = (
-        pd.create_qp(&QpInit::ud(&cq, &cq)).unwrap(),
-        pd.create_qp(&QpInit::ud(&cq, &cq)).unwrap(),
-    );
-    for q in [&qa, &qb] {
-        softrdma::cm::ready_ud(q, 0x2222, 0).unwrap();
-    }
+    let UdPair {
+        ctx,
+        pd,
+        mr,
+        cq,
+        qa,
+        qb,
+    } = ud_pair(0x2222);
     for round in 0..20u64 {
         qb.post_recv(RecvWr::new(100 + round, [mr.sge(4096, 40 + 64)]))
             .unwrap();

@@ -650,15 +650,13 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
     }
     .map_err(|e| e.to_string())?;
     let port = ctx.query_port();
-    // The device's QPs send from its RoCEv2 IPv4 GID, the last it lists.
-    if ibverbs && a.gid + 1 != port.gids.len() {
-        return Err(format!(
-            "-x {}: {} sends from its RoCEv2 IPv4 GID, index {}: use -x {}",
+    if ibverbs {
+        crate::device::check_ibverbs_gid(
+            "-x",
             a.gid,
             chosen.name.as_deref().unwrap_or_default(),
-            port.gids.len() - 1,
-            port.gids.len() - 1
-        ));
+            port.gids.len(),
+        )?;
     }
     let gid = *port
         .gids

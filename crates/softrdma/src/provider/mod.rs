@@ -1,5 +1,7 @@
 //! Providers own the I/O: sockets, batching, timers and the progress thread
 //! that drives the engine. A provider never re-implements transport rules.
+//! `ibverbs` is the exception that has no engine: there a NIC (or the
+//! kernel's rxe) is the transport, reached through rdma-core's libibverbs.
 
 pub mod hostd;
 pub mod ibverbs;
