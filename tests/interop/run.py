@@ -158,7 +158,8 @@ def guest_aftermath(guest, port):
     tools killed so that they hold nothing the next case needs."""
     job = f"aftermath_{port}"
     tools = "ib_read_bw ib_write_bw ib_send_bw ib_atomic_bw ib_read_lat ib_write_lat " \
-            "ib_send_lat ib_atomic_lat rping softrdma"
+            "ib_send_lat ib_atomic_lat rping softrdma ibverbs-tests ibv_rc_pingpong " \
+            "ibv_ud_pingpong"
     guest.start(job, "dmesg | tail -n 40; echo '--- processes:'; "
                      "ps -o pid,stat,args | grep -v -E '^ *[0-9]+ +[IS][^ ]* +\\['; "
                      "for p in /proc/[0-9]*; do grep -q '^State:.*D' $p/status 2>/dev/null && "
@@ -821,6 +822,8 @@ def main():
     ]
     if args.list:
         for v, _, cs in variants:
+            if v == "ibverbs":
+                print(f"{v}: ibverbs tests (tests/ibverbs.rs and softrdma demo, on rxe0)")
             for c in cs:
                 print(f"{v}: {c.name}")
         return 0
@@ -859,6 +862,8 @@ def main():
                 log(f"{vname}: tests/ibverbs.rs and the demo on rxe0 {'ok' if err is None else 'FAIL'} "
                     f"({time.time() - t:.1f} s)")
                 if err:
+                    port += 1
+                    err += guest_aftermath(guest, port)
                     failures.append(f"{vname}: tests/ibverbs.rs: {err}")
                     print(f"\nFAILED {failures[-1]}", flush=True)
                 else:

@@ -209,11 +209,18 @@ fn run_inner(a: &PingArgs) -> Result<(), String> {
     // A libibverbs device is opened before the exchange, so that a wrong
     // name fails at once (softrdma's own are checked by `choose`).
     let hw_ctx = match ibverbs {
-        true => Some(
-            Device::ibverbs(a.dev.as_deref().unwrap_or_default())
+        true => {
+            let ctx = Device::ibverbs(a.dev.as_deref().unwrap_or_default())
                 .open()
-                .map_err(|e| e.to_string())?,
-        ),
+                .map_err(|e| e.to_string())?;
+            crate::device::check_ibverbs_gid(
+                "-g",
+                a.gid_idx,
+                chosen.name.as_deref().unwrap_or_default(),
+                ctx.query_port().gids.len(),
+            )?;
+            Some(ctx)
+        }
         false => None,
     };
     let mut tcp = match peer_ip {
@@ -245,14 +252,6 @@ fn run_inner(a: &PingArgs) -> Result<(), String> {
         }
     };
     let port = ctx.query_port();
-    if ibverbs {
-        crate::device::check_ibverbs_gid(
-            "-g",
-            a.gid_idx,
-            chosen.name.as_deref().unwrap_or_default(),
-            port.gids.len(),
-        )?;
-    }
     let gid = *port.gids.get(a.gid_idx).ok_or(format!(
         "-g {}: no such GID index (the table has {})",
         a.gid_idx,

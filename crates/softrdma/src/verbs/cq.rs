@@ -444,6 +444,7 @@ impl Cq {
 
     /// Waits for `n` completions (or `timeout`); returns those that came.
     /// A blocking wait sleeps until all `n` are there: one wake-up, not `n`.
+    /// (A libibverbs device's CQ wakes it at each channel event instead.)
     pub fn wait_for(&self, n: usize, timeout: Duration) -> Result<Vec<WorkCompletion>, CqError> {
         let deadline = super::deadline_after(timeout);
         if let Some(hw) = &self.hw {

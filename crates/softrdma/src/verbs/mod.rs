@@ -327,7 +327,7 @@ impl Device {
         let events = Arc::new(EventQueue::new().map_err(io_err("cannot open an ibverbs device"))?);
         let hw =
             HwContext::open(name, self.busy_poll, events.clone()).map_err(VerbsError::Invalid)?;
-        if hw.port_attr.state == 4 {
+        if hw.port_now().0 {
             events.push(AsyncEvent::PortActive);
         }
         let active_mtu = hw.active_mtu();
@@ -360,8 +360,8 @@ pub fn ibverbs_devices() -> Result<Vec<String>> {
 #[derive(Debug)]
 pub(crate) struct IbverbsDevice {
     hw: Arc<HwContext>,
-    /// Regions as softrdma sees them (for `Mr`'s copies); the device has
-    /// its own keys, which these carry.
+    /// The regions by the device's keys: softrdma's table, which the
+    /// device does not consult (it checks keys itself).
     mrs: Arc<RwLock<MrTable>>,
     events: Arc<EventQueue>,
     ahs: Arc<crate::provider::ibverbs::AhTable>,
@@ -757,15 +757,15 @@ impl Context {
     pub fn query_port(&self) -> PortAttr {
         let a = self.local_addr();
         if let Some(d) = self.inner.ibverbs() {
-            let now = d.hw.port_now();
+            let (active, max_mtu, active_mtu) = d.hw.port_now();
             return PortAttr {
-                state: if now.state == 4 {
+                state: if active {
                     PortState::Active
                 } else {
                     PortState::Down
                 },
-                max_mtu: Mtu::from_code(now.max_mtu as u8).unwrap_or(Mtu::Mtu1024),
-                active_mtu: self.inner.active_mtu,
+                max_mtu,
+                active_mtu,
                 gids: self.inner.gids.clone(),
                 udp_port: a.port(),
             };
@@ -1537,13 +1537,14 @@ impl Qp {
             ..QpAttr::default()
         };
         if let QpKind::Hw(q) = &self.kind {
+            let active = self.ctx.query_port().active_mtu;
             if let Some(m) = attr.path_mtu
-                && m > self.ctx.inner.active_mtu
+                && m > active
             {
                 return Err(VerbsError::Invalid(format!(
                     "path MTU {} is larger than the port's active MTU {}",
                     m.bytes(),
-                    self.ctx.inner.active_mtu.bytes()
+                    active.bytes()
                 )));
             }
             return q.modify(attr, av.map(|a| *a.addr.ip()));

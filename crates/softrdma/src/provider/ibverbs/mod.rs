@@ -11,7 +11,7 @@
 mod ffi;
 
 use std::collections::HashMap;
-use std::ffi::{CStr, c_int, c_void};
+use std::ffi::{CStr, c_int, c_uint, c_void};
 use std::net::Ipv4Addr;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
@@ -225,10 +225,21 @@ impl HwContext {
         if rc != 0 {
             return close(returned_error("ibv_query_port", rc));
         }
+        // An iWARP device's port says Ethernet too: its node type tells.
+        let node_type = std::fs::read_to_string(format!("/sys/class/infiniband/{name}/node_type"))
+            .unwrap_or_default();
+        if node_type.trim_start().starts_with("4:") {
+            return close(
+                "it is an iWARP device (RNIC, such as siw): its QPs connect through rdma_cm, \
+                 which the ibverbs provider does not do yet (softrdma's own iWARP provider \
+                 talks to it: Device::iwarp, perf -R)"
+                    .into(),
+            );
+        }
         if port_attr.link_layer != IBV_LINK_LAYER_ETHERNET {
             return close(
-                "its port 1 is not RoCE (an InfiniBand port, or an iWARP device such as siw): \
-                 the ibverbs provider speaks RoCE only so far"
+                "its port 1 is InfiniBand, not RoCE: the ibverbs provider speaks RoCE only so \
+                 far (InfiniBand needs LIDs)"
                     .into(),
             );
         }
@@ -330,15 +341,21 @@ impl HwContext {
         }
     }
 
-    /// The port's attributes now (the ones from open if the query fails).
-    pub(crate) fn port_now(&self) -> ibv_port_attr {
+    /// The port now (as at open if the query fails): whether it is
+    /// active, its largest and its active MTU.
+    pub(crate) fn port_now(&self) -> (bool, Mtu, Mtu) {
         let mut port = ibv_port_attr::default();
         // SAFETY: an open context and a port struct of at least the
         // library's compat size.
         if unsafe { (self.lib.query_port)(self.ptr(), PORT, &mut port) } != 0 {
-            return self.port_attr;
+            port = self.port_attr;
         }
-        port
+        let mtu = |code: c_uint| Mtu::from_code(code as u8).unwrap_or(Mtu::Mtu1024);
+        (
+            port.state == IBV_PORT_ACTIVE,
+            mtu(port.max_mtu),
+            mtu(port.active_mtu),
+        )
     }
 
     /// The port's active MTU.
@@ -373,6 +390,7 @@ fn set_nonblocking(fd: BorrowedFd<'_>) -> rustix::io::Result<()> {
 /// event queue, until `stop` fires.
 fn forward_events(lib: &'static Lib, ctx: ContextPtr, stop: OwnedFd, events: &EventQueue) {
     let ctx = ctx.0;
+    let mut fatal_told = false;
     // SAFETY: the context outlives this thread (see ContextPtr).
     let async_fd = unsafe { BorrowedFd::borrow_raw((*ctx).async_fd) };
     loop {
@@ -394,7 +412,9 @@ fn forward_events(lib: &'static Lib, ctx: ContextPtr, stop: OwnedFd, events: &Ev
             .revents()
             .intersects(rustix::event::PollFlags::ERR | rustix::event::PollFlags::HUP)
         {
-            events.push(AsyncEvent::DeviceFatal);
+            if !fatal_told {
+                events.push(AsyncEvent::DeviceFatal);
+            }
             return;
         }
         loop {
@@ -407,6 +427,7 @@ fn forward_events(lib: &'static Lib, ctx: ContextPtr, stop: OwnedFd, events: &Ev
                 break;
             }
             if let Some(e) = translate_event(&ev) {
+                fatal_told |= e == AsyncEvent::DeviceFatal;
                 events.push(e);
             }
             // SAFETY: the event just taken, acknowledged once.
@@ -785,14 +806,16 @@ impl HwCq {
                 armed = true;
                 continue;
             }
-            // One event per arming wakes every sleeper, but another waiter
-            // may take it (and its completion) before this one sleeps, and
-            // then nothing re-arms for this one: with company, sleep in
-            // short slices and look again.
+            // The channel fires once per arming, and whichever thread takes
+            // the event first wins it: another waiter (or a `wait_event`, an
+            // `AsyncCq` on a clone) may take it, and its completion, and
+            // leave this one asleep on a CQ no one re-armed. So sleep in
+            // slices and look again: short ones with company, and bounded
+            // ones alone (company may come while this one sleeps).
             let slice = if self.waiters.load(Ordering::Relaxed) > 1 {
                 left.min(SHARED_WAIT_SLICE)
             } else {
-                left
+                left.min(LONE_WAIT_SLICE)
             };
             match self.sleep_on_channel(slice) {
                 Ok(()) => {}
@@ -807,6 +830,9 @@ impl HwCq {
 
 /// How long a CQ waiter sleeps at a time while others wait on the same CQ.
 const SHARED_WAIT_SLICE: Duration = Duration::from_millis(20);
+/// How long a lone CQ waiter sleeps at a time: the most a completion
+/// another thread's take of the event hid can wait to be seen.
+const LONE_WAIT_SLICE: Duration = Duration::from_millis(200);
 
 /// Counts a waiter of a CQ while it lives.
 struct Waiting<'a>(&'a AtomicUsize);
@@ -966,12 +992,14 @@ fn sge(s: &crate::engine::Sge) -> ibv_sge {
     }
 }
 
-/// A post the device refused: a full queue, or its errno.
+/// A post the device refused: a full queue, or its errno (rxe's provider
+/// returns it negated, mlx5's as is).
 fn posted_error(rc: c_int, depth: u32) -> PostError {
-    if rc == libc::ENOMEM {
+    let errno = rc.saturating_abs();
+    if errno == libc::ENOMEM {
         PostError::QueueFull(depth)
     } else {
-        PostError::Device(rc)
+        PostError::Device(errno)
     }
 }
 
@@ -1089,7 +1117,7 @@ pub(crate) struct HwQp {
     caps: QpCaps,
     /// Held so that they outlive the QP.
     _cqs: (Arc<HwCq>, Arc<HwCq>),
-    _srq: Option<Arc<HwSrq>>,
+    srq: Option<Arc<HwSrq>>,
     /// The device's address handles (UD sends).
     ahs: Arc<AhTable>,
     /// Serialises modifies, so a check against the current state holds.
@@ -1181,7 +1209,7 @@ impl HwQp {
                 max_inline_data: init.cap.max_inline_data,
             },
             _cqs: (send_cq.clone(), recv_cq.clone()),
-            _srq: srq.cloned(),
+            srq: srq.cloned(),
             ahs: ahs.clone(),
             modify_lock: Mutex::new(()),
             ud_ahs: Mutex::default(),
@@ -1383,7 +1411,7 @@ impl HwQp {
     }
 
     pub(crate) fn post_recv(&self, wr: &RecvWr) -> Result<(), PostError> {
-        if self._srq.is_some() {
+        if self.srq.is_some() {
             return Err(PostError::ON_SRQ);
         }
         if wr.sgl.len() > self.caps.max_recv_sge as usize {
@@ -1420,24 +1448,27 @@ mod tests {
     use super::*;
     use crate::engine::Sge;
 
-    /// The request's bytes, as the device's library reads them.
-    fn bytes(w: &ibv_send_wr) -> &[u8] {
-        // SAFETY: a plain repr(C) struct of integers and pointers, viewed
-        // for its size while borrowed.
+    /// The `N` bytes at `at` of the request, as the device's library
+    /// reads them (fields only: never its padding).
+    fn field<const N: usize>(w: &ibv_send_wr, at: usize) -> [u8; N] {
+        assert!(at + N <= std::mem::size_of::<ibv_send_wr>());
+        // SAFETY: in bounds (checked); the tests read only bytes of
+        // fields, which are initialised.
         unsafe {
-            std::slice::from_raw_parts(
-                (w as *const ibv_send_wr).cast::<u8>(),
-                std::mem::size_of::<ibv_send_wr>(),
-            )
+            (w as *const ibv_send_wr)
+                .cast::<u8>()
+                .add(at)
+                .cast::<[u8; N]>()
+                .read_unaligned()
         }
     }
 
-    fn u32_at(b: &[u8], at: usize) -> u32 {
-        u32::from_ne_bytes(b[at..at + 4].try_into().unwrap())
+    fn u32_at(w: &ibv_send_wr, at: usize) -> u32 {
+        u32::from_ne_bytes(field::<4>(w, at))
     }
 
-    fn u64_at(b: &[u8], at: usize) -> u64 {
-        u64::from_ne_bytes(b[at..at + 8].try_into().unwrap())
+    fn u64_at(w: &ibv_send_wr, at: usize) -> u64 {
+        u64::from_ne_bytes(field::<8>(w, at))
     }
 
     // Offsets from verbs.h (checked against the compiler in ffi.rs):
@@ -1458,13 +1489,12 @@ mod tests {
             imm: 0x0102_0304,
         };
         let w = send_request(&SendWr::new(9, wimm, [sge]).fenced(), &mut sges);
-        let b = bytes(&w);
-        assert_eq!(u32_at(b, 28), IBV_WR_RDMA_WRITE_WITH_IMM);
-        assert_eq!(u32_at(b, 32), IBV_SEND_SIGNALED | IBV_SEND_FENCE);
+        assert_eq!(u32_at(&w, 28), IBV_WR_RDMA_WRITE_WITH_IMM);
+        assert_eq!(u32_at(&w, 32), IBV_SEND_SIGNALED | IBV_SEND_FENCE);
         // Immediate data in network order, as the wire carries it.
-        assert_eq!(b[36..40], [1, 2, 3, 4]);
-        assert_eq!(u64_at(b, 40), 0xdead_beef_0000);
-        assert_eq!(u32_at(b, 48), 0x1234_5678);
+        assert_eq!(field::<4>(&w, 36), [1, 2, 3, 4]);
+        assert_eq!(u64_at(&w, 40), 0xdead_beef_0000);
+        assert_eq!(u32_at(&w, 48), 0x1234_5678);
         assert_eq!(
             (w.num_sge, sges[0].addr, sges[0].length, sges[0].lkey),
             (1, 0x1000, 64, 7)
@@ -1476,33 +1506,31 @@ mod tests {
             swap: 6,
         };
         let w = send_request(&SendWr::new(1, cas, [sge]).unsignaled(), &mut sges);
-        let b = bytes(&w);
-        assert_eq!(u32_at(b, 28), IBV_WR_ATOMIC_CMP_AND_SWP);
-        assert_eq!(u32_at(b, 32), 0);
+        assert_eq!(u32_at(&w, 28), IBV_WR_ATOMIC_CMP_AND_SWP);
+        assert_eq!(u32_at(&w, 32), 0);
         assert_eq!(
-            (u64_at(b, 40), u64_at(b, 48), u64_at(b, 56)),
+            (u64_at(&w, 40), u64_at(&w, 48), u64_at(&w, 56)),
             (0x8000, 5, 6)
         );
-        assert_eq!(u32_at(b, 64), 0xaabb);
+        assert_eq!(u32_at(&w, 64), 0xaabb);
         let mut w = send_request(
             &SendWr::new(2, SendOp::Send, []).inline(b"hi").solicited(),
             &mut sges,
         );
         assert_eq!(
-            u32_at(bytes(&w), 32),
+            u32_at(&w, 32),
             IBV_SEND_SIGNALED | IBV_SEND_SOLICITED | IBV_SEND_INLINE
         );
         assert_eq!((w.num_sge, sges[0].length), (1, 2));
         ud_destination(&mut w, 0x5000 as *mut ibv_ah, 0x00ab_cdef, 0x1111_2222);
-        let b = bytes(&w);
         assert_eq!(
-            (u64_at(b, 40), u32_at(b, 48), u32_at(b, 52)),
+            (u64_at(&w, 40), u32_at(&w, 48), u32_at(&w, 52)),
             (0x5000, 0x00ab_cdef, 0x1111_2222)
         );
         // SEND with invalidate carries the rkey in host order.
         let w = send_request(&SendWr::new(3, SendOp::SendWithInv(0x99), []), &mut sges);
         assert_eq!(
-            (u32_at(bytes(&w), 28), u32_at(bytes(&w), 36)),
+            (u32_at(&w, 28), u32_at(&w, 36)),
             (IBV_WR_SEND_WITH_INV, 0x99)
         );
     }
