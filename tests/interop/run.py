@@ -565,6 +565,17 @@ def run_ibverbs_tests(guest):
     return None
 
 
+def run_siw_refused(guest):
+    """softrdma's libibverbs provider refuses siw0 as an iWARP device (it
+    would need rdma_cm), saying so, rather than with a misleading error."""
+    job = "ibverbs_refuses_siw"
+    guest.start(job, f"{GUEST_BIN} perf write-bw {IBVERBS.replace('rxe0', 'siw0')}")
+    rc, out = guest.wait(job, 60)
+    if rc != 1 or "siw0: it is an iWARP device" not in out:
+        return f"exit status {rc}, expected 1 and the iWARP refusal:\n{out}"
+    return None
+
+
 def run_guest_pair(guest, case, port, ours_is_server, job):
     """softrdma and the tool both in the guest, on rxe0."""
     server, client = (case.ours, case.tool) if ours_is_server else (case.tool, case.ours)
@@ -824,6 +835,8 @@ def main():
         for v, _, cs in variants:
             if v == "ibverbs":
                 print(f"{v}: ibverbs tests (tests/ibverbs.rs and softrdma demo, on rxe0)")
+            if v == "siw":
+                print(f"{v}: ibverbs on siw (refused as an iWARP device)")
             for c in cs:
                 print(f"{v}: {c.name}")
         return 0
@@ -845,17 +858,28 @@ def main():
         cs = [c for c in cs if not args.only or re.search(args.only, c.name)]
         # The ibverbs variant also runs tests/ibverbs.rs in its guest.
         tests = vname == "ibverbs" and (not args.only or re.search(args.only, "ibverbs tests"))
-        if not cs and not tests:
+        if not cs and not tests and not (vname == "siw" and args.only
+                                          and re.search(args.only, "ibverbs on siw")):
             continue
         guest = Guest(harness, vname, env)
-        if vname == "ibverbs":
+        siw_check = vname == "siw" and (not args.only or re.search(args.only, "ibverbs on siw"))
+        if vname == "ibverbs" or siw_check:
             # softrdma runs in the guest (bookworm's glibc on both sides).
             shutil.copy(REPO / "target/release/softrdma", guest.share / "softrdma")
+        if vname == "ibverbs":
             shutil.copy(ibverbs_tests_binary(), guest.share / "ibverbs-tests")
         t = time.time()
         guest.boot()
         log(f"{vname}: guest up in {time.time() - t:.0f} s")
         try:
+            if siw_check:
+                err = run_siw_refused(guest)
+                log(f"{vname}: ibverbs on siw0 refused as iWARP {'ok' if err is None else 'FAIL'}")
+                if err:
+                    failures.append(f"{vname}: ibverbs on siw0: {err}")
+                    print(f"\nFAILED {failures[-1]}", flush=True)
+                else:
+                    passed += 1
             if tests:
                 t = time.time()
                 err = run_ibverbs_tests(guest)
