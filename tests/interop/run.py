@@ -152,22 +152,57 @@ class Guest:
         return False
 
 
+# A guest kernel's oops, BUG, WARNING or hung task (rxe's "speed is unknown"
+# noise left out).
+KERNEL_FAULT = r"BUG:|Oops|WARNING:|general protection|INFO: task|Call Trace"
+GUEST_FAULT = "guest kernel fault"
+
+
 def guest_aftermath(guest, port):
-    """After a failed case: the guest kernel's last words and what still runs
-    there (a hung tool, a siw thread in D state), then the case's leftover
-    tools killed so that they hold nothing the next case needs."""
+    """After a failed case: the guest kernel's first fault in full (or its
+    last words), what still runs there and where (a tool spinning in user
+    space or stuck in the kernel, a siw thread in D state), then the case's
+    leftover tools killed so that they hold nothing the next case needs.
+
+    Returns the report and whether the guest needs a reboot: its kernel
+    faulted, a tool outlived kill -9, or the guest did not answer."""
     job = f"aftermath_{port}"
     tools = "ib_read_bw ib_write_bw ib_send_bw ib_atomic_bw ib_read_lat ib_write_lat " \
             "ib_send_lat ib_atomic_lat rping softrdma ibverbs-tests ibv_rc_pingpong " \
             "ibv_ud_pingpong"
-    guest.start(job, "dmesg | tail -n 40; echo '--- processes:'; "
+    # utime and stime (clock ticks) a second apart tell a tool spinning in
+    # user space from one looping in the kernel.
+    times = "awk '{print \"  \" $2, \"state\", $3, \"utime\", $14, \"stime\", $15}' /proc/$p/stat"
+    guest.start(job, "dmesg | grep -v 'speed is unknown' | awk -v pat='" + KERNEL_FAULT + "' '"
+                     "$0 ~ pat && !f {f=NR} {l[NR]=$0} END {"
+                     "if (f) {s=f-8; e=f+150; print \"" + GUEST_FAULT + " at line \" f} "
+                     "else {s=NR-15; e=NR} if (s<1) s=1; if (e>NR) e=NR; "
+                     "for (i=s;i<=e;i++) print l[i]}'; "
+                     "echo '--- processes:'; "
                      "ps -o pid,stat,args | grep -v -E '^ *[0-9]+ +[IS][^ ]* +\\['; "
                      "for p in /proc/[0-9]*; do grep -q '^State:.*D' $p/status 2>/dev/null && "
                      "echo \"$(basename $p) $(cat $p/comm) D in $(cat $p/wchan)\"; done; "
-                     f"left=$(pidof {tools}); [ -n \"$left\" ] && kill -9 $left && "
-                     "echo \"killed $left\"; true")
+                     f"left=$(pidof {tools}); "
+                     "for p in $left; do echo \"--- $p $(cat /proc/$p/comm): syscall "
+                     "$(cat /proc/$p/syscall 2>/dev/null), kernel stack:\"; "
+                     "cat /proc/$p/stack 2>/dev/null; " + times + "; done; "
+                     "[ -n \"$left\" ] && sleep 1 && for p in $left; do " + times + "; done; "
+                     "[ -n \"$left\" ] && kill -9 $left && echo \"killed $left\" && sleep 2 && "
+                     f"still=$(pidof {tools}) && echo \"outlived kill -9: $still\"; true")
     rc, out = guest.wait(job, 20)
-    return f"\n--- guest after the failure{'' if rc is not None else ' (no answer in 20 s)'}:\n{out}"
+    reboot = rc is None or GUEST_FAULT in out or "outlived kill -9" in out
+    return (f"\n--- guest after the failure{'' if rc is not None else ' (no answer in 20 s)'}:"
+            f"\n{out}"), reboot
+
+
+def reboot_guest(guest, vname):
+    """A guest whose kernel faulted, or that kept a tool past kill -9, is
+    booted afresh so that one fault costs one case, not the rest of the run."""
+    log(f"{vname}: rebooting the guest")
+    t = time.time()
+    guest.stop()
+    guest.boot()
+    log(f"{vname}: guest up again in {time.time() - t:.0f} s")
 
 
 def host_listening(port):
@@ -850,7 +885,7 @@ def main():
     log("building softrdma (release)")
     subprocess.run(["cargo", "build", "--release", "-q", "-p", "softrdma-cli"], cwd=REPO,
                    check=True)
-    failures, passed = [], 0
+    failures, passed, after_fault = [], 0, []
     port = 20000
     for vname, env, cs in variants:
         if args.variant and not re.search(args.variant, vname):
@@ -887,35 +922,54 @@ def main():
                     f"({time.time() - t:.1f} s)")
                 if err:
                     port += 1
-                    err += guest_aftermath(guest, port)
+                    after, reboot = guest_aftermath(guest, port)
+                    err += after
+                    if reboot:
+                        reboot_guest(guest, vname)
                     failures.append(f"{vname}: tests/ibverbs.rs: {err}")
                     print(f"\nFAILED {failures[-1]}", flush=True)
                 else:
                     passed += 1
             for c in cs:
                 for tool_is_server in c.tool_roles:
-                    port += 1
                     tool = getattr(c, "tool_label", "Linux")
                     role = (f"{tool} server, softrdma client" if tool_is_server
                             else f"softrdma server, {tool} client")
-                    t = time.time()
-                    err = run_case(guest, c, port, tool_is_server)
-                    if err and CLOCK_FAILED in err:
-                        # perftest's cycle-counter calibration failed in the
-                        # emulated guest, so its figures are void (0.00 MB/s
-                        # seen): run the case again, once.
-                        log(f"{vname}: {c.name} [{role}] the tool's clock calibration failed; again")
+                    for attempt in (1, 2):
                         port += 1
+                        t = time.time()
                         err = run_case(guest, c, port, tool_is_server)
-                    status = "ok" if err is None else "FAIL"
-                    log(f"{vname}: {c.name} [{role}] {status} ({time.time() - t:.1f} s)")
-                    if err:
-                        err += guest_aftermath(guest, port)
+                        if err and CLOCK_FAILED in err:
+                            # perftest's cycle-counter calibration failed in
+                            # the emulated guest, so its figures are void
+                            # (0.00 MB/s seen): run the case again, once.
+                            log(f"{vname}: {c.name} [{role}] the tool's clock calibration failed; "
+                                "again")
+                            port += 1
+                            err = run_case(guest, c, port, tool_is_server)
+                        status = "ok" if err is None else "FAIL"
+                        log(f"{vname}: {c.name} [{role}] {status} ({time.time() - t:.1f} s)")
+                        if err is None:
+                            passed += 1
+                            if attempt == 2:
+                                after_fault.append(f"{vname}: {c.name} [{role}]")
+                            break
+                        after, reboot = guest_aftermath(guest, port)
+                        err += after
+                        if reboot:
+                            reboot_guest(guest, vname)
+                        if attempt == 1 and GUEST_FAULT in after:
+                            # rxe in Debian's 6.1 has oopsed in rxe_destroy_qp
+                            # after a QP stalled (docs/interop.md): the
+                            # failure is printed, the guest rebooted, and the
+                            # case run once more on it.
+                            print(f"\nFAILED (run again: the guest kernel faulted) {vname}: "
+                                  f"{c.name} [{role}]: {err}", flush=True)
+                            continue
                         failures.append(f"{vname}: {c.name} [{role}]: {err}")
                         # At once too: a run cut short keeps what failed first.
                         print(f"\nFAILED {failures[-1]}", flush=True)
-                    else:
-                        passed += 1
+                        break
         finally:
             if not args.keep:
                 guest.stop()
@@ -923,7 +977,10 @@ def main():
         subprocess.run([str(harness / "vm.sh"), "net-down"], capture_output=True)
     for f in failures:
         print(f"\nFAILED {f}")
-    log(f"{passed} passed, {len(failures)} failed")
+    for f in after_fault:
+        log(f"passed on a second run after the guest kernel faulted in the first: {f}")
+    log(f"{passed} passed ({len(after_fault)} of them on a second run after a guest kernel fault), "
+        f"{len(failures)} failed")
     return 1 if failures else 0
 
 
