@@ -57,7 +57,7 @@ fuzz_target!(|data: &[u8]| {
     };
     if ctl & 1 != 0 {
         // Receives from an SRQ: each SEND that starts takes one.
-        let srq = Arc::new(Mutex::new(Srq::new(4, 2)));
+        let srq = Arc::new(Mutex::new(Srq::new(1, 4, 2)));
         for k in 0..3 {
             let wr = RecvWr::new(10 + k, [sge(k * 4000, 3000)]);
             srq.lock().unwrap().post_recv(wr).unwrap();

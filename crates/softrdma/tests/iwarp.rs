@@ -1162,6 +1162,49 @@ fn two_connections_share_one_srq() {
     );
 }
 
+/// An SRQ's receives are checked against the SRQ's PD, not that of the QP
+/// that takes them (verbs lets the two differ).
+#[test]
+fn srq_receives_use_the_srqs_pd() {
+    let ctx = Device::iwarp([127, 0, 0, 2].into()).open().unwrap();
+    let (srq_pd, qp_pd) = (ctx.alloc_pd().unwrap(), ctx.alloc_pd().unwrap());
+    let srq_mr = srq_pd.register(1 << 16, Access::LOCAL_WRITE).unwrap();
+    let qp_mr = qp_pd.register(1 << 16, Access::LOCAL_WRITE).unwrap();
+    let (scq, rcq) = (ctx.create_cq(64).unwrap(), ctx.create_cq(64).unwrap());
+    let srq = srq_pd.create_srq(4, 1).unwrap();
+    let listener = Listener::bind(&ctx, 0).unwrap();
+    let at = listener.local_addr();
+    let qp = qp_pd.create_qp(&QpInit::rc(&scq, &rcq).srq(&srq)).unwrap();
+    let connecting = std::thread::spawn(move || {
+        let c = end([127, 0, 0, 1]);
+        iwarp::connect(&c.qp, at, &MpaConfig::default()).unwrap();
+        c
+    });
+    listener
+        .accept(&qp, &MpaConfig::default(), |_| Decision::Accept)
+        .unwrap();
+    let client = connecting.join().unwrap();
+    let send = |wr_id: u64| {
+        client.mr.write(0, b"srq pd").unwrap();
+        client
+            .qp
+            .post_send(SendWr::new(wr_id, SendOp::Send, [client.mr.sge(0, 6)]))
+            .unwrap();
+    };
+    srq.post_recv(RecvWr::new(1, [srq_mr.sge(100, 64)]))
+        .unwrap();
+    send(1);
+    let wc = one(&rcq);
+    assert_eq!((wc.status, wc.wr_id), (WcStatus::Success, 1));
+    assert_eq!(srq_mr.read_vec(100, 6).unwrap(), b"srq pd");
+    // The QP's own PD is not the SRQ's: a local protection error.
+    srq.post_recv(RecvWr::new(2, [qp_mr.sge(100, 64)])).unwrap();
+    send(2);
+    let wc = one(&rcq);
+    assert_eq!((wc.status, wc.wr_id), (WcStatus::LocProtErr, 2));
+    assert_eq!(qp_mr.read_vec(100, 6).unwrap(), [0; 6], "nothing placed");
+}
+
 /// A connected QP of an SRQ that is destroyed flushes its work but raises
 /// no event naming it: its number may be handed out again.
 #[test]

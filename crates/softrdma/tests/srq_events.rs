@@ -232,3 +232,82 @@ fn sqd_raises_sq_drained() {
     }
     common::wait_event(&c, AsyncEvent::SqDrained { qpn: ud.qpn() });
 }
+
+/// An SRQ's receives name memory of the SRQ's PD, which may not be its
+/// QPs' PD (verbs allows that): their lkeys are checked against the SRQ's.
+#[test]
+fn srq_receives_use_the_srqs_pd_not_the_qps() {
+    let c = ctx();
+    let (srq_pd, qp_pd) = (c.alloc_pd().unwrap(), c.alloc_pd().unwrap());
+    let srq_mr = srq_pd.register(1 << 16, Access::LOCAL_WRITE).unwrap();
+    let qp_mr = qp_pd.register(1 << 16, Access::LOCAL_WRITE).unwrap();
+    let cq = c.create_cq(64).unwrap();
+    let srq = srq_pd.create_srq(8, 1).unwrap();
+
+    // RC: the receiver on the QP PD, its receives from the SRQ PD's SRQ.
+    let r = qp_pd.create_qp(&QpInit::rc(&cq, &cq).srq(&srq)).unwrap();
+    let s = srq_pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
+    common::connect_rc(&r, &s, None, &RcOptions::default());
+    srq_mr.write(0, b"through the SRQ's PD").unwrap();
+    srq.post_recv(RecvWr::new(1, [srq_mr.sge(4096, 64)]))
+        .unwrap();
+    s.post_send(SendWr::new(2, SendOp::Send, vec![srq_mr.sge(0, 20)]))
+        .unwrap();
+    let mut got = cq.wait_for(2, T).unwrap();
+    got.sort_by_key(|w| w.wr_id);
+    assert_eq!(
+        got.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
+        [(1, WcStatus::Success), (2, WcStatus::Success)]
+    );
+    assert_eq!(srq_mr.read_vec(4096, 20).unwrap(), b"through the SRQ's PD");
+    // An lkey of the QP's PD is not the SRQ's: a local protection error,
+    // and the sender is NAKed.
+    srq.post_recv(RecvWr::new(3, [qp_mr.sge(0, 64)])).unwrap();
+    s.post_send(SendWr::new(4, SendOp::Send, vec![srq_mr.sge(0, 20)]))
+        .unwrap();
+    let mut got = cq.wait_for(2, T).unwrap();
+    got.sort_by_key(|w| w.wr_id);
+    assert_eq!(
+        got.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
+        [(3, WcStatus::LocProtErr), (4, WcStatus::RemOpErr)]
+    );
+    assert_eq!(qp_mr.read_vec(0, 20).unwrap(), [0; 20], "nothing placed");
+
+    // UD, the same way round.
+    let usrq = srq_pd.create_srq(8, 1).unwrap();
+    let ur = qp_pd.create_qp(&QpInit::ud(&cq, &cq).srq(&usrq)).unwrap();
+    let us = srq_pd.create_qp(&QpInit::ud(&cq, &cq)).unwrap();
+    for q in [&ur, &us] {
+        softrdma::cm::ready_ud(q, 0x2222, 0).unwrap();
+    }
+    let ah = srq_pd
+        .create_ah(AhAttr {
+            addr: c.local_addr(),
+        })
+        .unwrap();
+    usrq.post_recv(RecvWr::new(5, [srq_mr.sge(8192, 40 + 64)]))
+        .unwrap();
+    us.post_send(SendWr::new(6, SendOp::Send, [srq_mr.sge(0, 20)]).to(ah.dest(ur.qpn(), 0x2222)))
+        .unwrap();
+    let mut got = cq.wait_for(2, T).unwrap();
+    got.sort_by_key(|w| w.wr_id);
+    assert_eq!(
+        got.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
+        [(5, WcStatus::Success), (6, WcStatus::Success)]
+    );
+    assert_eq!(
+        srq_mr.read_vec(8192 + 40, 20).unwrap(),
+        b"through the SRQ's PD"
+    );
+    usrq.post_recv(RecvWr::new(7, [qp_mr.sge(0, 40 + 64)]))
+        .unwrap();
+    us.post_send(SendWr::new(8, SendOp::Send, [srq_mr.sge(0, 20)]).to(ah.dest(ur.qpn(), 0x2222)))
+        .unwrap();
+    let mut got = cq.wait_for(2, T).unwrap();
+    got.sort_by_key(|w| w.wr_id);
+    assert_eq!(
+        got.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(),
+        [(7, WcStatus::LocProtErr), (8, WcStatus::Success)]
+    );
+    assert_eq!(qp_mr.read_vec(0, 60).unwrap(), [0; 60], "nothing placed");
+}

@@ -3,10 +3,13 @@
 use std::collections::VecDeque;
 
 use super::{PostError, RecvWr};
+use crate::memory::PdId;
 
 /// A shared receive queue.
 #[derive(Debug)]
 pub struct Srq {
+    /// Its receives' lkeys are of this PD, whichever QP takes them.
+    pd: PdId,
     queue: VecDeque<RecvWr>,
     max_wr: u32,
     max_sge: u32,
@@ -16,9 +19,11 @@ pub struct Srq {
 }
 
 impl Srq {
-    /// An SRQ of `max_wr` receives with up to `max_sge` SGEs each.
-    pub fn new(max_wr: u32, max_sge: u32) -> Srq {
+    /// An SRQ of `pd` holding `max_wr` receives with up to `max_sge` SGEs
+    /// each.
+    pub fn new(pd: PdId, max_wr: u32, max_sge: u32) -> Srq {
         Srq {
+            pd,
             queue: VecDeque::new(),
             max_wr,
             max_sge,
@@ -40,6 +45,11 @@ impl Srq {
         }
         self.queue.push_back(wr);
         Ok(())
+    }
+
+    /// The PD its receives' lkeys belong to.
+    pub fn pd(&self) -> PdId {
+        self.pd
     }
 
     /// Takes the next receive for a QP.
@@ -96,7 +106,7 @@ mod tests {
 
     #[test]
     fn limit_fires_once_below_the_mark() {
-        let mut s = Srq::new(8, 1);
+        let mut s = Srq::new(1, 8, 1);
         for i in 0..5 {
             s.post_recv(RecvWr::new(i, [])).unwrap();
         }

@@ -403,17 +403,21 @@ impl UdQp {
             return;
         }
         let next = match &self.srq {
-            Some(s) => s.lock().expect("SRQ lock").take(),
-            None => self.rq.pop_front(),
+            Some(s) => {
+                let mut s = s.lock().expect("SRQ lock");
+                let pd = s.pd();
+                s.take().map(|wr| (wr, pd))
+            }
+            None => self.rq.pop_front().map(|wr| (wr, self.pd)),
         };
-        let Some(wqe) = next else {
+        let Some((wqe, pd)) = next else {
             self.stats.no_receive += 1;
             return;
         };
         let mut segs = SegList::with_capacity(wqe.sgl.len());
         let mut room = 0usize;
         for sge in wqe.sgl.iter().filter(|s| s.len != 0) {
-            match mrs.local(self.pd, sge.lkey, sge.addr, sge.len, Access::LOCAL_WRITE) {
+            match mrs.local(pd, sge.lkey, sge.addr, sge.len, Access::LOCAL_WRITE) {
                 Ok(s) => {
                     room += s.len();
                     segs.push(s);

@@ -983,7 +983,9 @@ impl Pd {
         Ok(Srq {
             ctx: self.ctx.clone(),
             id,
-            inner: Arc::new(Mutex::new(crate::engine::srq::Srq::new(max_wr, max_sge))),
+            inner: Arc::new(Mutex::new(crate::engine::srq::Srq::new(
+                self.id, max_wr, max_sge,
+            ))),
             hw,
         })
     }

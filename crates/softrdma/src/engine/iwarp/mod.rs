@@ -204,6 +204,8 @@ impl InRead {
 #[derive(Debug)]
 struct RqEntry {
     wr: RecvWr,
+    /// The PD of its lkeys: the QP's, or its SRQ's.
+    pd: PdId,
     /// Resolved when its message starts.
     segs: Option<SegList>,
     len: usize,
@@ -212,10 +214,11 @@ struct RqEntry {
 }
 
 impl RqEntry {
-    fn new(wr: RecvWr) -> RqEntry {
+    fn new(wr: RecvWr, pd: PdId) -> RqEntry {
         let len = wr.sgl.iter().map(|s| s.len as usize).sum();
         RqEntry {
             wr,
+            pd,
             segs: None,
             len,
             placed: 0,
@@ -443,7 +446,7 @@ impl IwarpQp {
             self.completions.push_back((CqKind::Recv, wc));
             return Ok(());
         }
-        self.rq.push_back(RqEntry::new(wr));
+        self.rq.push_back(RqEntry::new(wr, self.pd));
         Ok(())
     }
 
@@ -1066,13 +1069,15 @@ impl IwarpQp {
                     self.terminate(Layer::Ddp, 2, 0x03, hdr, None);
                     return Placement::Discard;
                 }
-                let pd = self.pd;
                 if self.rq.is_empty()
                     && message_offset == 0
                     && let Some(srq) = &self.srq
-                    && let Some(wr) = srq.lock().expect("SRQ lock").take()
                 {
-                    self.rq.push_back(RqEntry::new(wr));
+                    let mut srq = srq.lock().expect("SRQ lock");
+                    let pd = srq.pd();
+                    if let Some(wr) = srq.take() {
+                        self.rq.push_back(RqEntry::new(wr, pd));
+                    }
                 }
                 let Some(r) = self.rq.front_mut() else {
                     // No receive posted: iWARP has no RNR; the stream ends.
@@ -1083,7 +1088,7 @@ impl IwarpQp {
                     let mut segs = SegList::with_capacity(r.wr.sgl.len());
                     // An empty SGE's key is not checked (siw, rxe).
                     for s in r.wr.sgl.iter().filter(|s| s.len > 0) {
-                        match mrs.local(pd, s.lkey, s.addr, s.len, Access::LOCAL_WRITE) {
+                        match mrs.local(r.pd, s.lkey, s.addr, s.len, Access::LOCAL_WRITE) {
                             Ok(seg) => segs.push(seg),
                             Err(_) => {
                                 let r = self.rq.pop_front().expect("front");

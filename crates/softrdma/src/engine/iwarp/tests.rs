@@ -246,7 +246,7 @@ fn send_spans_many_fpdus_and_lands_in_the_receive() {
 #[test]
 fn sends_over_many_fpdus_take_one_srq_receive_each() {
     let mut p = Pair::new();
-    let srq = Arc::new(std::sync::Mutex::new(Srq::new(8, 1)));
+    let srq = Arc::new(std::sync::Mutex::new(Srq::new(1, 8, 1)));
     let qp = std::mem::replace(
         &mut p.s[1].qp,
         side(1, Access::ALL, IwarpConfig::default()).qp,

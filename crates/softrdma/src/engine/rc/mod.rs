@@ -460,11 +460,16 @@ impl RcQp {
         }
     }
 
-    /// The next receive WQE: from the SRQ if the QP has one.
-    fn next_recv(&mut self) -> Option<RecvWr> {
+    /// The next receive WQE and the PD of its lkeys: from the SRQ (of its
+    /// own PD) if the QP has one.
+    fn next_recv(&mut self) -> Option<(RecvWr, PdId)> {
         match &self.srq {
-            Some(s) => s.lock().expect("SRQ lock").take(),
-            None => self.resp.rq.pop_front(),
+            Some(s) => {
+                let mut s = s.lock().expect("SRQ lock");
+                let pd = s.pd();
+                s.take().map(|wr| (wr, pd))
+            }
+            None => self.resp.rq.pop_front().map(|wr| (wr, self.pd)),
         }
     }
 }

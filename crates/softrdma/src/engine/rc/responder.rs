@@ -304,7 +304,7 @@ impl RcQp {
 
     /// Takes the next receive WQE with its buffers resolved, or RNR-NAKs.
     fn take_recv(&mut self, mrs: &MrTable) -> Result<Option<(RecvWr, SegList, u64)>, Refusal> {
-        let Some(wqe) = self.next_recv() else {
+        let Some((wqe, pd)) = self.next_recv() else {
             self.rnr_nak();
             return Ok(None);
         };
@@ -314,7 +314,7 @@ impl RcQp {
             if sge.len == 0 {
                 continue;
             }
-            match mrs.local(self.pd, sge.lkey, sge.addr, sge.len, Access::LOCAL_WRITE) {
+            match mrs.local(pd, sge.lkey, sge.addr, sge.len, Access::LOCAL_WRITE) {
                 Ok(s) => {
                     room += s.len() as u64;
                     segs.push(s);
