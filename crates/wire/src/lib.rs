@@ -19,6 +19,7 @@ mod error;
 pub mod aeth;
 pub mod atomic;
 pub mod bth;
+pub mod cm;
 pub mod ddp;
 pub mod deth;
 pub mod grh;

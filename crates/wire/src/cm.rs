@@ -1,0 +1,713 @@
+//! The InfiniBand connection manager's messages (IBTA 12.6): the bodies of
+//! the CM MADs that rdma_cm exchanges over QP1 on RoCE (REQ, REP, RTU, REJ,
+//! MRA, DREQ, DREP). Offsets are from the MAD's start; the layouts are
+//! checked against `rxe_rping.pcap` (WIRE-NOTES 4).
+
+use crate::bytes::{get_u16, get_u32, get_u64, set_u16, set_u32, set_u64};
+use crate::mad::{self, HEADER_LEN, Header, MAD_LEN};
+use crate::{Error, Result};
+
+/// MRA attribute ID.
+pub const MRA: u16 = 0x0011;
+/// REP attribute ID.
+pub const REP: u16 = 0x0013;
+/// RTU attribute ID.
+pub const RTU: u16 = 0x0014;
+/// DREQ attribute ID.
+pub const DREQ: u16 = 0x0015;
+/// DREP attribute ID.
+pub const DREP: u16 = 0x0016;
+
+/// Bytes of private data a REQ carries.
+pub const REQ_PRIVATE_DATA_LEN: usize = 92;
+/// Bytes of private data a REP carries.
+pub const REP_PRIVATE_DATA_LEN: usize = 196;
+/// Bytes of private data a REJ carries.
+pub const REJ_PRIVATE_DATA_LEN: usize = 148;
+/// REJ reason 4, "timeout": the other side did not answer in time.
+pub const REJ_TIMEOUT: u16 = 4;
+/// REJ reason 6, "invalid communication ID": a message for no connection.
+pub const REJ_INVALID_COMM_ID: u16 = 6;
+/// REJ reason 9, "invalid transport service type" (not RC).
+pub const REJ_INVALID_TRANSPORT: u16 = 9;
+/// REJ reason 28, "consumer defined": the application said no
+/// (`rdma_reject`).
+pub const REJ_CONSUMER: u16 = 28;
+
+/// The rdma_cm service ID of a TCP port-space port (RDMA_PS_TCP).
+pub fn rdma_cm_service_id(port: u16) -> u64 {
+    0x0106_0000 | u64::from(port)
+}
+
+/// The rdma_cm port of a TCP port-space service ID, if it is one.
+pub fn rdma_cm_port(service_id: u64) -> Option<u16> {
+    (service_id >> 16 == 0x0106).then_some(service_id as u16)
+}
+
+/// A CM MAD's header for a message of `attribute`, in transaction `tid`.
+fn emit_header(out: &mut [u8], attribute: u16, tid: u64) {
+    out[..MAD_LEN].fill(0);
+    mad::Repr {
+        mgmt_class: mad::CLASS_CM,
+        class_version: mad::CM_CLASS_VERSION,
+        method: mad::METHOD_SEND,
+        status: 0,
+        class_specific: 0,
+        transaction_id: tid,
+        attribute_id: attribute,
+        attribute_modifier: 0,
+    }
+    .emit(&mut Header::new_unchecked(&mut out[..HEADER_LEN]));
+}
+
+fn u24(b: &[u8], at: usize) -> u32 {
+    get_u32(b, at..at + 4) >> 8
+}
+
+fn set_u24(b: &mut [u8], at: usize, v: u32) {
+    b[at..at + 3].copy_from_slice(&v.to_be_bytes()[1..]);
+}
+
+/// A received CM message: its transaction ID and what it says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    /// The MAD's transaction ID (one per connection).
+    pub tid: u64,
+    /// The message.
+    pub body: Body,
+}
+
+/// The CM messages softrdma speaks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Body {
+    /// Connection request.
+    Req(Req),
+    /// Connection reply.
+    Rep(Rep),
+    /// Ready to use: the active side took the REP.
+    Rtu(Ids),
+    /// Reject.
+    Rej(Rej),
+    /// Message received acknowledgement: the answer comes later.
+    Mra(Mra),
+    /// Disconnection request.
+    Dreq(Dreq),
+    /// Disconnection reply.
+    Drep(Ids),
+}
+
+impl Message {
+    /// Parses a whole CM MAD (class, version and method checked); `None`
+    /// for a MAD of another class or a CM message softrdma does not speak
+    /// (SIDR, LAP, APR).
+    pub fn parse(m: &[u8]) -> Result<Option<Message>> {
+        crate::bytes::check("CM MAD", m, MAD_LEN)?;
+        let h = mad::Repr::parse(&Header::new_checked(&m[..HEADER_LEN])?)?;
+        if h.mgmt_class != mad::CLASS_CM {
+            return Ok(None);
+        }
+        if h.class_version != mad::CM_CLASS_VERSION {
+            return Err(Error::UnsupportedVersion {
+                field: "CM class version",
+                value: h.class_version,
+            });
+        }
+        if h.method != mad::METHOD_SEND {
+            return Ok(None);
+        }
+        let body = match h.attribute_id {
+            mad::CM_REQ => Body::Req(Req::parse(m)?),
+            REP => Body::Rep(Rep::parse(m)),
+            RTU => Body::Rtu(Ids::parse(m)),
+            mad::CM_REJ => Body::Rej(Rej::parse(m)),
+            MRA => Body::Mra(Mra::parse(m)),
+            DREQ => Body::Dreq(Dreq::parse(m)),
+            DREP => Body::Drep(Ids::parse(m)),
+            _ => return Ok(None),
+        };
+        Ok(Some(Message {
+            tid: h.transaction_id,
+            body,
+        }))
+    }
+}
+
+/// The two communication IDs every message after the REQ starts with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Ids {
+    /// The sender's.
+    pub local: u32,
+    /// The receiver's.
+    pub remote: u32,
+}
+
+impl Ids {
+    fn parse(m: &[u8]) -> Ids {
+        Ids {
+            local: get_u32(m, 24..28),
+            remote: get_u32(m, 28..32),
+        }
+    }
+
+    fn emit(&self, m: &mut [u8]) {
+        set_u32(m, 24..28, self.local);
+        set_u32(m, 28..32, self.remote);
+    }
+
+    /// An RTU (`attribute` RTU) or DREP (DREP): the IDs and no private data.
+    pub fn emit_as(&self, attribute: u16, tid: u64, out: &mut [u8]) {
+        emit_header(out, attribute, tid);
+        self.emit(out);
+    }
+}
+
+/// A REQ's primary path (RoCE: GIDs are IPv4-mapped addresses).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Path {
+    /// The sender's GID.
+    pub local_gid: [u8; 16],
+    /// The receiver's GID.
+    pub remote_gid: [u8; 16],
+    /// Flow label (20 bits).
+    pub flow_label: u32,
+    /// Traffic class.
+    pub traffic_class: u8,
+    /// Hop limit.
+    pub hop_limit: u8,
+    /// Service level (4 bits).
+    pub sl: u8,
+    /// The local ACK timeout (5 bits: 4.096 µs × 2^n).
+    pub local_ack_timeout: u8,
+}
+
+/// A connection request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Req {
+    /// The sender's communication ID.
+    pub local_comm_id: u32,
+    /// The service asked for (rdma_cm: [`rdma_cm_service_id`]).
+    pub service_id: u64,
+    /// The sender's CA GUID.
+    pub local_ca_guid: u64,
+    /// The sender's QP.
+    pub local_qpn: u32,
+    /// RDMA READs and atomics the sender will serve at once.
+    pub responder_resources: u8,
+    /// RDMA READs and atomics the sender will have outstanding.
+    pub initiator_depth: u8,
+    /// How long the sender waits for an answer (5 bits: 4.096 µs × 2^n).
+    pub remote_cm_response_timeout: u8,
+    /// 0 RC, 1 UC.
+    pub transport: u8,
+    /// The first PSN the sender sends.
+    pub starting_psn: u32,
+    /// How long the receiver of a REP may take (5 bits).
+    pub local_cm_response_timeout: u8,
+    /// Transport retries the passive side should make (3 bits).
+    pub retry_count: u8,
+    /// P_Key.
+    pub pkey: u16,
+    /// Path MTU code (1 = 256 ... 5 = 4096).
+    pub path_mtu: u8,
+    /// RNR retries the passive side should make (3 bits; 7: forever).
+    pub rnr_retry_count: u8,
+    /// Times the sender will send this REQ (4 bits).
+    pub max_cm_retries: u8,
+    /// Whether the sender's QP takes receives from an SRQ.
+    pub srq: bool,
+    /// The primary path.
+    pub primary: Path,
+    /// Private data (rdma_cm: its header, then the application's).
+    pub private_data: [u8; REQ_PRIVATE_DATA_LEN],
+}
+
+impl Req {
+    fn parse(m: &[u8]) -> Result<Req> {
+        let gid = |at: usize| {
+            let mut g = [0u8; 16];
+            g.copy_from_slice(&m[at..at + 16]);
+            g
+        };
+        let primary = Path {
+            local_gid: gid(80),
+            remote_gid: gid(96),
+            flow_label: get_u32(m, 112..116) >> 12,
+            traffic_class: m[116],
+            hop_limit: m[117],
+            sl: m[118] >> 4,
+            local_ack_timeout: m[119] >> 3,
+        };
+        let mut private_data = [0u8; REQ_PRIVATE_DATA_LEN];
+        private_data.copy_from_slice(&m[164..MAD_LEN]);
+        let req = Req {
+            local_comm_id: get_u32(m, 24..28),
+            service_id: get_u64(m, 32..40),
+            local_ca_guid: get_u64(m, 40..48),
+            local_qpn: u24(m, 56),
+            responder_resources: m[59],
+            initiator_depth: m[63],
+            remote_cm_response_timeout: m[67] >> 3,
+            transport: (m[67] >> 1) & 3,
+            starting_psn: u24(m, 68),
+            local_cm_response_timeout: m[71] >> 3,
+            retry_count: m[71] & 7,
+            pkey: get_u16(m, 72..74),
+            path_mtu: m[74] >> 4,
+            rnr_retry_count: m[74] & 7,
+            max_cm_retries: m[75] >> 4,
+            srq: m[75] & 0x08 != 0,
+            primary,
+            private_data,
+        };
+        if req.local_qpn == 0 {
+            return Err(Error::InvalidField {
+                field: "REQ local QPN",
+                value: 0,
+            });
+        }
+        Ok(req)
+    }
+
+    /// Writes the REQ, a whole MAD, into `out`.
+    pub fn emit(&self, tid: u64, out: &mut [u8]) {
+        emit_header(out, mad::CM_REQ, tid);
+        set_u32(out, 24..28, self.local_comm_id);
+        set_u64(out, 32..40, self.service_id);
+        set_u64(out, 40..48, self.local_ca_guid);
+        set_u24(out, 56, self.local_qpn);
+        out[59] = self.responder_resources;
+        out[63] = self.initiator_depth;
+        out[67] = (self.remote_cm_response_timeout << 3) | ((self.transport & 3) << 1);
+        set_u24(out, 68, self.starting_psn);
+        out[71] = (self.local_cm_response_timeout << 3) | (self.retry_count & 7);
+        set_u16(out, 72..74, self.pkey);
+        out[74] = (self.path_mtu << 4) | (self.rnr_retry_count & 7);
+        out[75] = (self.max_cm_retries << 4) | (u8::from(self.srq) << 3);
+        // Permissive LIDs: RoCE has none.
+        set_u16(out, 76..78, 0xffff);
+        set_u16(out, 78..80, 0xffff);
+        let p = &self.primary;
+        out[80..96].copy_from_slice(&p.local_gid);
+        out[96..112].copy_from_slice(&p.remote_gid);
+        set_u32(out, 112..116, (p.flow_label & 0xf_ffff) << 12);
+        out[116] = p.traffic_class;
+        out[117] = p.hop_limit;
+        out[118] = p.sl << 4;
+        out[119] = p.local_ack_timeout << 3;
+        out[164..MAD_LEN].copy_from_slice(&self.private_data);
+    }
+}
+
+/// A connection reply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rep {
+    /// Its communication IDs (remote: the REQ's local).
+    pub ids: Ids,
+    /// The sender's QP.
+    pub local_qpn: u32,
+    /// The first PSN the sender sends.
+    pub starting_psn: u32,
+    /// RDMA READs and atomics the sender will serve at once.
+    pub responder_resources: u8,
+    /// RDMA READs and atomics the sender will have outstanding.
+    pub initiator_depth: u8,
+    /// The sender's ACK delay (5 bits).
+    pub target_ack_delay: u8,
+    /// RNR retries the active side should make (3 bits).
+    pub rnr_retry_count: u8,
+    /// Whether the sender's QP takes receives from an SRQ.
+    pub srq: bool,
+    /// The sender's CA GUID.
+    pub local_ca_guid: u64,
+    /// Private data.
+    pub private_data: [u8; REP_PRIVATE_DATA_LEN],
+}
+
+impl Rep {
+    fn parse(m: &[u8]) -> Rep {
+        let mut private_data = [0u8; REP_PRIVATE_DATA_LEN];
+        private_data.copy_from_slice(&m[60..MAD_LEN]);
+        Rep {
+            ids: Ids::parse(m),
+            local_qpn: u24(m, 36),
+            starting_psn: u24(m, 44),
+            responder_resources: m[48],
+            initiator_depth: m[49],
+            target_ack_delay: m[50] >> 3,
+            rnr_retry_count: m[51] >> 5,
+            srq: m[51] & 0x10 != 0,
+            local_ca_guid: get_u64(m, 52..60),
+            private_data,
+        }
+    }
+
+    /// Writes the REP, a whole MAD, into `out`.
+    pub fn emit(&self, tid: u64, out: &mut [u8]) {
+        emit_header(out, REP, tid);
+        self.ids.emit(out);
+        set_u24(out, 36, self.local_qpn);
+        set_u24(out, 44, self.starting_psn);
+        out[48] = self.responder_resources;
+        out[49] = self.initiator_depth;
+        out[50] = self.target_ack_delay << 3;
+        out[51] = (self.rnr_retry_count << 5) | (u8::from(self.srq) << 4);
+        set_u64(out, 52..60, self.local_ca_guid);
+        out[60..MAD_LEN].copy_from_slice(&self.private_data);
+    }
+}
+
+/// A reject.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rej {
+    /// Its communication IDs.
+    pub ids: Ids,
+    /// Which message it rejects: 0 REQ, 1 REP, 2 other.
+    pub message_rejected: u8,
+    /// Why (IBTA table 112).
+    pub reason: u16,
+    /// Private data (rdma_cm: the application's, on a consumer reject).
+    pub private_data: [u8; REJ_PRIVATE_DATA_LEN],
+}
+
+impl Rej {
+    fn parse(m: &[u8]) -> Rej {
+        let mut private_data = [0u8; REJ_PRIVATE_DATA_LEN];
+        private_data.copy_from_slice(&m[108..MAD_LEN]);
+        Rej {
+            ids: Ids::parse(m),
+            message_rejected: m[32] >> 6,
+            reason: get_u16(m, 34..36),
+            private_data,
+        }
+    }
+
+    /// Writes the REJ, a whole MAD, into `out`.
+    pub fn emit(&self, tid: u64, out: &mut [u8]) {
+        emit_header(out, mad::CM_REJ, tid);
+        self.ids.emit(out);
+        out[32] = self.message_rejected << 6;
+        set_u16(out, 34..36, self.reason);
+        out[108..MAD_LEN].copy_from_slice(&self.private_data);
+    }
+}
+
+/// "Message received": the sender needs longer to answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Mra {
+    /// Its communication IDs.
+    pub ids: Ids,
+    /// Which message it acknowledges: 0 REQ, 1 REP, 2 other.
+    pub message_mraed: u8,
+    /// How long the answer may take (5 bits: 4.096 µs × 2^n).
+    pub service_timeout: u8,
+}
+
+impl Mra {
+    fn parse(m: &[u8]) -> Mra {
+        Mra {
+            ids: Ids::parse(m),
+            message_mraed: m[32] >> 6,
+            service_timeout: m[33] >> 3,
+        }
+    }
+}
+
+/// A disconnection request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dreq {
+    /// Its communication IDs.
+    pub ids: Ids,
+    /// The receiver's QP.
+    pub remote_qpn: u32,
+}
+
+impl Dreq {
+    fn parse(m: &[u8]) -> Dreq {
+        Dreq {
+            ids: Ids::parse(m),
+            remote_qpn: u24(m, 32),
+        }
+    }
+
+    /// Writes the DREQ, a whole MAD, into `out`.
+    pub fn emit(&self, tid: u64, out: &mut [u8]) {
+        emit_header(out, DREQ, tid);
+        self.ids.emit(out);
+        set_u24(out, 32, self.remote_qpn);
+    }
+}
+
+/// The rdma_cm header at the start of a REQ's private data (the kernel's
+/// `cma_hdr`, IPv4 form): version 0, IP version 4, the active side's port,
+/// both addresses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RdmaCmHeader {
+    /// The active side's rdma_cm port.
+    pub src_port: u16,
+    /// The active side's address.
+    pub src: [u8; 4],
+    /// The passive side's address.
+    pub dst: [u8; 4],
+}
+
+/// Bytes the rdma_cm header takes of a REQ's private data.
+pub const RDMA_CM_HEADER_LEN: usize = 36;
+
+impl RdmaCmHeader {
+    /// Parses the header; IPv6 and other versions are refused.
+    pub fn parse(pd: &[u8]) -> Result<RdmaCmHeader> {
+        crate::bytes::check("rdma_cm header", pd, RDMA_CM_HEADER_LEN)?;
+        if pd[0] != 0 {
+            return Err(Error::UnsupportedVersion {
+                field: "rdma_cm header version",
+                value: pd[0],
+            });
+        }
+        if pd[1] >> 4 != 4 {
+            return Err(Error::UnsupportedVersion {
+                field: "rdma_cm IP version",
+                value: pd[1] >> 4,
+            });
+        }
+        let ip = |at: usize| [pd[at], pd[at + 1], pd[at + 2], pd[at + 3]];
+        Ok(RdmaCmHeader {
+            src_port: get_u16(pd, 2..4),
+            src: ip(16),
+            dst: ip(32),
+        })
+    }
+
+    /// Writes the header into the first 36 bytes of `pd`.
+    pub fn emit(&self, pd: &mut [u8]) {
+        pd[..RDMA_CM_HEADER_LEN].fill(0);
+        pd[1] = 4 << 4;
+        set_u16(pd, 2..4, self.src_port);
+        pd[16..20].copy_from_slice(&self.src);
+        pd[32..36].copy_from_slice(&self.dst);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hex(s: &str) -> Vec<u8> {
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+            .collect()
+    }
+
+    /// The MADs of `rxe_rping.pcap` frames 3 (REQ), 4 (REP), 5 (RTU), 42
+    /// (DREQ) and 43 (DREP): the UDP payload after BTH and DETH, before
+    /// the ICRC.
+    fn frame(n: usize) -> Vec<u8> {
+        let (prefix, zeros) = match n {
+            3 => (
+                "01070203000000000000000274b88d6c00100000000000006c8db8740000000000000000\
+                 01061c0650540afffe63000300000000000000000000110100000001000000a02d3812a7\
+                 ffff37f0ffffffff00000000000000000000ffff0a63000300000000000000000000ffff\
+                 0a6300021e4c900000400098000000000000000000000000000000000000000000000000\
+                 0000000000000000000000000000000000000000004092dd000000000000000000000000\
+                 0a6300030000000000000000000000000a630002",
+                56,
+            ),
+            4 => (
+                "01070203000000000000000274b88d6c00130000000000007f566cd56c8db87400000000\
+                 000011000000000041479f00010178e050540afffe630002",
+                196,
+            ),
+            5 => (
+                "01070203000000000000000274b88d6c00140000000000006c8db8747f566cd5",
+                224,
+            ),
+            42 => (
+                "01070203000000000000000274b88d6c00150000000000006c8db8747f566cd5000011",
+                221,
+            ),
+            43 => (
+                "01070203000000000000000274b88d6c00160000000000007f566cd56c8db874",
+                224,
+            ),
+            _ => unreachable!(),
+        };
+        let mut m = hex(prefix);
+        m.resize(m.len() + zeros, 0);
+        assert_eq!(m.len(), MAD_LEN, "frame {n}");
+        m
+    }
+
+    const TID: u64 = 0x2_74b8_8d6c;
+
+    #[test]
+    fn golden_req() {
+        let m = frame(3);
+        let msg = Message::parse(&m).unwrap().unwrap();
+        assert_eq!(msg.tid, TID);
+        let Body::Req(r) = &msg.body else {
+            panic!("{msg:?}")
+        };
+        assert_eq!(r.local_comm_id, 0x6c8d_b874);
+        assert_eq!(rdma_cm_port(r.service_id), Some(7174));
+        assert_eq!(r.local_ca_guid, 0x5054_0aff_fe63_0003);
+        assert_eq!(
+            (r.local_qpn, r.responder_resources, r.initiator_depth),
+            (0x11, 1, 1)
+        );
+        assert_eq!((r.remote_cm_response_timeout, r.transport), (20, 0));
+        assert_eq!(
+            (r.starting_psn, r.local_cm_response_timeout, r.retry_count),
+            (0x2d_3812, 20, 7)
+        );
+        assert_eq!((r.pkey, r.path_mtu, r.rnr_retry_count), (0xffff, 3, 7));
+        assert_eq!((r.max_cm_retries, r.srq), (15, false));
+        let p = r.primary;
+        assert_eq!(p.local_gid[12..], [10, 99, 0, 3]);
+        assert_eq!(p.remote_gid[12..], [10, 99, 0, 2]);
+        assert_eq!(
+            p.local_gid[..12],
+            [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff]
+        );
+        assert_eq!(
+            (p.flow_label, p.traffic_class, p.hop_limit, p.sl),
+            (0x1e4c9, 0, 64, 0)
+        );
+        assert_eq!(p.local_ack_timeout, 19);
+        let h = RdmaCmHeader::parse(&r.private_data).unwrap();
+        assert_eq!(
+            h,
+            RdmaCmHeader {
+                src_port: 37597,
+                src: [10, 99, 0, 3],
+                dst: [10, 99, 0, 2],
+            }
+        );
+        let mut out = [0xaau8; MAD_LEN];
+        r.emit(msg.tid, &mut out);
+        assert_eq!(out[..], m[..]);
+        let mut pd = [0xaau8; RDMA_CM_HEADER_LEN];
+        h.emit(&mut pd);
+        assert_eq!(pd[..], r.private_data[..RDMA_CM_HEADER_LEN]);
+    }
+
+    #[test]
+    fn golden_rep_rtu_dreq_drep() {
+        let m = frame(4);
+        let msg = Message::parse(&m).unwrap().unwrap();
+        let Body::Rep(r) = &msg.body else {
+            panic!("{msg:?}")
+        };
+        assert_eq!(
+            r.ids,
+            Ids {
+                local: 0x7f56_6cd5,
+                remote: 0x6c8d_b874
+            }
+        );
+        assert_eq!((r.local_qpn, r.starting_psn), (0x11, 0x41_479f));
+        assert_eq!((r.responder_resources, r.initiator_depth), (1, 1));
+        assert_eq!(
+            (r.target_ack_delay, r.rnr_retry_count, r.srq),
+            (15, 7, false)
+        );
+        assert_eq!(r.local_ca_guid, 0x5054_0aff_fe63_0002);
+        let mut out = [0xaau8; MAD_LEN];
+        r.emit(msg.tid, &mut out);
+        assert_eq!(out[..], m[..]);
+
+        let rtu = Ids {
+            local: 0x6c8d_b874,
+            remote: 0x7f56_6cd5,
+        };
+        let m = frame(5);
+        assert_eq!(
+            Message::parse(&m).unwrap().unwrap(),
+            Message {
+                tid: TID,
+                body: Body::Rtu(rtu)
+            }
+        );
+        rtu.emit_as(RTU, TID, &mut out);
+        assert_eq!(out[..], m[..]);
+
+        let m = frame(42);
+        let dreq = Dreq {
+            ids: rtu,
+            remote_qpn: 0x11,
+        };
+        assert_eq!(Message::parse(&m).unwrap().unwrap().body, Body::Dreq(dreq));
+        dreq.emit(TID, &mut out);
+        assert_eq!(out[..], m[..]);
+
+        let m = frame(43);
+        let drep = Ids {
+            local: 0x7f56_6cd5,
+            remote: 0x6c8d_b874,
+        };
+        assert_eq!(Message::parse(&m).unwrap().unwrap().body, Body::Drep(drep));
+        drep.emit_as(DREP, TID, &mut out);
+        assert_eq!(out[..], m[..]);
+    }
+
+    #[test]
+    fn rej_and_mra_round_trip_and_bad_mads_are_refused() {
+        let mut pd = [0u8; REJ_PRIVATE_DATA_LEN];
+        pd[0] = 7;
+        let rej = Rej {
+            ids: Ids {
+                local: 1,
+                remote: 2,
+            },
+            message_rejected: 0,
+            reason: REJ_CONSUMER,
+            private_data: pd,
+        };
+        let mut m = [0u8; MAD_LEN];
+        rej.emit(9, &mut m);
+        assert_eq!(
+            Message::parse(&m).unwrap().unwrap().body,
+            Body::Rej(rej.clone())
+        );
+        // The REJ Linux's CM sends for an unknown service reads the same.
+        let mut req = frame(3);
+        let mut out = [0u8; MAD_LEN];
+        mad::cm_rej_for_req(&req, mad::REJ_INVALID_SERVICE_ID, &mut out).unwrap();
+        let Body::Rej(r) = Message::parse(&out).unwrap().unwrap().body else {
+            panic!()
+        };
+        assert_eq!((r.ids.remote, r.reason), (0x6c8d_b874, 8));
+
+        let mut mra = [0u8; MAD_LEN];
+        emit_header(&mut mra, MRA, 3);
+        mra[28..32].copy_from_slice(&5u32.to_be_bytes());
+        mra[33] = 21 << 3;
+        assert_eq!(
+            Message::parse(&mra).unwrap().unwrap().body,
+            Body::Mra(Mra {
+                ids: Ids {
+                    local: 0,
+                    remote: 5
+                },
+                message_mraed: 0,
+                service_timeout: 21
+            })
+        );
+
+        assert!(Message::parse(&req[..255]).is_err());
+        req[2] = 1;
+        assert!(Message::parse(&req).is_err(), "class version 1");
+        req[2] = 2;
+        req[1] = 0x01;
+        assert_eq!(Message::parse(&req).unwrap(), None, "not the CM class");
+        req[1] = mad::CLASS_CM;
+        req[17] = 0x17;
+        assert_eq!(Message::parse(&req).unwrap(), None, "SIDR REQ");
+        req[17] = 0x10;
+        req[56..59].fill(0);
+        assert!(Message::parse(&req).is_err(), "QPN 0");
+        let mut h = [0u8; RDMA_CM_HEADER_LEN];
+        h[1] = 0x60;
+        assert!(RdmaCmHeader::parse(&h).is_err(), "IPv6");
+        assert!(RdmaCmHeader::parse(&h[..10]).is_err());
+    }
+}
