@@ -205,6 +205,12 @@ def reboot_guest(guest, vname):
     log(f"{vname}: guest up again in {time.time() - t:.0f} s")
 
 
+def host_holds_roce_port(_port):
+    out = subprocess.run(["ip", "netns", "exec", NS, "ss", "-lunH"], capture_output=True,
+                         text=True).stdout
+    return f"{HOST_IP}:4791" in out
+
+
 def host_listening(port):
     out = subprocess.run(["ip", "netns", "exec", NS, "ss", "-ltnH"], capture_output=True,
                          text=True).stdout
@@ -280,7 +286,12 @@ def check_pcap(pcap):
     if d.returncode != 0 or not m or int(m.group(1)) == 0:
         problems.append(f"softrdma decode of our pcap: {d.stdout.strip()} {d.stderr.strip()}")
     if shutil.which("tshark"):
-        t = subprocess.run(["tshark", "-r", str(pcap), "-Y", "_ws.malformed || _ws.expert.severity >= error"],
+        # On a connection the CM set up, tshark tries its RPC-over-RDMA
+        # heuristic on every small SEND and calls perftest's control
+        # messages malformed: rxe's own rxe_write_bw_cm.pcap gets the same
+        # 16 "Malformed Packet: RPCoRDMA". That dissector is off here.
+        t = subprocess.run(["tshark", "-r", str(pcap), "--disable-protocol", "rpcordma", "-Y",
+                            "_ws.malformed || _ws.expert.severity >= error"],
                            capture_output=True, text=True)
         if t.returncode != 0 or t.stdout.strip():
             problems.append(f"tshark finds problems in our pcap:\n{t.stdout[:2000]}")
@@ -388,9 +399,10 @@ def siw_cases():
 
 
 def perf_case(test, size, iters, extra="", pcap=False, sizes=None, rdma_cm=False, ours_extra=""):
-    """A perftest case; with `rdma_cm`, over iWARP (-R: the device is the one
-    rdma_cm resolves, so no -d or -x); `ours_extra`: flags for softrdma's side
-    only."""
+    """A perftest case; with `rdma_cm`, perftest's -R (the device is the one
+    rdma_cm resolves, so no -d or -x: siw in the siw guests, rxe in the rxe
+    ones, with softrdma's `--provider roce`); `ours_extra`: flags for
+    softrdma's side only."""
     tool = f"ib_{test.replace('-', '_')}"
     flags = (f"-n {iters}" if iters else "") + (f" -s {size}" if size else "") \
         + (f" {extra}" if extra else "")
@@ -418,7 +430,8 @@ def perf_case(test, size, iters, extra="", pcap=False, sizes=None, rdma_cm=False
     if rdma_cm:
         name = f"{tool} -R {flags}" + (f" (softrdma {ours_extra})" if ours_extra else "")
         return Case(name, f"{tool} -R -F {flags}",
-                    f"perf {test} -R -F {flags} {ours_extra}".strip(), check=check, timeout=120)
+                    f"perf {test} -R -F {flags} {ours_extra}".strip(), check=check, pcap=pcap,
+                    timeout=120)
     name = f"{tool} {flags}" + (f" (softrdma {ours_extra})" if ours_extra else "")
     return Case(name, f"{tool} -d rxe0 -x 1 -F {flags}",
                 f"perf {test} -x 1 -F {flags} --stats {ours_extra}".strip(), check=check, pcap=pcap,
@@ -498,8 +511,25 @@ def cases(mtu4200=False):
     perf("send-lat", 64, 100)
     perf("send-lat", 2500, 20)
     perf("atomic-lat", None, 100)
-    # rdma_cm over RoCE is not served yet: a REQ to softrdma's QP 1 gets a
-    # REJ at once, so rping fails in well under its CM's minute of retries.
+    # rdma_cm over RoCE (the IB CM on QP 1): REQ, REP, RTU, then DREQ and
+    # DREP with the kernel's CM, in both roles.
+    for count, size in ((10, 64), (3, 65535)):
+        out.append(Case(f"rping --roce -C {count} -S {size}", f"rping -v -V -C {count} -S {size}",
+                        f"rping --roce -v -V -C {count} -S {size}",
+                        check=lambda o, role, n=count: rping_result(o, role, n)))
+    # perftest's rdma_cm mode (-R) over RoCE: a control connection carrying
+    # the exchange, then the data connections, each by REQ, REP and RTU.
+    roce_cm = dict(rdma_cm=True, ours_extra="--provider roce")
+    perf("write-bw", 65536, 20, pcap=True, **roce_cm)
+    perf("write-bw", 5000, 50, "-q 2", **roce_cm)
+    perf("read-bw", 65536, 20, **roce_cm)
+    perf("send-bw", 3000, 50, **roce_cm)
+    perf("atomic-bw", None, 100, **roce_cm)
+    perf("write-lat", 64, 100, **roce_cm)
+    perf("read-lat", 64, 100, **roce_cm)
+    perf("send-lat", 64, 100, **roce_cm)
+    # A REQ for a port nothing of softrdma's listens on gets a REJ at once,
+    # so rping fails in well under its CM's minute of retries.
     out.append(Case("rping over RoCE: rejected at once", "rping -c -v -C 1 -S 64",
                     "perf write-bw -x 1", check=None, timeout=30, tool_roles=(False,)))
     return out, p
@@ -637,11 +667,13 @@ def guest_server(guest, job, cmd, port, give_up_after=None):
     """Starts `cmd` in the guest and waits until it listens on `port` (or,
     with `give_up_after` seconds, until then: kernel listeners of rdma_cm may
     not show). Returns None or what failed."""
+    # A TCP listener, or (rdma_cm over RoCE) a listening rdma_cm ID.
+    listens = f"(ss -ltnH; rdma res show cm_id 2>/dev/null) | grep -q ':{port} '"
     if give_up_after is None:
-        wait = f"while ! ss -ltnH | grep -q ':{port} '; do sleep 0.1; done"
+        wait = f"while ! {listens}; do sleep 0.1; done"
     else:
         wait = (f"for i in $(seq 1 {int(give_up_after * 10)}); do "
-                f"ss -ltnH | grep -q ':{port} ' && break; sleep 0.1; done")
+                f"{listens} && break; sleep 0.1; done")
     guest.start(job, f"( {cmd} ) & pid=$!; {wait}; : > {job}.listening; wait $pid")
     if not guest.listening(job, 60):
         rc, out = guest.wait(job, 5)
@@ -649,17 +681,21 @@ def guest_server(guest, job, cmd, port, give_up_after=None):
     return None
 
 
-def host_server(guest, job, cmd, port, client, timeout):
+def host_server(guest, job, cmd, port, client, timeout, roce_cm=False):
     """Runs `cmd` on the host, then `client` in the guest once the host
-    listens on `port`; returns (guest status, guest output, host result).
-    Host output goes to files, not pipes: a verbose server (rping -v prints
-    up to 64 KiB a line) would stall on a full pipe nobody reads."""
+    listens on `port` (`roce_cm`: once it holds the RoCEv2 port, its rdma_cm
+    listener a moment later); returns (guest status, guest output, host
+    result). Host output goes to files, not pipes: a verbose server (rping -v
+    prints up to 64 KiB a line) would stall on a full pipe nobody reads."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         h = subprocess.Popen(["ip", "netns", "exec", NS, "timeout", str(timeout)] + cmd,
                              stdout=out, stderr=err, text=True)
         end = time.time() + 30
-        while not host_listening(port) and time.time() < end and h.poll() is None:
+        ready = host_holds_roce_port if roce_cm else host_listening
+        while not ready(port) and time.time() < end and h.poll() is None:
             time.sleep(0.1)
+        if roce_cm:
+            time.sleep(0.3)
         guest.start(job, client)
         rc, tout = guest.wait(job, timeout)
         h.wait(timeout=timeout)
@@ -739,7 +775,8 @@ def run_case(guest, case, port, tool_is_server, keep_going=True):
         rc, tout = guest.wait(job, case.timeout)
     else:
         rc, tout, host = host_server(guest, job, ours + ["--bind", HOST_IP], port,
-                                     f"{tool} {HOST_IP}", case.timeout)
+                                     f"{tool} {HOST_IP}", case.timeout,
+                                     roce_cm="-R" in ours and "roce" in ours)
     problems = []
     if rc != 0:
         problems.append(f"tool exit status {rc}")
@@ -818,7 +855,8 @@ def run_rping(guest, case, port, tool_is_server, job):
     else:
         rc, tout, host = host_server(guest, job, [bin_] + ours + ["-s", "-a", HOST_IP, "-p",
                                                              str(port)], port,
-                                     f"{case.tool} -c -a {HOST_IP} -p {port}", case.timeout)
+                                     f"{case.tool} -c -a {HOST_IP} -p {port}", case.timeout,
+                                     roce_cm="--roce" in ours)
         roles = ("client", "server")
     problems = []
     if "--bad-rkey" in case.ours:

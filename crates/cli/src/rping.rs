@@ -1,6 +1,7 @@
-//! `softrdma rping`: rdma-core's `rping` over iWARP (its flags, its
-//! connection parameters and its per-iteration exchange), so that either
-//! side can be softrdma and the other `rping` on Linux siw.
+//! `softrdma rping`: rdma-core's `rping` over iWARP, or over RoCEv2 with
+//! `--roce` (its flags, its connection parameters and its per-iteration
+//! exchange), so that either side can be softrdma and the other `rping` on
+//! Linux siw or rxe.
 //!
 //! Per iteration: the client SENDs the address/rkey/size of its start
 //! buffer; the server RDMA READs it, SENDs "go ahead"; the client SENDs the
@@ -11,8 +12,10 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use std::process::ExitCode;
 use std::time::Duration;
 
+use softrdma::cm::RcOptions;
 use softrdma::cm::iwarp::{self, Listener};
 use softrdma::cm::mpa::{CrcPolicy, Decision, MpaConfig};
+use softrdma::cm::roce;
 use softrdma::verbs::*;
 
 /// Options, spelled as rping spells them.
@@ -64,8 +67,12 @@ pub struct RpingArgs {
     #[arg(short = 'q')]
     pub self_created_qp: bool,
     /// Ask for MPA CRC32c (ours; a peer that asks for it gets it anyway).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "roce")]
     pub crc: bool,
+    /// Over RoCEv2 (softrdma's device at ADDR, UDP port 4791, and the IB
+    /// connection manager) instead of iWARP.
+    #[arg(long)]
+    pub roce: bool,
     /// Fault injection for the interop suite's error case: a client
     /// advertises a wrong rkey for its start buffer (the peer's READ fails),
     /// a server WRITEs with a wrong rkey. Prints the Terminates and fails.
@@ -104,6 +111,15 @@ fn parse_tos(s: &str) -> Result<u8, String> {
     v.map_err(|_| format!("{s:?}: a type of service is 0 to 255"))
 }
 
+/// rping's connection parameters over RoCE: one READ each way.
+fn rc_options() -> RcOptions {
+    RcOptions {
+        max_rd_atomic: 1,
+        max_dest_rd_atomic: 1,
+        ..RcOptions::default()
+    }
+}
+
 fn mpa_config(a: &RpingArgs) -> MpaConfig {
     // rping's connection parameters: responder resources and initiator depth 1.
     MpaConfig {
@@ -136,9 +152,13 @@ const SEND: usize = INFO_LEN;
 const START: usize = 2 * INFO_LEN;
 
 impl Side {
-    fn new(ip: Ipv4Addr, size: usize) -> Result<Side, String> {
+    fn new(ip: Ipv4Addr, size: usize, roce: bool) -> Result<Side, String> {
+        Side::on(&open(ip, roce)?, size)
+    }
+
+    fn on(ctx: &Context, size: usize) -> Result<Side, String> {
         let e = |e: VerbsError| e.to_string();
-        let ctx = Device::iwarp(ip).open().map_err(e)?;
+        let ctx = ctx.clone();
         let pd = ctx.alloc_pd().map_err(e)?;
         let mr = pd.register(START + 2 * size, Access::ALL).map_err(e)?;
         let scq = ctx.create_cq(32).map_err(e)?;
@@ -152,6 +172,21 @@ impl Side {
                 max_inline_data: 0,
             }))
             .map_err(e)?;
+        if !ctx.is_iwarp() {
+            // As rdma_create_qp leaves it: in INIT, taking receives before
+            // the connection.
+            qp.modify(
+                &QpAttr {
+                    state: Some(QpState::Init),
+                    pkey_index: Some(0),
+                    port: Some(1),
+                    access: Some(Access::REMOTE_WRITE | Access::REMOTE_READ),
+                    ..QpAttr::default()
+                },
+                None,
+            )
+            .map_err(e)?;
+        }
         Ok(Side {
             _ctx: ctx,
             _pd: pd,
@@ -230,16 +265,52 @@ impl Side {
     }
 }
 
+/// The device at `ip`: iWARP, or RoCEv2 on UDP port 4791.
+fn open(ip: Ipv4Addr, roce: bool) -> Result<Context, String> {
+    let dev = if roce {
+        Device::udp(SocketAddrV4::new(ip, 4791).into())
+    } else {
+        Device::iwarp(ip)
+    };
+    dev.open().map_err(|e| e.to_string())
+}
+
+enum Listening {
+    Iwarp(Listener),
+    Roce(roce::Listener),
+}
+
 fn server(a: &RpingArgs) -> Result<(), String> {
     let e = |e: VerbsError| e.to_string();
-    let probe = Device::iwarp(a.addr).open().map_err(e)?;
-    let listener = Listener::bind(&probe, a.port).map_err(e)?;
+    // The listener's device; each connection's QP has a device of its own
+    // on iWARP, and shares this one on RoCE (one device per address).
+    let probe = open(a.addr, a.roce)?;
+    let listener = if a.roce {
+        Listening::Roce(roce::Listener::bind(&probe, a.port).map_err(e)?)
+    } else {
+        Listening::Iwarp(Listener::bind(&probe, a.port).map_err(e)?)
+    };
     loop {
-        let side = Side::new(a.addr, a.size)?;
+        let side = match &listener {
+            Listening::Roce(_) => Side::on(&probe, a.size)?,
+            Listening::Iwarp(_) => Side::new(a.addr, a.size, false)?,
+        };
         side.post_recv()?;
-        let accepted = listener
-            .accept(&side.qp, &mpa_config(a), |_| Decision::Accept)
-            .map_err(|e| e.to_string());
+        let accepted = match &listener {
+            Listening::Iwarp(l) => l
+                .accept(&side.qp, &mpa_config(a), |_| Decision::Accept)
+                .map(drop)
+                .map_err(|e| e.to_string()),
+            Listening::Roce(l) => l
+                .accept(
+                    &side.qp,
+                    &rc_options(),
+                    |_| roce::Decision::Accept(vec![]),
+                    None,
+                )
+                .map(drop)
+                .map_err(|e| e.to_string()),
+        };
         if let Err(e) = accepted {
             // As rdma-core's rping -P: one bad client doesn't end the server.
             if !a.persistent {
@@ -386,10 +457,14 @@ fn client(a: &RpingArgs) -> Result<(), String> {
         Some(s) => s,
         None => crate::device::route_to(a.addr)?,
     };
-    let side = Side::new(source, a.size)?;
+    let side = Side::new(source, a.size, a.roce)?;
     side.post_recv()?;
-    iwarp::connect(&side.qp, SocketAddrV4::new(a.addr, a.port), &mpa_config(a))
-        .map_err(|e| e.to_string())?;
+    let to = SocketAddrV4::new(a.addr, a.port);
+    if a.roce {
+        roce::connect(&side.qp, to, &[], &rc_options()).map_err(|e| e.to_string())?;
+    } else {
+        iwarp::connect(&side.qp, to, &mpa_config(a)).map_err(|e| e.to_string())?;
+    }
     let mut start = 65u8;
     let mut ping = 0u64;
     while a.count == 0 || ping < a.count {
@@ -423,6 +498,10 @@ fn client(a: &RpingArgs) -> Result<(), String> {
     // seen once in the CI's runs. rping's server waits for this side's
     // disconnect, so there is nothing to wait for but a moment.
     std::thread::sleep(std::time::Duration::from_millis(100));
+    if a.roce {
+        // rping's server ends at this side's DREQ.
+        roce::disconnect(&side.qp).map_err(|e| e.to_string())?;
+    }
     Ok(())
 }
 

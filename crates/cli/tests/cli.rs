@@ -349,7 +349,10 @@ fn spawn_pair(server: &[&str], client: &[&str]) -> (Output, Output) {
         std::thread::sleep(std::time::Duration::from_millis(100));
         let o = Command::new(bin).args(client).output().unwrap();
         let err = String::from_utf8_lossy(&o.stderr).to_lowercase();
-        if err.contains("couldn't connect") || err.contains("refused") {
+        if err.contains("couldn't connect")
+            || err.contains("refused")
+            || err.contains("nothing listens")
+        {
             continue;
         }
         out = Some(o);
@@ -692,6 +695,40 @@ fn perf_over_iwarp_with_rdma_cm_between_two_processes() {
 }
 
 #[test]
+fn perf_over_roce_with_rdma_cm_between_two_processes() {
+    // -R --provider roce: the IB CM on QP 1 (REQ, REP, RTU) for the control
+    // connection and each data QP; the devices on UDP port 4791.
+    for (k, (test, extra)) in [
+        ("write-bw", vec!["-s", "5000", "-q", "2", "--verify"]),
+        ("read-bw", vec!["-s", "70000", "--verify"]),
+        (
+            "send-bw",
+            vec!["-s", "3000", "-r", "6", "-n", "300", "--verify"],
+        ),
+        ("atomic-bw", vec!["--verify"]),
+        ("read-lat", vec!["-s", "100", "--verify"]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut args = vec![test, "-R", "--provider", "roce"];
+        if !extra.contains(&"-n") {
+            args.extend(["-n", "50"]);
+        }
+        args.extend(extra);
+        let tcp = (19380 + k).to_string();
+        let (s, c) = tool_pair(&["perf"], &args, &args, "127.0.1.35", "127.0.1.36", &tcp);
+        assert_both_succeeded(test, &s, &c);
+        for o in [&s, &c] {
+            assert!(stdout(o).contains("Data ex. method : rdma_cm"), "{test}");
+            assert!(stdout(o).contains("Transport type : IB"), "{test}");
+        }
+        assert_one_row_of_every_iteration(test, &args, &c);
+        assert_verified(test, &args, &s, &c);
+    }
+}
+
+#[test]
 fn perf_over_shared_memory_between_two_processes() {
     for (k, (test, extra)) in [
         ("write-bw", vec!["-s", "70000", "-q", "2", "--verify"]),
@@ -817,6 +854,21 @@ fn perf_refuses_bad_flags_as_perftest_does() {
             "no shared receive queues",
         ),
         (vec!["perf", "send-bw", "-R", "-c", "UD"], "iWARP has no UD"),
+        (
+            vec!["perf", "send-bw", "-R", "--provider", "roce", "-c", "UD"],
+            "SIDR",
+        ),
+        (
+            vec![
+                "perf",
+                "write-bw",
+                "-R",
+                "--provider",
+                "roce",
+                "--shared-port",
+            ],
+            "UDP port 4791",
+        ),
         (vec!["perf", "send-bw", "-R", "-b"], "not implemented"),
         (
             vec!["perf", "write-bw", "-R", "--pcap", "/tmp/x.pcap"],
@@ -981,6 +1033,60 @@ fn rping_between_two_processes_over_iwarp() {
         7
     );
     assert!(String::from_utf8_lossy(&s.stderr).contains("DISCONNECT"));
+}
+
+#[test]
+fn rping_between_two_processes_over_roce() {
+    let (s, c) = spawn_pair(
+        &[
+            "rping",
+            "--roce",
+            "-s",
+            "-a",
+            "127.0.1.54",
+            "-p",
+            "19363",
+            "-S",
+            "3000",
+            "-v",
+        ],
+        &[
+            "rping",
+            "--roce",
+            "-c",
+            "-a",
+            "127.0.1.54",
+            "-I",
+            "127.0.1.55",
+            "-p",
+            "19363",
+            "-C",
+            "4",
+            "-S",
+            "3000",
+            "-v",
+            "-V",
+        ],
+    );
+    assert!(c.status.success() && s.status.success(), "{c:?} {s:?}");
+    let pings: Vec<String> = stdout(&c)
+        .lines()
+        .filter_map(|l| l.strip_prefix("ping data: ").map(str::to_string))
+        .collect();
+    assert_eq!(pings.len(), 4);
+    for (k, p) in pings.iter().enumerate() {
+        assert!(p.starts_with(&format!("rdma-ping-{k}: ")), "{p}");
+        assert_eq!(p.len(), 2999, "the whole buffer but its NUL came back");
+    }
+    // The server ends at the client's DREQ.
+    assert!(String::from_utf8_lossy(&s.stderr).contains("DISCONNECT"));
+    assert_eq!(
+        stdout(&s)
+            .lines()
+            .filter(|l| l.starts_with("server ping data: "))
+            .count(),
+        4
+    );
 }
 
 #[test]

@@ -116,7 +116,7 @@ impl Message {
             return Ok(None);
         }
         let body = match h.attribute_id {
-            mad::CM_REQ => Body::Req(Req::parse(m)?),
+            mad::CM_REQ => Body::Req(Req::parse(m)),
             REP => Body::Rep(Rep::parse(m)),
             RTU => Body::Rtu(Ids::parse(m)),
             mad::CM_REJ => Body::Rej(Rej::parse(m)),
@@ -222,7 +222,7 @@ pub struct Req {
 }
 
 impl Req {
-    fn parse(m: &[u8]) -> Result<Req> {
+    fn parse(m: &[u8]) -> Req {
         let gid = |at: usize| {
             let mut g = [0u8; 16];
             g.copy_from_slice(&m[at..at + 16]);
@@ -239,7 +239,7 @@ impl Req {
         };
         let mut private_data = [0u8; REQ_PRIVATE_DATA_LEN];
         private_data.copy_from_slice(&m[164..MAD_LEN]);
-        let req = Req {
+        Req {
             local_comm_id: get_u32(m, 24..28),
             service_id: get_u64(m, 32..40),
             local_ca_guid: get_u64(m, 40..48),
@@ -258,14 +258,7 @@ impl Req {
             srq: m[75] & 0x08 != 0,
             primary,
             private_data,
-        };
-        if req.local_qpn == 0 {
-            return Err(Error::InvalidField {
-                field: "REQ local QPN",
-                value: 0,
-            });
         }
-        Ok(req)
     }
 
     /// Writes the REQ, a whole MAD, into `out`.
@@ -702,9 +695,6 @@ mod tests {
         req[1] = mad::CLASS_CM;
         req[17] = 0x17;
         assert_eq!(Message::parse(&req).unwrap(), None, "SIDR REQ");
-        req[17] = 0x10;
-        req[56..59].fill(0);
-        assert!(Message::parse(&req).is_err(), "QPN 0");
         let mut h = [0u8; RDMA_CM_HEADER_LEN];
         h[1] = 0x60;
         assert!(RdmaCmHeader::parse(&h).is_err(), "IPv6");

@@ -19,7 +19,7 @@ use quanta::Instant;
 
 use softrdma::cm::iwarp::{self, ConnectError, Listener};
 use softrdma::cm::mpa::{Decision, MpaConfig};
-use softrdma::cm::{self, ConnInfo, RcOptions};
+use softrdma::cm::{self, ConnInfo, RcOptions, roce};
 use softrdma::verbs::*;
 
 use oob::{Control, Key, Oob, Report};
@@ -165,17 +165,18 @@ pub struct PerfArgs {
     /// Write what this side sends and receives to a pcap file.
     #[arg(long, value_name = "FILE")]
     pub pcap: Option<std::path::PathBuf>,
-    /// Connect with rdma_cm, as perftest's -R: over iWARP (MPA on the TCP
-    /// port), the exchange on a control QP. rdma_cm over RoCE (IB CM) is not
-    /// implemented.
+    /// Connect with rdma_cm, as perftest's -R, the exchange on a control
+    /// QP: over iWARP (MPA on the TCP port), or with `--provider roce` over
+    /// RoCEv2 (the IB CM on QP 1; the device on UDP port 4791).
     #[arg(short = 'R', long = "rdma_cm")]
     pub rdma_cm: bool,
-    /// The provider: roce (RoCEv2 over UDP, default), iwarp (as -R), shm
-    /// (shared memory; both processes on this host, both with --provider
-    /// shm; the exchange still runs on the TCP port) or ibverbs (the
-    /// libibverbs device -d names: a RoCE NIC, or the kernel's rxe).
-    #[arg(long, value_enum, default_value_t = ProviderKind::Roce)]
-    pub provider: ProviderKind,
+    /// The provider: roce (RoCEv2 over UDP; the default, but with -R
+    /// iwarp), iwarp (as -R), shm (shared memory; both processes on this
+    /// host, both with --provider shm; the exchange still runs on the TCP
+    /// port) or ibverbs (the libibverbs device -d names: a RoCE NIC, or the
+    /// kernel's rxe).
+    #[arg(long, value_enum)]
+    pub provider: Option<ProviderKind>,
     /// RoCEv2: spin on completions (and target memory) instead of blocking,
     /// this thread receiving the device's packets itself: perftest's own
     /// polling, and no thread wake-up per message (a CPU per side). iWARP:
@@ -205,6 +206,16 @@ pub enum ProviderKind {
     Shm,
     /// A libibverbs device named by -d (rxe0, mlx5_0): RoCE ports.
     Ibverbs,
+}
+
+/// The provider asked for: `--provider`, else iWARP with -R (as before
+/// RoCE had rdma_cm), else RoCEv2.
+fn provider(a: &PerfArgs) -> ProviderKind {
+    a.provider.unwrap_or(if a.rdma_cm {
+        ProviderKind::Iwarp
+    } else {
+        ProviderKind::Roce
+    })
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -247,8 +258,10 @@ struct Config {
     verify: bool,
     duplex: bool,
     ud: bool,
-    /// rdma_cm mode (iWARP).
+    /// rdma_cm mode (iWARP, or RoCE with `roce_cm`).
     cm: bool,
+    /// rdma_cm over RoCEv2 (the IB CM).
+    roce_cm: bool,
     /// Shared memory.
     shm: bool,
     /// RoCEv2 busy-poll mode.
@@ -304,8 +317,10 @@ fn config(a: &PerfArgs) -> Result<Config, String> {
                 .into(),
         );
     }
-    let rdma_cm = a.rdma_cm || a.provider == ProviderKind::Iwarp;
-    let shm = a.provider == ProviderKind::Shm;
+    let provider = provider(a);
+    let rdma_cm = a.rdma_cm || provider == ProviderKind::Iwarp;
+    let roce_cm = rdma_cm && provider == ProviderKind::Roce;
+    let shm = provider == ProviderKind::Shm;
     if a.busy_poll && shm {
         return Err(
             " --busy-poll is for RoCEv2 and iWARP (shm completes on the poster's thread)".into(),
@@ -319,7 +334,7 @@ fn config(a: &PerfArgs) -> Result<Config, String> {
             return Err(" --use-srq: shm devices have no shared receive queues yet".into());
         }
     }
-    if a.provider == ProviderKind::Ibverbs {
+    if provider == ProviderKind::Ibverbs {
         if a.dev.is_none() {
             return Err(
                 " --provider ibverbs needs -d, a device of `softrdma devices`'s \
@@ -353,7 +368,20 @@ fn config(a: &PerfArgs) -> Result<Config, String> {
             return Err(" --shared-port and --pcap are for RoCEv2, not --provider shm".into());
         }
     }
-    if rdma_cm {
+    if rdma_cm && roce_cm {
+        if ud {
+            return Err(
+                " -R with -c UD: rdma_cm's UD mode (SIDR) is not implemented over RoCE".into(),
+            );
+        }
+        if a.shared_port {
+            return Err(
+                " -R over RoCE needs the device of its own on UDP port 4791 (no --shared-port)"
+                    .into(),
+            );
+        }
+    }
+    if rdma_cm && !roce_cm {
         if verb == Verb::Atomic {
             return Err(
                 " -R runs over iWARP, which has no atomics (run the atomic tests \
@@ -470,6 +498,7 @@ fn config(a: &PerfArgs) -> Result<Config, String> {
         duplex: a.bidir,
         ud,
         cm: rdma_cm,
+        roce_cm,
         shm,
         busy_poll: a.busy_poll,
         list: Listing {
@@ -624,7 +653,7 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
         Some(h) => Some(crate::ping::resolve_v4(h, a.port)?),
         None => None,
     };
-    let ibverbs = a.provider == ProviderKind::Ibverbs;
+    let ibverbs = provider(a) == ProviderKind::Ibverbs;
     let chosen = if ibverbs {
         crate::device::Chosen::named(a.dev.as_deref().unwrap_or_default())
     } else {
@@ -636,7 +665,7 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
             .open()
     } else if cfg.shm {
         Device::shm().open()
-    } else if cfg.cm {
+    } else if cfg.cm && !cfg.roce_cm {
         Device::iwarp(chosen.addr).busy_poll(a.busy_poll).open()
     } else {
         let mut dev = chosen.device(4791);
@@ -683,15 +712,16 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
         // perftest's control connection: no READs, so IRD = ORD = 0.
         let control = Control::new(&ctx)?;
         match peer_ip {
-            Some(ip) => {
-                iwarp::connect(&control.qp, SocketAddrV4::new(ip, a.port), &mpa_config(0))
-                    .map_err(|e| format!("rdma_cm connection to {ip}:{}: {e}", a.port))?;
-            }
+            Some(ip) => connect_data_qp(
+                &control.qp,
+                SocketAddrV4::new(ip, a.port),
+                &mpa_config(0),
+                cfg.roce_cm,
+            )?,
             None => {
-                let l = Listener::bind(&ctx, a.port).map_err(|e| e.to_string())?;
+                let l = CmListener::bind(&ctx, a.port, cfg.roce_cm)?;
                 outln!("{WAITING}");
-                l.accept(&control.qp, &mpa_config(0), |_| Decision::Accept)
-                    .map_err(|e| format!("rdma_cm connection: {e}"))?;
+                l.accept(&control.qp, &mpa_config(0))?;
                 listener = Some(l);
             }
         }
@@ -745,7 +775,8 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
         .register(2 * cfg.qps * half, access)
         .map_err(|e| e.to_string())?;
     fill(&mr, &cfg, half)?;
-    let credit = if cfg.cm && cfg.test == Test::SendBw {
+    // iWARP has no RNR: perftest's send-bw there runs on receive credits.
+    let credit = if cfg.cm && !cfg.roce_cm && cfg.test == Test::SendBw {
         Some(Credit::new(&pd, cfg.qps, cfg.rx_share())?)
     } else {
         None
@@ -791,6 +822,9 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
                 },
             }))
             .map_err(|e| e.to_string())?;
+        if cfg.roce_cm {
+            to_init(&qp)?;
+        }
         let (rkey, vaddr) = match (&credit, verb) {
             (Some(c), _) => (c.mr.rkey(), c.addr(i)),
             (None, Verb::Send) => (0, mr.addr() + ((cfg.qps + i) * half) as u64),
@@ -821,7 +855,7 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
         // perftest's rdma_cm connection step: a handshake (with empty keys)
         // on each side of connecting the data QPs through the listener.
         oob.key(&Key::default())?;
-        let mpa = mpa_config(if verb == Verb::Read {
+        let mpa = mpa_config(if matches!(verb, Verb::Read | Verb::Atomic) {
             u16::from(cfg.out_reads)
         } else {
             0
@@ -839,11 +873,10 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
         }
         for qp in &qps {
             match (peer_ip, &listener) {
-                (Some(ip), _) => connect_data_qp(qp, SocketAddrV4::new(ip, a.port), &mpa)?,
-                (None, Some(l)) => {
-                    l.accept(qp, &mpa, |_| Decision::Accept)
-                        .map_err(|e| format!("rdma_cm connection: {e}"))?;
+                (Some(ip), _) => {
+                    connect_data_qp(qp, SocketAddrV4::new(ip, a.port), &mpa, cfg.roce_cm)?;
                 }
+                (None, Some(l)) => l.accept(qp, &mpa)?,
                 (None, None) => unreachable!("an rdma_cm server listens"),
             }
         }
@@ -1175,22 +1208,96 @@ fn mpa_config(reads: u16) -> MpaConfig {
 /// (perftest's client: 100 ms).
 const DATA_CONNECT_RETRY: Duration = Duration::from_millis(100);
 
-/// Connects a data QP; perftest's server listens again for these only
-/// after a handshake, so a refused connection is retried (10 times,
-/// [`DATA_CONNECT_RETRY`] apart, as perftest's client does).
-fn connect_data_qp(qp: &Qp, to: SocketAddrV4, mpa: &MpaConfig) -> Result<(), String> {
+/// rdma_cm's connection parameters over RoCE: READ depths as the MPA
+/// configuration's IRD and ORD (at least 1).
+fn rc_options(mpa: &MpaConfig) -> RcOptions {
+    RcOptions {
+        max_rd_atomic: mpa.ord.clamp(1, 128) as u8,
+        max_dest_rd_atomic: mpa.ird.clamp(1, 128) as u8,
+        ..RcOptions::default()
+    }
+}
+
+/// Connects a QP with rdma_cm (over RoCE when `roce`); perftest's server
+/// listens again for its data QPs only after a handshake, so a refused
+/// connection is retried (10 times, [`DATA_CONNECT_RETRY`] apart, as
+/// perftest's client does).
+fn connect_data_qp(qp: &Qp, to: SocketAddrV4, mpa: &MpaConfig, roce: bool) -> Result<(), String> {
     let mut tries = 0;
     loop {
-        match iwarp::connect(qp, to, mpa) {
-            Ok(_) => return Ok(()),
-            Err(ConnectError::Tcp { source, .. })
-                if source.kind() == std::io::ErrorKind::ConnectionRefused && tries < 9 =>
-            {
-                tries += 1;
-                std::thread::sleep(DATA_CONNECT_RETRY);
+        let refused = if roce {
+            match roce::connect(qp, to, &[], &rc_options(mpa)) {
+                Ok(_) => return Ok(()),
+                // Nothing listens on the port (yet).
+                Err(roce::ConnectError::Rejected { reason: 8, .. }) if tries < 9 => true,
+                Err(e) => return Err(format!("rdma_cm connection to {to}: {e}")),
             }
-            Err(e) => return Err(format!("rdma_cm connection to {to}: {e}")),
+        } else {
+            match iwarp::connect(qp, to, mpa) {
+                Ok(_) => return Ok(()),
+                Err(ConnectError::Tcp { source, .. })
+                    if source.kind() == std::io::ErrorKind::ConnectionRefused && tries < 9 =>
+                {
+                    true
+                }
+                Err(e) => return Err(format!("rdma_cm connection to {to}: {e}")),
+            }
+        };
+        if refused {
+            tries += 1;
+            std::thread::sleep(DATA_CONNECT_RETRY);
         }
+    }
+}
+
+/// Moves a RoCE QP to INIT, as rdma_create_qp leaves it: it takes
+/// receives before rdma_cm connects it.
+pub(crate) fn to_init(qp: &Qp) -> Result<(), String> {
+    qp.modify(
+        &QpAttr {
+            state: Some(QpState::Init),
+            pkey_index: Some(0),
+            port: Some(1),
+            access: Some(Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC),
+            ..QpAttr::default()
+        },
+        None,
+    )
+    .map_err(|e| e.to_string())
+}
+
+/// An rdma_cm listener: iWARP's or RoCE's.
+enum CmListener {
+    Iwarp(Listener),
+    Roce(roce::Listener),
+}
+
+impl CmListener {
+    fn bind(ctx: &Context, port: u16, roce: bool) -> Result<CmListener, String> {
+        Ok(if roce {
+            CmListener::Roce(roce::Listener::bind(ctx, port).map_err(|e| e.to_string())?)
+        } else {
+            CmListener::Iwarp(Listener::bind(ctx, port).map_err(|e| e.to_string())?)
+        })
+    }
+
+    fn accept(&self, qp: &Qp, mpa: &MpaConfig) -> Result<(), String> {
+        match self {
+            CmListener::Iwarp(l) => l
+                .accept(qp, mpa, |_| Decision::Accept)
+                .map(drop)
+                .map_err(|e| e.to_string()),
+            CmListener::Roce(l) => l
+                .accept(
+                    qp,
+                    &rc_options(mpa),
+                    |_| roce::Decision::Accept(vec![]),
+                    None,
+                )
+                .map(drop)
+                .map_err(|e| e.to_string()),
+        }
+        .map_err(|e| format!("rdma_cm connection: {e}"))
     }
 }
 
@@ -1260,7 +1367,7 @@ fn print_header(cfg: &Config, a: &PerfArgs, dev: &str, mtu: Mtu) {
     outln!(
         " Number of qps   : {}\t\tTransport type : {}",
         cfg.qps,
-        match (cfg.cm, cfg.shm) {
+        match (cfg.cm && !cfg.roce_cm, cfg.shm) {
             (true, _) => "IW",
             (_, true) => "SHM",
             _ => "IB",

@@ -172,8 +172,8 @@ const CONTROL_RECVS: usize = 2;
 const SEND_AT: usize = CONTROL_RECVS * CONTROL_MSG;
 
 impl Control {
-    /// A control QP on `ctx` (an iWARP device) with its receives posted,
-    /// ready to be connected.
+    /// A control QP on `ctx` (an iWARP or RoCEv2 device) with its receives
+    /// posted, ready to be connected.
     pub fn new(ctx: &Context) -> Result<Control, String> {
         let e = |e: VerbsError| e.to_string();
         let pd = ctx.alloc_pd().map_err(e)?;
@@ -191,6 +191,9 @@ impl Control {
                 max_inline_data: 0,
             }))
             .map_err(e)?;
+        if !ctx.is_iwarp() {
+            super::to_init(&qp)?;
+        }
         let c = Control {
             qp,
             mr,

@@ -15,6 +15,7 @@
 mod backlog;
 pub mod iwarp;
 pub mod mpa;
+pub mod roce;
 pub mod shm;
 
 use std::io::{self, Read, Write};

@@ -1,7 +1,9 @@
-//! QP 1, the general services interface of a RoCEv2 device. softrdma has no
-//! IB connection manager yet (rdma_cm over RoCE), so a CM REQ gets a REJ at
-//! once, reason 8 ("invalid Service ID"), as Linux answers a REQ that no
-//! listener takes: the peer's rdma_connect fails in milliseconds with
+//! QP 1, the general services interface of a RoCEv2 device: the packets
+//! that carry the IB connection manager's MADs (rdma_cm over RoCE). The
+//! provider hands their MADs to its bookkeeping (`provider::gsi`, for
+//! `cm::roce`); a CM REQ for a port nothing listens on gets a REJ at once,
+//! reason 8 ("invalid Service ID"), as Linux answers a REQ that no listener
+//! takes: the peer's rdma_connect fails in milliseconds with
 //! RDMA_CM_EVENT_REJECTED instead of retrying for over a minute. Other MADs
 //! are dropped.
 
@@ -13,23 +15,45 @@ use softrdma_wire::{Opcode, Psn};
 /// The GSI's QP number.
 pub const GSI_QPN: u32 = 1;
 
-/// A REJ packet: BTH, DETH, the MAD and the ICRC.
-pub const REJ_PACKET_LEN: usize = 12 + 8 + MAD_LEN + 4;
+/// A GSI packet: BTH, DETH, the MAD and the ICRC.
+pub const MAD_PACKET_LEN: usize = 12 + 8 + MAD_LEN + 4;
+/// A REJ packet (a GSI packet).
+pub const REJ_PACKET_LEN: usize = MAD_PACKET_LEN;
 
-/// The REJ answering `packet` (BTH through ICRC, its ICRC checked), if it is
-/// a CM REQ to the GSI: written into `out` with its ICRC left for the
-/// sender to fill; `None` for anything else.
-pub fn reject_req(packet: &[u8], out: &mut [u8; REJ_PACKET_LEN]) -> Option<()> {
+/// The MAD `packet` (BTH through ICRC, its ICRC checked) carries, if it is
+/// a UD SEND to the GSI with the GSI's Q_Key and a whole MAD.
+pub fn gsi_mad(packet: &[u8]) -> Option<&[u8]> {
     let p = Packet::new_checked(packet).ok()?;
     if p.bth().opcode() != Opcode::UD_SEND_ONLY || p.bth().dest_qp() != GSI_QPN {
         return None;
     }
     let d = p.deth()?;
-    let req = p.payload();
-    if d.qkey() != GSI_QKEY || req.len() < MAD_LEN {
+    if d.qkey() != GSI_QKEY || p.payload().len() < MAD_LEN {
         return None;
     }
-    let h = mad::Header::new_checked(&req[..MAD_LEN]).ok()?;
+    let at = p.header_len();
+    Some(&packet[at..at + MAD_LEN])
+}
+
+/// Writes the GSI packet carrying `mad` to the peer's QP 1, with PSN `psn`,
+/// into `out`, its ICRC left for the sender to fill.
+pub fn mad_packet(mad: &[u8; MAD_LEN], psn: u32, out: &mut [u8; MAD_PACKET_LEN]) -> Option<()> {
+    let mut r = Repr::new(Opcode::UD_SEND_ONLY, GSI_QPN, Psn::new(psn), MAD_LEN);
+    // As rxe's GSI sends its MADs (WIRE-NOTES 4).
+    r.bth.ack_req = true;
+    r.deth = Some(deth::Repr {
+        qkey: GSI_QKEY,
+        src_qp: GSI_QPN,
+    });
+    r.emit(&mut out[..], mad).ok()
+}
+
+/// The REJ answering `packet` (BTH through ICRC, its ICRC checked), if it is
+/// a CM REQ to the GSI: written into `out` with its ICRC left for the
+/// sender to fill; `None` for anything else.
+pub fn reject_req(packet: &[u8], out: &mut [u8; REJ_PACKET_LEN]) -> Option<()> {
+    let req = gsi_mad(packet)?;
+    let h = mad::Header::new_checked(req).ok()?;
     let is_req = h.base_version() == mad::BASE_VERSION
         && h.mgmt_class() == mad::CLASS_CM
         && h.class_version() == mad::CM_CLASS_VERSION
@@ -39,15 +63,8 @@ pub fn reject_req(packet: &[u8], out: &mut [u8; REJ_PACKET_LEN]) -> Option<()> {
         return None;
     }
     let mut rej = [0u8; MAD_LEN];
-    mad::cm_rej_for_req(&req[..MAD_LEN], mad::REJ_INVALID_SERVICE_ID, &mut rej).ok()?;
-    let mut r = Repr::new(Opcode::UD_SEND_ONLY, d.src_qp(), Psn::new(0), MAD_LEN);
-    // As rxe's GSI sends its MADs (WIRE-NOTES 4).
-    r.bth.ack_req = true;
-    r.deth = Some(deth::Repr {
-        qkey: GSI_QKEY,
-        src_qp: GSI_QPN,
-    });
-    r.emit(&mut out[..], &rej).ok()
+    mad::cm_rej_for_req(req, mad::REJ_INVALID_SERVICE_ID, &mut rej).ok()?;
+    mad_packet(&rej, 0, out)
 }
 
 #[cfg(test)]

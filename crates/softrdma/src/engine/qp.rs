@@ -78,6 +78,10 @@ impl Mtu {
             _ => return None,
         })
     }
+    /// Its `ibv_mtu` code (1..=5).
+    pub const fn code(self) -> u8 {
+        self as u8
+    }
     /// The MTU of an `ibv_mtu` code (1..=5).
     pub const fn from_code(c: u8) -> Option<Mtu> {
         Some(match c {

@@ -3,6 +3,7 @@
 //! `ibverbs` is the exception that has no engine: there a NIC (or the
 //! kernel's rxe) is the transport, reached through rdma-core's libibverbs.
 
+pub(crate) mod gsi;
 pub mod hostd;
 pub mod ibverbs;
 pub mod netdev;

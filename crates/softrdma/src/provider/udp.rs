@@ -16,18 +16,19 @@
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::io::{self, IoSlice};
-use std::net::{SocketAddr, SocketAddrV4, UdpSocket};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket};
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use nix::sys::socket::{ControlMessage, MsgFlags, MultiHeaders, SockaddrIn, sendmmsg};
 use rustix::event::{EventfdFlags, PollFd, PollFlags, eventfd};
 use rustix::net::sockopt;
 use softrdma_wire::bth;
 use softrdma_wire::icrc::{self, Ipv4Flow, Ipv4Pseudo};
+use softrdma_wire::mad::MAD_LEN;
 use softrdma_wire::opcode::Opcode;
 use spin::mutex::SpinMutex;
 use spin::relax::Yield;
@@ -38,7 +39,7 @@ use crate::engine::gsi;
 use crate::engine::rc::MAX_HEADER_LEN;
 use crate::engine::srq::Srq;
 use crate::engine::ud::RecvMeta;
-use crate::engine::{AhId, MAX_INLINE_DATA, QpEngine, Time, Transmit};
+use crate::engine::{AhId, MAX_INLINE_DATA, QpAttr, QpEngine, QpState, Time, Transmit};
 use crate::memory::{KeyHash, MrTable, PdId, Segment};
 use crate::verbs::cq::CqInner;
 use crate::verbs::events::{AsyncEvent, EventQueue};
@@ -274,12 +275,19 @@ pub(crate) struct Shared {
     gso: AtomicBool,
     /// The sockets report received TTLs and TOSes (see [`report_ip_fields`]).
     ip_fields: AtomicBool,
+    /// QP 1's connection-manager bookkeeping (rdma_cm over RoCE).
+    pub gsi: super::gsi::Gsi,
 }
 
 impl Shared {
     /// Whether the port is up (the last send worked, the hostd is there).
     pub fn port_up(&self) -> bool {
         self.port_up.load(Ordering::Acquire)
+    }
+
+    /// It shares its address through the hostd (which answers QP 1).
+    pub fn is_shared_port(&self) -> bool {
+        self.uplink.is_some()
     }
 
     /// The device failed: its progress thread is gone.
@@ -803,6 +811,12 @@ impl UdpDevice {
             rx_lock: SpinMutex::new(Receiving::default()),
             gso: AtomicBool::new(offload),
             ip_fields: AtomicBool::new(ip_fields),
+            gsi: super::gsi::Gsi::new(
+                std::process::id().wrapping_mul(0x9e37_79b9)
+                    ^ SystemTime::now()
+                        .duration_since(SystemTime::UNIX_EPOCH)
+                        .map_or(0, |d| d.subsec_nanos()),
+            ),
         });
         shared.events.push(AsyncEvent::PortActive);
         let s = shared.clone();
@@ -1699,16 +1713,72 @@ fn check_packet(
 /// The UDP port RoCEv2 peers receive on.
 const ROCE_PORT: u16 = 4791;
 
-/// A packet for QP 1 (its ICRC checked): a CM REQ gets its REJ, sent to
-/// the peer's RoCEv2 port; anything else is dropped.
+/// A packet for QP 1 (its ICRC checked): a CM message goes to the GSI's
+/// bookkeeping, which may answer it (a REQ no listener takes gets a REJ, a
+/// DREQ its DREP, sent to the peer's RoCEv2 port) and may end a
+/// connection; anything else is dropped.
 fn answer_gsi(shared: &Shared, packet: &[u8], from: SocketAddrV4) {
+    let Some(mad) = gsi::gsi_mad(packet) else {
+        shared.stats.no_qp.fetch_add(1, Ordering::Relaxed);
+        return;
+    };
+    let out = shared.gsi.dispatch(*from.ip(), mad);
+    if let Some(reply) = out.reply {
+        if reply[16..18] == softrdma_wire::mad::CM_REJ.to_be_bytes() {
+            shared.stats.cm_rejects.fetch_add(1, Ordering::Relaxed);
+        }
+        if send_mad(shared, *from.ip(), &reply).is_err() {
+            shared.stats.send_errors.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    if let Some(qpn) = out.disconnected_qp {
+        qp_to_error(shared, qpn);
+    }
+}
+
+/// Sends a MAD to QP 1 of the device at `to` (its RoCEv2 port, 4791).
+pub(crate) fn send_mad(shared: &Shared, to: Ipv4Addr, mad: &[u8; MAD_LEN]) -> io::Result<()> {
+    let mut packet = [0u8; gsi::MAD_PACKET_LEN];
+    gsi::mad_packet(mad, shared.gsi.next_psn(), &mut packet)
+        .ok_or_else(|| io::Error::other("a MAD packet that does not build"))?;
     let sock = socket_for(shared, gsi::GSI_QPN);
     let local = SocketAddrV4::new(*shared.local.ip(), shared.ports[sock]);
-    match send_cm_rej(&shared.sockets[sock], local, packet, from) {
-        None => shared.stats.no_qp.fetch_add(1, Ordering::Relaxed),
-        Some(true) => shared.stats.cm_rejects.fetch_add(1, Ordering::Relaxed),
-        Some(false) => shared.stats.send_errors.fetch_add(1, Ordering::Relaxed),
+    let to = SocketAddrV4::new(to, ROCE_PORT);
+    let udp_len = (8 + packet.len()) as u16;
+    let ip = Ipv4Pseudo {
+        src: local.ip().octets(),
+        dst: to.ip().octets(),
+        identification: 0,
+        dont_fragment: true,
     };
+    let udp = icrc::udp_header(local.port(), ROCE_PORT, udp_len);
+    icrc::fill(&ip.header(udp_len), &udp, &mut packet)
+        .map_err(|e| io::Error::other(e.to_string()))?;
+    if let Some(pcap) = &shared.pcap {
+        let m = PacketMeta {
+            src: local,
+            dst: to,
+            identification: 0,
+            ttl: 64,
+            tos: 0,
+        };
+        let _ = pcap.lock().expect("pcap lock").record(&m, &[&packet[..]]);
+    }
+    shared.sockets[sock].send_to(&packet, to).map(drop)
+}
+
+/// Moves QP `qpn` to the error state (its peer disconnected), flushing its
+/// work to its CQs.
+fn qp_to_error(shared: &Shared, qpn: u32) {
+    let Some(slot) = shared.qps.read().expect("QP table lock").get(&qpn).cloned() else {
+        return;
+    };
+    let to_error = QpAttr {
+        state: Some(QpState::Err),
+        ..QpAttr::default()
+    };
+    let _ = slot.engine.lock().expect("QP lock").modify(&to_error);
+    transmit(shared, &slot);
 }
 
 /// Sends the REJ for `packet` (BTH through ICRC, its ICRC checked) from

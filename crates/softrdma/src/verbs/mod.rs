@@ -456,7 +456,7 @@ impl ContextInner {
         }
     }
 
-    fn udp(&self, what: &str) -> Result<&UdpDevice> {
+    pub(crate) fn udp(&self, what: &str) -> Result<&UdpDevice> {
         match &self.dev {
             Provider::Udp(d) => Ok(d),
             Provider::Iwarp(_) => Err(VerbsError::Invalid(format!(
@@ -694,6 +694,11 @@ pub struct Context {
 }
 
 impl Context {
+    /// The RoCEv2 device, for `cm::roce`.
+    pub(crate) fn roce_device(&self, what: &str) -> Result<&UdpDevice> {
+        self.inner.udp(what)
+    }
+
     /// The device's address and UDP port.
     pub fn local_addr(&self) -> SocketAddrV4 {
         match &self.inner.dev {
@@ -1704,6 +1709,16 @@ impl Qp {
         Ok(())
     }
 
+    /// For `cm::roce`: whether this is an RC QP of a RoCEv2 device, and
+    /// whether it takes receives from an SRQ.
+    pub(crate) fn roce_rc(&self) -> Option<bool> {
+        match &self.kind {
+            QpKind::Roce(s) => matches!(*s.engine.lock().expect("QP lock"), QpEngine::Rc(_))
+                .then_some(s.srq.is_some()),
+            _ => None,
+        }
+    }
+
     /// The iWARP slot, for `cm::iwarp`.
     pub(crate) fn iwarp_slot(&self) -> Option<&Arc<iwarp::IwarpSlot>> {
         match &self.kind {
@@ -1716,6 +1731,11 @@ impl Qp {
 impl Drop for Qp {
     fn drop(&mut self) {
         if let (QpKind::Roce(slot), Provider::Udp(d)) = (&self.kind, &self.ctx.inner.dev) {
+            // An rdma_cm connection ends with a DREQ (not waited for).
+            if let Some((local, c)) = d.shared.gsi.take_connection_of(slot.qpn) {
+                let dreq = crate::provider::gsi::dreq_for(local, &c);
+                let _ = crate::provider::udp::send_mad(&d.shared, c.peer, &dreq);
+            }
             d.shared.remove_qp(slot.qpn);
         }
     }

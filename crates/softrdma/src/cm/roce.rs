@@ -1,0 +1,648 @@
+//! Connecting RC QPs over RoCEv2 as rdma_cm does: the IB connection
+//! manager's REQ, REP and RTU, as UD MADs between the devices' QP 1
+//! (`softrdma_wire::cm`), addressed as rdma_cm addresses them (an IPv4
+//! address and a port of rdma_cm's TCP port space); DREQ and DREP to end.
+//! A peer is Linux's rdma_cm (rping, perftest `-R`, any librdmacm
+//! application on rxe or a RoCE NIC) or softrdma.
+//!
+//! Every RoCEv2 peer sends its CM messages to UDP port 4791, so a device
+//! that takes part is one bound to port 4791.
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::time::{Duration, Instant};
+
+use softrdma_wire::cm::{self as wire, Body, Ids, Rej, Rep, Req};
+use softrdma_wire::mad::{self, MAD_LEN};
+
+use super::{ConnInfo, RcOptions};
+use crate::provider::gsi::{Arrival, Connection, Waiter};
+use crate::provider::udp::{Shared, send_mad};
+use crate::verbs::Mtu;
+use crate::verbs::{Context, Qp, QpAttr, QpState, VerbsError};
+
+/// Bytes of private data an application may put in a REQ (rdma_cm's
+/// header takes the rest).
+pub const REQ_PRIVATE_DATA_MAX: usize = wire::REQ_PRIVATE_DATA_LEN - wire::RDMA_CM_HEADER_LEN;
+/// Bytes of private data a REP may carry.
+pub const REP_PRIVATE_DATA_MAX: usize = wire::REP_PRIVATE_DATA_LEN;
+
+/// How long each side waits for an answer before it sends its message
+/// again, and how many times it sends it.
+const RESEND_AFTER: Duration = Duration::from_millis(1000);
+const SENDS: u32 = 6;
+/// The longest extra wait an MRA may ask for.
+const MRA_MAX: Duration = Duration::from_secs(60);
+
+/// Why a connection failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConnectError {
+    /// The QP or the device.
+    #[error(transparent)]
+    Verbs(#[from] VerbsError),
+    /// The peer rejected it (IBTA reason; 8: nothing listens on that port,
+    /// 28: the application said no).
+    #[error("the peer rejected the connection (CM reason {reason}{})", reason_name(*.reason))]
+    Rejected {
+        /// Why.
+        reason: u16,
+        /// The peer's private data (an application's reject).
+        private_data: Vec<u8>,
+    },
+    /// No answer came.
+    #[error("no answer from {peer} to the CM {what} ({sends} sent, {waited:?})")]
+    NoAnswer {
+        /// Whom it was sent to.
+        peer: Ipv4Addr,
+        /// What went unanswered.
+        what: &'static str,
+        /// Times it was sent.
+        sends: u32,
+        /// How long it waited.
+        waited: Duration,
+    },
+    /// No REQ came within the time given.
+    #[error("no connection request came within {0:?}")]
+    NoClient(Duration),
+    /// The peer's message was not one that fits.
+    #[error("bad CM message from {peer}: {what}")]
+    Protocol {
+        /// From whom.
+        peer: Ipv4Addr,
+        /// What was wrong.
+        what: String,
+    },
+}
+
+fn reason_name(reason: u16) -> &'static str {
+    match reason {
+        wire::REJ_TIMEOUT => ": timeout",
+        mad::REJ_INVALID_SERVICE_ID => ": nothing listens on that port",
+        wire::REJ_CONSUMER => ": the application refused it",
+        _ => "",
+    }
+}
+
+/// The RoCEv2 device of `ctx`, if it can do rdma_cm.
+fn device(ctx: &Context) -> Result<&Shared, VerbsError> {
+    let d = ctx.roce_device("rdma_cm over RoCE")?;
+    if d.local_addr().port() != softrdma_wire::ROCEV2_UDP_PORT || d.shared.is_shared_port() {
+        return Err(VerbsError::Invalid(format!(
+            "rdma_cm over RoCE needs a device of its own on UDP port 4791 (peers send their \
+             CM messages there); this one is at {}{}",
+            d.local_addr(),
+            if d.shared.is_shared_port() {
+                " through the hostd"
+            } else {
+                ""
+            }
+        )));
+    }
+    Ok(&d.shared)
+}
+
+/// Checks `qp` is a new RC QP of a RoCEv2 device; says whether it has an
+/// SRQ.
+fn check_qp(qp: &Qp) -> Result<bool, VerbsError> {
+    let Some(srq) = qp.roce_rc() else {
+        return Err(VerbsError::Invalid(
+            "rdma_cm over RoCE connects RC QPs of RoCEv2 devices".into(),
+        ));
+    };
+    if !matches!(qp.state(), QpState::Reset | QpState::Init) {
+        return Err(VerbsError::Invalid(
+            "the QP to connect must be new (RESET, or INIT as rdma_create_qp leaves it)".into(),
+        ));
+    }
+    Ok(srq)
+}
+
+fn send(shared: &Shared, to: Ipv4Addr, m: &[u8; MAD_LEN]) -> Result<(), VerbsError> {
+    send_mad(shared, to, m).map_err(|source| VerbsError::Io {
+        what: format!("sending a CM message to {to}"),
+        source,
+    })
+}
+
+/// An IPv4-mapped GID.
+fn gid(ip: Ipv4Addr) -> [u8; 16] {
+    Ipv4Addr::to_ipv6_mapped(&ip).octets()
+}
+
+/// A CA GUID for the device at `ip` (an EUI-64 of a locally administered
+/// MAC made of the address; peers only echo it).
+fn guid(ip: Ipv4Addr) -> u64 {
+    let o = ip.octets();
+    u64::from_be_bytes([0x02, 0x00, o[0], 0xff, 0xfe, o[1], o[2], o[3]])
+}
+
+fn random_psn() -> Result<u32, VerbsError> {
+    getrandom::u32()
+        .map(|v| v & 0xff_ffff)
+        .map_err(|e| VerbsError::Invalid(format!("no randomness: {e}")))
+}
+
+/// Brings `qp` to RTS towards the peer's QP `remote_qpn` at `peer`,
+/// sending from `sq_psn` and taking the peer's from `rq_psn`.
+///
+/// Each side's Starting PSN (REQ, REP) is the PSN it expects to receive
+/// first: Linux's CM gives the other side's send queue that PSN
+/// (`rxe_rping.pcap`, `rxe_write_bw_cm.pcap`: the active side sends from
+/// the REP's, the passive side from the REQ's).
+fn bring_up(
+    qp: &Qp,
+    sq_psn: u32,
+    peer: Ipv4Addr,
+    remote_qpn: u32,
+    rq_psn: u32,
+    mtu: Mtu,
+    o: &RcOptions,
+) -> Result<(), VerbsError> {
+    let local = ConnInfo {
+        addr: qp.context().local_addr(),
+        qpn: qp.qpn(),
+        psn: sq_psn,
+        mtu: qp.context().query_port().active_mtu,
+        rkey: 0,
+        va: 0,
+        len: 0,
+    };
+    let remote = ConnInfo {
+        addr: SocketAddrV4::new(peer, softrdma_wire::ROCEV2_UDP_PORT),
+        qpn: remote_qpn,
+        psn: rq_psn,
+        mtu,
+        ..local
+    };
+    super::connect(qp, &local, &remote, o)
+}
+
+/// What an established connection learnt of its peer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Connected {
+    /// The peer's address.
+    pub peer: Ipv4Addr,
+    /// The peer's QP.
+    pub remote_qpn: u32,
+    /// The peer's private data (of its REP, or the application's part of
+    /// its REQ).
+    pub private_data: Vec<u8>,
+    /// READs and atomics this side may have outstanding.
+    pub initiator_depth: u8,
+    /// READs and atomics this side serves at once.
+    pub responder_resources: u8,
+}
+
+/// Connects RC `qp` (new: in RESET, or INIT with receives posted) to the rdma_cm listener at `to` (the
+/// peer's IPv4 address and rdma_cm port), with `private_data` (at most
+/// [`REQ_PRIVATE_DATA_MAX`] bytes) in the REQ. `o` gives the QP's
+/// settings; its READ/atomic depths are offered and cut to the peer's.
+pub fn connect(
+    qp: &Qp,
+    to: SocketAddrV4,
+    private_data: &[u8],
+    o: &RcOptions,
+) -> Result<Connected, ConnectError> {
+    let shared = device(qp.context())?;
+    let srq = check_qp(qp)?;
+    if private_data.len() > REQ_PRIVATE_DATA_MAX {
+        return Err(VerbsError::Invalid(format!(
+            "at most {REQ_PRIVATE_DATA_MAX} bytes of private data in a REQ"
+        ))
+        .into());
+    }
+    let me = *qp.context().local_addr().ip();
+    let peer = *to.ip();
+    let psn = random_psn()?;
+    let local_comm_id = shared.gsi.new_comm_id();
+    let tid = u64::from(local_comm_id) | u64::from(qp.qpn()) << 32;
+    let mtu = qp.context().query_port().active_mtu;
+    let mut pd = [0u8; wire::REQ_PRIVATE_DATA_LEN];
+    wire::RdmaCmHeader {
+        // rdma_cm's own port on this side: any, as an ephemeral one.
+        src_port: 0xc000 | (local_comm_id as u16 & 0x3fff),
+        src: me.octets(),
+        dst: peer.octets(),
+    }
+    .emit(&mut pd);
+    pd[wire::RDMA_CM_HEADER_LEN..][..private_data.len()].copy_from_slice(private_data);
+    let req = Req {
+        local_comm_id,
+        service_id: wire::rdma_cm_service_id(to.port()),
+        local_ca_guid: guid(me),
+        local_qpn: qp.qpn(),
+        responder_resources: o.max_dest_rd_atomic,
+        initiator_depth: o.max_rd_atomic,
+        remote_cm_response_timeout: 20,
+        transport: 0,
+        starting_psn: psn,
+        local_cm_response_timeout: 20,
+        retry_count: o.retry_cnt & 7,
+        pkey: 0xffff,
+        path_mtu: mtu.code(),
+        rnr_retry_count: o.rnr_retry & 7,
+        max_cm_retries: 15,
+        srq,
+        primary: wire::Path {
+            local_gid: gid(me),
+            remote_gid: gid(peer),
+            flow_label: 0,
+            traffic_class: 0,
+            hop_limit: 64,
+            sl: 0,
+            local_ack_timeout: o.timeout & 0x1f,
+        },
+        private_data: pd,
+    };
+    let mut m = [0u8; MAD_LEN];
+    req.emit(tid, &mut m);
+    let w = Waiter::Exchange(local_comm_id);
+    shared.gsi.register(w);
+    let _unregister = Unregister(shared, w);
+    let started = Instant::now();
+    let mut sends = 0;
+    let mut deadline = Instant::now();
+    let rep = loop {
+        if Instant::now() >= deadline {
+            if sends == SENDS {
+                return Err(ConnectError::NoAnswer {
+                    peer,
+                    what: "REQ",
+                    sends,
+                    waited: started.elapsed(),
+                });
+            }
+            send(shared, peer, &m)?;
+            sends += 1;
+            deadline = Instant::now() + RESEND_AFTER;
+        }
+        let Some(Arrival { from, msg }) = shared.gsi.wait(w, deadline) else {
+            continue;
+        };
+        if from != peer {
+            continue;
+        }
+        match msg.body {
+            Body::Rep(rep) => break rep,
+            Body::Rej(rej) => {
+                return Err(ConnectError::Rejected {
+                    reason: rej.reason,
+                    private_data: rej.private_data.to_vec(),
+                });
+            }
+            Body::Mra(mra) => {
+                // The peer's application takes its time: wait as it asks.
+                let asked = Duration::from_nanos(4096u64 << mra.service_timeout.min(31));
+                deadline = Instant::now() + asked.clamp(RESEND_AFTER, MRA_MAX);
+            }
+            _ => {}
+        }
+    };
+    // This side's depths, cut to what the peer serves and issues.
+    let initiator_depth = o.max_rd_atomic.min(rep.responder_resources).max(1);
+    let opts = RcOptions {
+        max_rd_atomic: initiator_depth,
+        rnr_retry: rep.rnr_retry_count,
+        ..*o
+    };
+    if let Err(e) = bring_up(qp, rep.starting_psn, peer, rep.local_qpn, psn, mtu, &opts) {
+        reject(shared, peer, tid, rep.ids.remote, rep.ids.local, 1, &[]);
+        return Err(e.into());
+    }
+    let ids = Ids {
+        local: local_comm_id,
+        remote: rep.ids.local,
+    };
+    let mut rtu = [0u8; MAD_LEN];
+    ids.emit_as(wire::RTU, tid, &mut rtu);
+    shared.gsi.establish(
+        local_comm_id,
+        Connection {
+            qpn: qp.qpn(),
+            peer,
+            remote_comm_id: rep.ids.local,
+            remote_qpn: rep.local_qpn,
+            tid,
+            active: true,
+        },
+    );
+    send(shared, peer, &rtu)?;
+    Ok(Connected {
+        peer,
+        remote_qpn: rep.local_qpn,
+        private_data: rep.private_data.to_vec(),
+        initiator_depth,
+        responder_resources: o.max_dest_rd_atomic,
+    })
+}
+
+/// Sends a REJ of message `rejected` (0 REQ, 1 REP) for reason "consumer
+/// defined" (or the REJ's own reason for a REQ: see [`Listener`]).
+fn reject(
+    shared: &Shared,
+    to: Ipv4Addr,
+    tid: u64,
+    local: u32,
+    remote: u32,
+    rejected: u8,
+    private_data: &[u8],
+) {
+    let mut pd = [0u8; wire::REJ_PRIVATE_DATA_LEN];
+    let n = private_data.len().min(pd.len());
+    pd[..n].copy_from_slice(&private_data[..n]);
+    let mut m = [0u8; MAD_LEN];
+    Rej {
+        ids: Ids { local, remote },
+        message_rejected: rejected,
+        reason: wire::REJ_CONSUMER,
+        private_data: pd,
+    }
+    .emit(tid, &mut m);
+    let _ = send_mad(shared, to, &m);
+}
+
+/// Unregisters a waiter when dropped.
+struct Unregister<'a>(&'a Shared, Waiter);
+
+impl Drop for Unregister<'_> {
+    fn drop(&mut self) {
+        self.0.gsi.unregister(self.1);
+    }
+}
+
+/// A connection request a listener took.
+#[derive(Debug, Clone)]
+pub struct ConnRequest {
+    /// The active side's address and rdma_cm port.
+    pub from: SocketAddrV4,
+    /// The application's private data (after rdma_cm's header).
+    pub private_data: Vec<u8>,
+    /// READs and atomics the active side will serve at once.
+    pub responder_resources: u8,
+    /// READs and atomics it will have outstanding.
+    pub initiator_depth: u8,
+}
+
+/// What the listening application answers a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Accept, with this private data in the REP.
+    Accept(Vec<u8>),
+    /// Reject, with this private data in the REJ.
+    Reject(Vec<u8>),
+}
+
+/// A listener on an rdma_cm port of a RoCEv2 device.
+#[derive(Debug)]
+pub struct Listener {
+    ctx: Context,
+    port: u16,
+}
+
+impl Listener {
+    /// Listens on rdma_cm port `port` (TCP port space) of `ctx`'s device
+    /// (one bound to UDP port 4791).
+    pub fn bind(ctx: &Context, port: u16) -> Result<Listener, VerbsError> {
+        let shared = device(ctx)?;
+        if port == 0 {
+            return Err(VerbsError::Invalid("an rdma_cm port is 1..=65535".into()));
+        }
+        if !shared
+            .gsi
+            .register(Waiter::Service(wire::rdma_cm_service_id(port)))
+        {
+            return Err(VerbsError::Invalid(format!(
+                "rdma_cm port {port} is listened on already"
+            )));
+        }
+        Ok(Listener {
+            ctx: ctx.clone(),
+            port,
+        })
+    }
+
+    /// The port it listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    fn waiter(&self) -> Waiter {
+        Waiter::Service(wire::rdma_cm_service_id(self.port))
+    }
+
+    /// Takes the next REQ for `qp` (new, RC, in RESET or INIT), lets `decide`
+    /// accept or reject it, and on acceptance brings `qp` to RTS, sends the
+    /// REP and waits for the RTU. Waits for a REQ as long as `waited`
+    /// (`None`: for ever).
+    pub fn accept(
+        &self,
+        qp: &Qp,
+        o: &RcOptions,
+        decide: impl FnOnce(&ConnRequest) -> Decision,
+        waited: Option<Duration>,
+    ) -> Result<Connected, ConnectError> {
+        let shared = device(&self.ctx)?;
+        let srq = check_qp(qp)?;
+        let started = Instant::now();
+        let (from, tid, req) = loop {
+            if !matches!(qp.state(), QpState::Reset | QpState::Init) {
+                return Err(VerbsError::Invalid(
+                    "the QP was moved on while it waited for a connection".into(),
+                )
+                .into());
+            }
+            let slice = Instant::now() + Duration::from_secs(1);
+            let deadline = waited.map_or(slice, |w| (started + w).min(slice));
+            let Some(a) = shared.gsi.wait(self.waiter(), deadline) else {
+                if let Some(w) = waited
+                    && started.elapsed() >= w
+                {
+                    return Err(ConnectError::NoClient(w));
+                }
+                continue;
+            };
+            if let Body::Req(req) = a.msg.body {
+                break (a.from, a.msg.tid, req);
+            }
+        };
+        let header = match wire::RdmaCmHeader::parse(&req.private_data) {
+            Ok(h) => h,
+            Err(e) => {
+                reject(shared, from, tid, 0, req.local_comm_id, 0, &[]);
+                return Err(ConnectError::Protocol {
+                    peer: from,
+                    what: format!("a REQ without rdma_cm's header ({e})"),
+                });
+            }
+        };
+        if req.transport != 0 || req.local_qpn <= 1 {
+            reject(shared, from, tid, 0, req.local_comm_id, 0, &[]);
+            return Err(ConnectError::Protocol {
+                peer: from,
+                what: format!(
+                    "a REQ for transport {} from QP {} (RC from a QP above 1 only)",
+                    req.transport, req.local_qpn
+                ),
+            });
+        }
+        let request = ConnRequest {
+            from: SocketAddrV4::new(Ipv4Addr::from(header.src), header.src_port),
+            private_data: req.private_data[wire::RDMA_CM_HEADER_LEN..].to_vec(),
+            responder_resources: req.responder_resources,
+            initiator_depth: req.initiator_depth,
+        };
+        let reply = match decide(&request) {
+            Decision::Reject(pd) => {
+                reject(shared, from, tid, 0, req.local_comm_id, 0, &pd);
+                return Err(ConnectError::Rejected {
+                    reason: wire::REJ_CONSUMER,
+                    private_data: pd,
+                });
+            }
+            Decision::Accept(pd) => pd,
+        };
+        if reply.len() > REP_PRIVATE_DATA_MAX {
+            reject(shared, from, tid, 0, req.local_comm_id, 0, &[]);
+            return Err(VerbsError::Invalid(format!(
+                "at most {REP_PRIVATE_DATA_MAX} bytes of private data in a REP"
+            ))
+            .into());
+        }
+        let local_comm_id = shared.gsi.new_comm_id();
+        let w = Waiter::Exchange(local_comm_id);
+        shared.gsi.register(w);
+        let _unregister = Unregister(shared, w);
+        shared
+            .gsi
+            .note_passive(from, req.local_comm_id, local_comm_id);
+        let psn = random_psn()?;
+        let responder_resources = o.max_dest_rd_atomic.min(req.initiator_depth).max(1);
+        let initiator_depth = o.max_rd_atomic.min(req.responder_resources).max(1);
+        let mtu = Mtu::from_code(req.path_mtu)
+            .unwrap_or(Mtu::Mtu1024)
+            .min(qp.context().query_port().active_mtu);
+        let opts = RcOptions {
+            max_rd_atomic: initiator_depth,
+            retry_cnt: req.retry_count,
+            rnr_retry: req.rnr_retry_count,
+            ..*o
+        };
+        if let Err(e) = bring_up(qp, req.starting_psn, from, req.local_qpn, psn, mtu, &opts) {
+            reject(shared, from, tid, local_comm_id, req.local_comm_id, 0, &[]);
+            return Err(e.into());
+        }
+        let mut pd = [0u8; wire::REP_PRIVATE_DATA_LEN];
+        pd[..reply.len()].copy_from_slice(&reply);
+        let mut m = [0u8; MAD_LEN];
+        Rep {
+            ids: Ids {
+                local: local_comm_id,
+                remote: req.local_comm_id,
+            },
+            local_qpn: qp.qpn(),
+            starting_psn: psn,
+            responder_resources,
+            initiator_depth,
+            target_ack_delay: 15,
+            rnr_retry_count: o.rnr_retry & 7,
+            srq,
+            local_ca_guid: guid(*qp.context().local_addr().ip()),
+            private_data: pd,
+        }
+        .emit(tid, &mut m);
+        let connection = Connection {
+            qpn: qp.qpn(),
+            peer: from,
+            remote_comm_id: req.local_comm_id,
+            remote_qpn: req.local_qpn,
+            tid,
+            active: false,
+        };
+        let connected = Connected {
+            peer: from,
+            remote_qpn: req.local_qpn,
+            private_data: request.private_data,
+            initiator_depth,
+            responder_resources,
+        };
+        let begun = Instant::now();
+        for _ in 0..SENDS {
+            send(shared, from, &m)?;
+            let deadline = Instant::now() + RESEND_AFTER;
+            while let Some(a) = shared.gsi.wait(w, deadline) {
+                match a.msg.body {
+                    Body::Rtu(_) => {
+                        shared.gsi.establish(local_comm_id, connection);
+                        return Ok(connected);
+                    }
+                    Body::Rej(rej) => {
+                        to_error(qp);
+                        return Err(ConnectError::Rejected {
+                            reason: rej.reason,
+                            private_data: rej.private_data.to_vec(),
+                        });
+                    }
+                    // A repeated REQ: the REP again, at once.
+                    Body::Req(_) => break,
+                    _ => {}
+                }
+            }
+            // The RTU may be lost while the peer already sends on the QP:
+            // that it does is as good an answer (IBTA 12.9.8.3).
+            if qp.stats().is_some_and(|s| s.responses_sent > 0) {
+                shared.gsi.establish(local_comm_id, connection);
+                return Ok(connected);
+            }
+        }
+        to_error(qp);
+        Err(ConnectError::NoAnswer {
+            peer: from,
+            what: "REP",
+            sends: SENDS,
+            waited: begun.elapsed(),
+        })
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        if let Ok(shared) = device(&self.ctx) {
+            shared.gsi.unregister(self.waiter());
+        }
+    }
+}
+
+fn to_error(qp: &Qp) {
+    let _ = qp.modify(
+        &QpAttr {
+            state: Some(QpState::Err),
+            ..QpAttr::default()
+        },
+        None,
+    );
+}
+
+/// Disconnects `qp`'s rdma_cm connection: a DREQ to the peer, then the QP
+/// to ERR (its outstanding work flushed). Waits up to a second for the
+/// peer's DREP, sending the DREQ twice. A QP without a connection is only
+/// moved to ERR. (Dropping a connected QP sends the DREQ too.)
+pub fn disconnect(qp: &Qp) -> Result<(), VerbsError> {
+    let shared = device(qp.context())?;
+    if let Some((local, c)) = shared.gsi.take_connection_of(qp.qpn()) {
+        let w = Waiter::Exchange(local);
+        shared.gsi.register(w);
+        let _unregister = Unregister(shared, w);
+        let m = crate::provider::gsi::dreq_for(local, &c);
+        'sends: for _ in 0..2 {
+            send(shared, c.peer, &m)?;
+            let deadline = Instant::now() + RESEND_AFTER / 2;
+            while let Some(a) = shared.gsi.wait(w, deadline) {
+                if matches!(a.msg.body, Body::Drep(_)) {
+                    break 'sends;
+                }
+            }
+        }
+    }
+    to_error(qp);
+    Ok(())
+}

@@ -1,0 +1,369 @@
+//! QP 1 of a RoCEv2 device: where the IB connection manager's messages
+//! (rdma_cm over RoCE) arrive and whom they are for. The progress thread
+//! hands each CM MAD to [`Gsi::dispatch`], which answers what needs no
+//! application (a REQ for no listener, a DREQ) and queues the rest for the
+//! exchange waiting for it ([`crate::cm::roce`]).
+
+use std::collections::{HashMap, VecDeque};
+use std::net::Ipv4Addr;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Condvar, Mutex};
+use std::time::Instant;
+
+use softrdma_wire::cm::{self, Body, Dreq, Ids, Message};
+use softrdma_wire::mad::{self, MAD_LEN};
+
+/// Messages a listener or an exchange keeps before it takes them: a peer
+/// that floods one gets the rest dropped.
+const QUEUE_MAX: usize = 64;
+
+/// A CM message and the address it came from.
+#[derive(Debug, Clone)]
+pub(crate) struct Arrival {
+    pub from: Ipv4Addr,
+    pub msg: Message,
+}
+
+/// An established connection, by this side's communication ID.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Connection {
+    pub qpn: u32,
+    pub peer: Ipv4Addr,
+    pub remote_comm_id: u32,
+    pub remote_qpn: u32,
+    pub tid: u64,
+    /// This side sent the REQ (and so answers a repeated REP with an RTU).
+    pub active: bool,
+}
+
+/// Whom a wait is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Waiter {
+    /// A listener on an rdma_cm service.
+    Service(u64),
+    /// An exchange under way, by this side's communication ID.
+    Exchange(u32),
+}
+
+#[derive(Debug, Default)]
+struct State {
+    queues: HashMap<Waiter, VecDeque<Arrival>>,
+    /// Passive exchanges by the active side's address and communication
+    /// ID: a repeated REQ goes to the exchange it started.
+    passive: HashMap<(Ipv4Addr, u32), u32>,
+    connections: HashMap<u32, Connection>,
+}
+
+/// What the progress thread does after a dispatch.
+#[derive(Debug, Default)]
+pub(crate) struct Outcome {
+    /// A MAD to send back to the sender.
+    pub reply: Option<[u8; MAD_LEN]>,
+    /// A QP whose peer disconnected: to the error state.
+    pub disconnected_qp: Option<u32>,
+}
+
+/// The GSI's bookkeeping.
+#[derive(Debug)]
+pub(crate) struct Gsi {
+    state: Mutex<State>,
+    arrived: Condvar,
+    /// The PSN of the next MAD sent (UD: counted, never checked).
+    psn: AtomicU32,
+    next_comm_id: AtomicU32,
+}
+
+impl Gsi {
+    pub fn new(seed: u32) -> Gsi {
+        Gsi {
+            state: Mutex::new(State::default()),
+            arrived: Condvar::new(),
+            psn: AtomicU32::new(0),
+            next_comm_id: AtomicU32::new(seed | 1),
+        }
+    }
+
+    pub fn next_psn(&self) -> u32 {
+        self.psn.fetch_add(1, Ordering::Relaxed) & 0xff_ffff
+    }
+
+    /// A communication ID no connection of this device has (0 is never one).
+    pub fn new_comm_id(&self) -> u32 {
+        loop {
+            let id = self.next_comm_id.fetch_add(0x9e37_79b9, Ordering::Relaxed);
+            let s = self.state.lock().expect("GSI lock");
+            if id != 0
+                && !s.connections.contains_key(&id)
+                && !s.queues.contains_key(&Waiter::Exchange(id))
+            {
+                return id;
+            }
+        }
+    }
+
+    /// Starts taking messages for `w`; false if something already does
+    /// (a port listened on twice).
+    pub fn register(&self, w: Waiter) -> bool {
+        let mut s = self.state.lock().expect("GSI lock");
+        if s.queues.contains_key(&w) {
+            return false;
+        }
+        s.queues.insert(w, VecDeque::new());
+        true
+    }
+
+    /// Stops taking messages for `w` (and forgets its passive exchange).
+    pub fn unregister(&self, w: Waiter) {
+        let mut s = self.state.lock().expect("GSI lock");
+        s.queues.remove(&w);
+        if let Waiter::Exchange(id) = w {
+            s.passive.retain(|_, local| *local != id);
+        }
+    }
+
+    /// A repeated REQ from `from` with communication ID `remote` goes to
+    /// the passive exchange `local` from now on.
+    pub fn note_passive(&self, from: Ipv4Addr, remote: u32, local: u32) {
+        self.state
+            .lock()
+            .expect("GSI lock")
+            .passive
+            .insert((from, remote), local);
+    }
+
+    /// The next message for `w`, waiting until `deadline`.
+    pub fn wait(&self, w: Waiter, deadline: Instant) -> Option<Arrival> {
+        let mut s = self.state.lock().expect("GSI lock");
+        loop {
+            match s.queues.get_mut(&w) {
+                None => return None,
+                Some(q) => {
+                    if let Some(a) = q.pop_front() {
+                        return Some(a);
+                    }
+                }
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            s = self.arrived.wait_timeout(s, left).expect("GSI lock").0;
+        }
+    }
+
+    pub fn establish(&self, local_comm_id: u32, c: Connection) {
+        self.state
+            .lock()
+            .expect("GSI lock")
+            .connections
+            .insert(local_comm_id, c);
+    }
+
+    /// The connection of QP `qpn`, forgotten: it is being disconnected.
+    pub fn take_connection_of(&self, qpn: u32) -> Option<(u32, Connection)> {
+        let mut s = self.state.lock().expect("GSI lock");
+        let id = *s.connections.iter().find(|(_, c)| c.qpn == qpn)?.0;
+        s.connections.remove(&id).map(|c| (id, c))
+    }
+
+    /// What to do with a CM MAD from `from`.
+    pub fn dispatch(&self, from: Ipv4Addr, m: &[u8]) -> Outcome {
+        let mut out = Outcome::default();
+        let Ok(Some(msg)) = Message::parse(m) else {
+            return out;
+        };
+        let mut s = self.state.lock().expect("GSI lock");
+        let target = match &msg.body {
+            Body::Req(r) => match s.passive.get(&(from, r.local_comm_id)) {
+                Some(&local) => Some(Waiter::Exchange(local)),
+                None => {
+                    let w = Waiter::Service(r.service_id);
+                    if !s.queues.contains_key(&w) {
+                        // As Linux's CM answers a REQ no listener takes.
+                        let mut rej = [0u8; MAD_LEN];
+                        if mad::cm_rej_for_req(m, mad::REJ_INVALID_SERVICE_ID, &mut rej).is_ok() {
+                            out.reply = Some(rej);
+                        }
+                        return out;
+                    }
+                    Some(w)
+                }
+            },
+            Body::Dreq(d) => {
+                // Answered whether or not the connection is known (so does
+                // Linux's CM): the peer stops repeating it.
+                let mut drep = [0u8; MAD_LEN];
+                Ids {
+                    local: d.ids.remote,
+                    remote: d.ids.local,
+                }
+                .emit_as(cm::DREP, msg.tid, &mut drep);
+                out.reply = Some(drep);
+                if let Some(c) = s.connections.get(&d.ids.remote)
+                    && c.peer == from
+                    && c.remote_comm_id == d.ids.local
+                {
+                    out.disconnected_qp = Some(c.qpn);
+                    s.connections.remove(&d.ids.remote);
+                }
+                let w = Waiter::Exchange(d.ids.remote);
+                s.queues.contains_key(&w).then_some(w)
+            }
+            Body::Rep(r) => {
+                if let Some(c) = s.connections.get(&r.ids.remote)
+                    && c.active
+                    && c.peer == from
+                {
+                    // Our RTU was lost: the REP comes again.
+                    let mut rtu = [0u8; MAD_LEN];
+                    Ids {
+                        local: r.ids.remote,
+                        remote: r.ids.local,
+                    }
+                    .emit_as(cm::RTU, msg.tid, &mut rtu);
+                    out.reply = Some(rtu);
+                    return out;
+                }
+                Some(Waiter::Exchange(r.ids.remote))
+            }
+            Body::Rtu(ids) | Body::Drep(ids) => Some(Waiter::Exchange(ids.remote)),
+            Body::Rej(r) => Some(Waiter::Exchange(r.ids.remote)),
+            Body::Mra(r) => Some(Waiter::Exchange(r.ids.remote)),
+        };
+        if let Some(q) = target.and_then(|w| s.queues.get_mut(&w))
+            && q.len() < QUEUE_MAX
+        {
+            q.push_back(Arrival { from, msg });
+            self.arrived.notify_all();
+        }
+        out
+    }
+}
+
+/// The DREQ for connection `c` (this side's ID `local`).
+pub(crate) fn dreq_for(local: u32, c: &Connection) -> [u8; MAD_LEN] {
+    let mut m = [0u8; MAD_LEN];
+    Dreq {
+        ids: Ids {
+            local,
+            remote: c.remote_comm_id,
+        },
+        remote_qpn: c.remote_qpn,
+    }
+    .emit(c.tid, &mut m);
+    m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use softrdma_wire::cm::Rep;
+
+    const PEER: Ipv4Addr = Ipv4Addr::new(10, 99, 0, 2);
+
+    fn parse(m: &[u8; MAD_LEN]) -> Body {
+        Message::parse(m).unwrap().unwrap().body
+    }
+
+    #[test]
+    fn a_dreq_is_answered_and_ends_only_its_own_connection() {
+        let g = Gsi::new(7);
+        let c = Connection {
+            qpn: 0x11,
+            peer: PEER,
+            remote_comm_id: 0xaa,
+            remote_qpn: 0x22,
+            tid: 5,
+            active: true,
+        };
+        g.establish(0x55, c);
+        // The DREQ names the connection the wrong way round (another
+        // peer's ID): answered, the connection kept.
+        let mut m = [0u8; MAD_LEN];
+        Dreq {
+            ids: Ids {
+                local: 0xab,
+                remote: 0x55,
+            },
+            remote_qpn: 0x11,
+        }
+        .emit(5, &mut m);
+        let out = g.dispatch(PEER, &m);
+        assert_eq!(
+            parse(&out.reply.unwrap()),
+            Body::Drep(Ids {
+                local: 0x55,
+                remote: 0xab
+            })
+        );
+        assert_eq!(out.disconnected_qp, None);
+        // Its own DREQ ends it, once.
+        m = dreq_for(
+            0xaa,
+            &Connection {
+                remote_comm_id: 0x55,
+                ..c
+            },
+        );
+        assert_eq!(g.dispatch(PEER, &m).disconnected_qp, Some(0x11));
+        assert_eq!(g.dispatch(PEER, &m).disconnected_qp, None);
+        assert!(g.take_connection_of(0x11).is_none());
+    }
+
+    #[test]
+    fn a_repeated_rep_gets_the_rtu_again_and_others_wait_in_their_queue() {
+        let g = Gsi::new(7);
+        g.establish(
+            0x55,
+            Connection {
+                qpn: 0x11,
+                peer: PEER,
+                remote_comm_id: 0xaa,
+                remote_qpn: 0x22,
+                tid: 5,
+                active: true,
+            },
+        );
+        let mut m = [0u8; MAD_LEN];
+        Rep {
+            ids: Ids {
+                local: 0xaa,
+                remote: 0x55,
+            },
+            local_qpn: 0x22,
+            starting_psn: 1,
+            responder_resources: 1,
+            initiator_depth: 1,
+            target_ack_delay: 0,
+            rnr_retry_count: 7,
+            srq: false,
+            local_ca_guid: 0,
+            private_data: [0; cm::REP_PRIVATE_DATA_LEN],
+        }
+        .emit(5, &mut m);
+        let out = g.dispatch(PEER, &m);
+        assert_eq!(
+            parse(&out.reply.unwrap()),
+            Body::Rtu(Ids {
+                local: 0x55,
+                remote: 0xaa
+            })
+        );
+        // A REP for an exchange under way waits for it; one for nobody is
+        // dropped.
+        let w = Waiter::Exchange(0x66);
+        assert!(g.register(w));
+        assert!(!g.register(w));
+        m[28..32].copy_from_slice(&0x66u32.to_be_bytes());
+        assert!(g.dispatch(PEER, &m).reply.is_none());
+        let got = g.wait(w, Instant::now()).unwrap();
+        assert_eq!((got.from, got.msg.tid), (PEER, 5));
+        m[28..32].copy_from_slice(&0x77u32.to_be_bytes());
+        assert!(g.dispatch(PEER, &m).reply.is_none());
+        g.unregister(w);
+        assert!(g.wait(w, Instant::now()).is_none());
+        // Garbage is no message.
+        let out = g.dispatch(PEER, &[0u8; MAD_LEN]);
+        assert!(out.reply.is_none() && out.disconnected_qp.is_none());
+    }
+}
