@@ -10,7 +10,9 @@
 //! `addr` is the device's IPv4 address and UDP port (how a peer learns a port
 //! other than 4791); `rkey`, `va` and `len` advertise one memory region (zero
 //! when none). rdma-core's and perftest's own exchanges live with the tools
-//! (`softrdma ping`, `softrdma perf`); [`mpa`] is iWARP's establishment.
+//! (`softrdma ping`, `softrdma perf`); [`mpa`] is iWARP's establishment
+//! ([`iwarp`] connects as rdma_cm does there), [`roce`] is rdma_cm's over
+//! RoCEv2 (the IB connection manager), [`shm`] connects shared-memory QPs.
 
 mod backlog;
 pub mod iwarp;

@@ -461,7 +461,9 @@ impl Listener {
                 }
                 continue;
             };
-            if let Body::Req(req) = a.msg.body {
+            if let Body::Req(req) = a.msg.body
+                && !shared.gsi.is_taken(a.from, req.local_comm_id)
+            {
                 break (a.from, a.msg.tid, req);
             }
         };

@@ -131,6 +131,17 @@ impl Gsi {
             .insert((from, remote), local);
     }
 
+    /// Whether a REQ from `from` with communication ID `remote` is one an
+    /// exchange took already (a repeat that reached the listener's queue
+    /// before the first was taken).
+    pub fn is_taken(&self, from: Ipv4Addr, remote: u32) -> bool {
+        let s = self.state.lock().expect("GSI lock");
+        s.passive.contains_key(&(from, remote))
+            || s.connections
+                .values()
+                .any(|c| c.peer == from && c.remote_comm_id == remote)
+    }
+
     /// The next message for `w`, waiting until `deadline`.
     pub fn wait(&self, w: Waiter, deadline: Instant) -> Option<Arrival> {
         let mut s = self.state.lock().expect("GSI lock");
@@ -176,6 +187,15 @@ impl Gsi {
         let target = match &msg.body {
             Body::Req(r) => match s.passive.get(&(from, r.local_comm_id)) {
                 Some(&local) => Some(Waiter::Exchange(local)),
+                // A REQ repeated after its connection was made: the REP
+                // reached the peer (it sent the RTU); nothing to do.
+                None if s
+                    .connections
+                    .values()
+                    .any(|c| c.peer == from && c.remote_comm_id == r.local_comm_id) =>
+                {
+                    return out;
+                }
                 None => {
                     let w = Waiter::Service(r.service_id);
                     if !s.queues.contains_key(&w) {
@@ -362,6 +382,50 @@ mod tests {
         assert!(g.dispatch(PEER, &m).reply.is_none());
         g.unregister(w);
         assert!(g.wait(w, Instant::now()).is_none());
+        // A REQ repeated after its connection was made reaches no listener.
+        let svc = Waiter::Service(cm::rdma_cm_service_id(7174));
+        assert!(g.register(svc));
+        let mut req = [0u8; MAD_LEN];
+        cm::Req {
+            local_comm_id: 0xaa,
+            service_id: cm::rdma_cm_service_id(7174),
+            local_ca_guid: 0,
+            local_qpn: 0x22,
+            responder_resources: 1,
+            initiator_depth: 1,
+            remote_cm_response_timeout: 20,
+            transport: 0,
+            starting_psn: 1,
+            local_cm_response_timeout: 20,
+            retry_count: 7,
+            pkey: 0xffff,
+            path_mtu: 3,
+            rnr_retry_count: 7,
+            max_cm_retries: 15,
+            srq: false,
+            primary: cm::Path {
+                local_gid: [0; 16],
+                remote_gid: [0; 16],
+                flow_label: 0,
+                traffic_class: 0,
+                hop_limit: 64,
+                sl: 0,
+                local_ack_timeout: 14,
+            },
+            private_data: [0; cm::REQ_PRIVATE_DATA_LEN],
+        }
+        .emit(9, &mut req);
+        assert!(g.is_taken(PEER, 0xaa));
+        assert!(g.dispatch(PEER, &req).reply.is_none());
+        assert!(g.wait(svc, Instant::now()).is_none());
+        // From another peer it is a new request.
+        assert!(!g.is_taken(Ipv4Addr::new(10, 99, 0, 3), 0xaa));
+        assert!(
+            g.dispatch(Ipv4Addr::new(10, 99, 0, 3), &req)
+                .reply
+                .is_none()
+        );
+        assert!(g.wait(svc, Instant::now()).is_some());
         // Garbage is no message.
         let out = g.dispatch(PEER, &[0u8; MAD_LEN]);
         assert!(out.reply.is_none() && out.disconnected_qp.is_none());
