@@ -225,3 +225,288 @@ fn a_dropped_qp_disconnects_and_bad_uses_are_refused() {
     assert!(e.to_string().contains("iWARP"), "{e}");
     drop(a_ctx);
 }
+
+/// A peer made of a UDP socket on port 4791 that speaks CM MADs by hand:
+/// it can stay silent, repeat itself and send what it likes.
+struct RawPeer {
+    sock: std::net::UdpSocket,
+    ip: [u8; 4],
+}
+
+impl RawPeer {
+    fn new(ip: [u8; 4]) -> RawPeer {
+        let sock = std::net::UdpSocket::bind((std::net::Ipv4Addr::from(ip), 4791)).unwrap();
+        sock.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        RawPeer { sock, ip }
+    }
+
+    fn send(&self, to: [u8; 4], mad: &[u8; 256]) {
+        use softrdma::wire::icrc::{self, Ipv4Pseudo};
+        use softrdma::wire::{Opcode, Psn, deth, packet};
+        let mut r = packet::Repr::new(Opcode::UD_SEND_ONLY, 1, Psn::new(0), mad.len());
+        r.deth = Some(deth::Repr {
+            qkey: deth::GSI_QKEY,
+            src_qp: 1,
+        });
+        let mut p = vec![0u8; r.buffer_len().unwrap()];
+        r.emit(&mut p, mad).unwrap();
+        let udp_len = (8 + p.len()) as u16;
+        let ip = Ipv4Pseudo {
+            src: self.ip,
+            dst: to,
+            identification: 0,
+            dont_fragment: true,
+        };
+        let udp = icrc::udp_header(4791, 4791, udp_len);
+        icrc::fill(&ip.header(udp_len), &udp, &mut p).unwrap();
+        self.sock
+            .send_to(&p, (std::net::Ipv4Addr::from(to), 4791))
+            .unwrap();
+    }
+
+    /// The next CM message, within `within`.
+    fn recv(&self, within: Duration) -> Option<softrdma::wire::cm::Message> {
+        use softrdma::wire::packet;
+        self.sock.set_read_timeout(Some(within)).unwrap();
+        let mut got = [0u8; 512];
+        let (n, _) = self.sock.recv_from(&mut got).ok()?;
+        let p = packet::Packet::new_checked(&got[..n]).unwrap();
+        softrdma::wire::cm::Message::parse(&p.payload()[..256]).unwrap()
+    }
+}
+
+fn raw_req(comm_id: u32, port: u16, src: [u8; 4], dst: [u8; 4]) -> [u8; 256] {
+    use softrdma::wire::cm;
+    let mut pd = [0u8; cm::REQ_PRIVATE_DATA_LEN];
+    cm::RdmaCmHeader {
+        src_port: 40000,
+        src,
+        dst,
+    }
+    .emit(&mut pd);
+    let mut m = [0u8; 256];
+    cm::Req {
+        local_comm_id: comm_id,
+        service_id: cm::rdma_cm_service_id(port),
+        local_ca_guid: 1,
+        local_qpn: 0x77,
+        responder_resources: 1,
+        initiator_depth: 1,
+        remote_cm_response_timeout: 20,
+        transport: 0,
+        starting_psn: 100,
+        local_cm_response_timeout: 20,
+        retry_count: 7,
+        pkey: 0xffff,
+        path_mtu: 3,
+        rnr_retry_count: 7,
+        max_cm_retries: 15,
+        srq: false,
+        primary: cm::Path {
+            local_gid: std::net::Ipv4Addr::from(src).to_ipv6_mapped().octets(),
+            remote_gid: std::net::Ipv4Addr::from(dst).to_ipv6_mapped().octets(),
+            flow_label: 0,
+            traffic_class: 0,
+            hop_limit: 64,
+            sl: 0,
+            local_ack_timeout: 14,
+        },
+        private_data: pd,
+    }
+    .emit(0x99, &mut m);
+    m
+}
+
+/// The passive side sends its REP again until the RTU comes, at once for a
+/// repeated REQ; the RTU of another exchange does not count; the peer's
+/// DREQ gets its DREP and ends the connection.
+#[test]
+fn the_passive_side_repeats_its_rep_and_takes_the_dreq() {
+    use softrdma::wire::cm::{self, Body, Dreq, Ids};
+    let (me, peer_ip) = ([127, 0, 0, 88], [127, 0, 0, 89]);
+    let ctx = device(me);
+    let listener = Listener::bind(&ctx, 7180).unwrap();
+    let b = side(&ctx);
+    let peer = RawPeer::new(peer_ip);
+    let server = std::thread::spawn(move || {
+        let got = listener.accept(
+            &b.qp,
+            &RcOptions::default(),
+            |_| Decision::Accept(b"rep".to_vec()),
+            Some(T),
+        );
+        (got, b, listener)
+    });
+    let req = raw_req(0x1234, 7180, peer_ip, me);
+    peer.send(me, &req);
+    let Some(cm::Message {
+        body: Body::Rep(rep),
+        tid: 0x99,
+    }) = peer.recv(Duration::from_secs(5))
+    else {
+        panic!("a REP")
+    };
+    assert_eq!(rep.ids.remote, 0x1234);
+    assert_eq!(&rep.private_data[..3], b"rep");
+    // No RTU: the REP comes again, a second or so later.
+    let t = Instant::now();
+    let Some(cm::Message {
+        body: Body::Rep(again),
+        ..
+    }) = peer.recv(Duration::from_secs(3))
+    else {
+        panic!("the REP again")
+    };
+    assert_eq!(again, rep);
+    assert!(
+        t.elapsed() > Duration::from_millis(500),
+        "{:?}",
+        t.elapsed()
+    );
+    // A repeated REQ gets it at once.
+    peer.send(me, &req);
+    let t = Instant::now();
+    assert!(matches!(
+        peer.recv(Duration::from_secs(3)).map(|m| m.body),
+        Some(Body::Rep(_))
+    ));
+    assert!(
+        t.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        t.elapsed()
+    );
+    // The RTU of another exchange is not this one's.
+    let mut rtu = [0u8; 256];
+    Ids {
+        local: 0x9999,
+        remote: rep.ids.local,
+    }
+    .emit_as(cm::RTU, 0x99, &mut rtu);
+    peer.send(me, &rtu);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!server.is_finished(), "an RTU with the wrong ID was taken");
+    Ids {
+        local: 0x1234,
+        remote: rep.ids.local,
+    }
+    .emit_as(cm::RTU, 0x99, &mut rtu);
+    peer.send(me, &rtu);
+    let (got, b, _listener) = server.join().unwrap();
+    let got = got.unwrap();
+    assert_eq!(got.remote_qpn, 0x77);
+    assert_eq!(b.qp.state(), QpState::Rts);
+    // Drain any REP repeats still on their way.
+    while peer.recv(Duration::from_millis(100)).is_some() {}
+    let mut dreq = [0u8; 256];
+    Dreq {
+        ids: Ids {
+            local: 0x1234,
+            remote: rep.ids.local,
+        },
+        remote_qpn: b.qp.qpn(),
+    }
+    .emit(0x99, &mut dreq);
+    peer.send(me, &dreq);
+    assert_eq!(
+        peer.recv(Duration::from_secs(3)).map(|m| m.body),
+        Some(Body::Drep(Ids {
+            local: rep.ids.local,
+            remote: 0x1234
+        }))
+    );
+    common::wait_state(&b.qp, QpState::Err);
+}
+
+/// The active side sends its REQ again when no answer comes, heeds an MRA
+/// (once), answers the REP with an RTU and a repeated REP with the RTU
+/// again.
+#[test]
+fn the_active_side_repeats_its_req_heeds_an_mra_and_repeats_its_rtu() {
+    use softrdma::wire::cm::{self, Body, Ids, Mra, Rep};
+    let (me, peer_ip) = ([127, 0, 0, 90], [127, 0, 0, 91]);
+    let ctx = device(me);
+    let a = side(&ctx);
+    let peer = RawPeer::new(peer_ip);
+    let client = std::thread::spawn(move || {
+        let to = SocketAddrV4::new(peer_ip.into(), 7181);
+        let got = roce::connect(&a.qp, to, b"req", &RcOptions::default());
+        (got, a)
+    });
+    let Some(cm::Message {
+        body: Body::Req(req),
+        tid,
+    }) = peer.recv(Duration::from_secs(5))
+    else {
+        panic!("a REQ")
+    };
+    assert_eq!(cm::rdma_cm_port(req.service_id), Some(7181));
+    let t = Instant::now();
+    let again = peer.recv(Duration::from_secs(3)).expect("the REQ again");
+    assert!(
+        t.elapsed() > Duration::from_millis(500),
+        "{:?}",
+        t.elapsed()
+    );
+    assert_eq!(again.body, Body::Req(req.clone()));
+    // "Wait for me" (2^22 × 4 µs: 17 s, cut to the minute's cap but more
+    // than the REQ's second): no REQ comes for a while.
+    let mut mra = [0u8; 256];
+    Mra {
+        ids: Ids {
+            local: 0x4321,
+            remote: req.local_comm_id,
+        },
+        message_mraed: 0,
+        service_timeout: 22,
+    }
+    .emit(tid, &mut mra);
+    peer.send(me, &mra);
+    assert!(
+        peer.recv(Duration::from_millis(2500)).is_none(),
+        "a REQ despite the MRA"
+    );
+    let mut rep = [0u8; 256];
+    let mut pd = [0u8; cm::REP_PRIVATE_DATA_LEN];
+    pd[..3].copy_from_slice(b"rep");
+    Rep {
+        ids: Ids {
+            local: 0x4321,
+            remote: req.local_comm_id,
+        },
+        local_qpn: 0x66,
+        starting_psn: 200,
+        responder_resources: 1,
+        initiator_depth: 1,
+        target_ack_delay: 15,
+        rnr_retry_count: 7,
+        srq: false,
+        local_ca_guid: 2,
+        private_data: pd,
+    }
+    .emit(tid, &mut rep);
+    peer.send(me, &rep);
+    let rtu = Body::Rtu(Ids {
+        local: req.local_comm_id,
+        remote: 0x4321,
+    });
+    assert_eq!(
+        peer.recv(Duration::from_secs(3)).map(|m| m.body),
+        Some(rtu.clone())
+    );
+    let (got, a) = client.join().unwrap();
+    let got = got.unwrap();
+    assert_eq!(
+        (got.remote_qpn, &got.private_data[..3]),
+        (0x66, &b"rep"[..])
+    );
+    assert_eq!(a.qp.state(), QpState::Rts);
+    // The RTU was lost, say: the REP again gets it again.
+    peer.send(me, &rep);
+    assert_eq!(peer.recv(Duration::from_secs(3)).map(|m| m.body), Some(rtu));
+    // Dropping the QP says goodbye.
+    drop(a);
+    assert!(matches!(
+        peer.recv(Duration::from_secs(3)).map(|m| m.body),
+        Some(Body::Dreq(_))
+    ));
+}

@@ -403,6 +403,14 @@ impl Mra {
             service_timeout: m[33] >> 3,
         }
     }
+
+    /// Writes the MRA, a whole MAD, into `out`.
+    pub fn emit(&self, tid: u64, out: &mut [u8]) {
+        emit_header(out, MRA, tid);
+        self.ids.emit(out);
+        out[32] = self.message_mraed << 6;
+        out[33] = self.service_timeout << 3;
+    }
 }
 
 /// A disconnection request.
@@ -674,17 +682,18 @@ mod tests {
         emit_header(&mut mra, MRA, 3);
         mra[28..32].copy_from_slice(&5u32.to_be_bytes());
         mra[33] = 21 << 3;
-        assert_eq!(
-            Message::parse(&mra).unwrap().unwrap().body,
-            Body::Mra(Mra {
-                ids: Ids {
-                    local: 0,
-                    remote: 5
-                },
-                message_mraed: 0,
-                service_timeout: 21
-            })
-        );
+        let want = Mra {
+            ids: Ids {
+                local: 0,
+                remote: 5,
+            },
+            message_mraed: 0,
+            service_timeout: 21,
+        };
+        assert_eq!(Message::parse(&mra).unwrap().unwrap().body, Body::Mra(want));
+        let mut out = [0xffu8; MAD_LEN];
+        want.emit(3, &mut out);
+        assert_eq!(out, mra);
 
         assert!(Message::parse(&req[..255]).is_err());
         req[2] = 1;

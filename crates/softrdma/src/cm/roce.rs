@@ -260,11 +260,14 @@ pub fn connect(
     shared.gsi.register(w);
     let _unregister = Unregister(shared, w);
     let started = Instant::now();
+    // However the peer answers with MRAs, the REQ's exchange ends by then.
+    let overall = started + RESEND_AFTER * SENDS + MRA_MAX;
     let mut sends = 0;
+    let mut mra_for = 0;
     let mut deadline = Instant::now();
     let rep = loop {
         if Instant::now() >= deadline {
-            if sends == SENDS {
+            if sends == SENDS || Instant::now() >= overall {
                 return Err(ConnectError::NoAnswer {
                     peer,
                     what: "REQ",
@@ -290,10 +293,12 @@ pub fn connect(
                     private_data: rej.private_data.to_vec(),
                 });
             }
-            Body::Mra(mra) => {
-                // The peer's application takes its time: wait as it asks.
+            // The peer's application takes its time: wait as it asks, once
+            // per REQ sent (as Linux, which heeds an MRA only then).
+            Body::Mra(mra) if mra.message_mraed == 0 && mra_for != sends => {
+                mra_for = sends;
                 let asked = Duration::from_nanos(4096u64 << mra.service_timeout.min(31));
-                deadline = Instant::now() + asked.clamp(RESEND_AFTER, MRA_MAX);
+                deadline = (Instant::now() + asked.clamp(RESEND_AFTER, MRA_MAX)).min(overall);
             }
             _ => {}
         }
@@ -306,7 +311,17 @@ pub fn connect(
         ..*o
     };
     if let Err(e) = bring_up(qp, rep.starting_psn, peer, rep.local_qpn, psn, mtu, &opts) {
-        reject(shared, peer, tid, rep.ids.remote, rep.ids.local, 1, &[]);
+        reject(
+            shared,
+            peer,
+            tid,
+            rep.ids.remote,
+            rep.ids.local,
+            1,
+            wire::REJ_CONSUMER,
+            &[],
+        );
+        to_error(qp);
         return Err(e.into());
     }
     let ids = Ids {
@@ -326,7 +341,9 @@ pub fn connect(
             active: true,
         },
     );
-    send(shared, peer, &rtu)?;
+    // A lost RTU (or one that could not be sent) is made good when the
+    // peer repeats its REP: the progress thread answers with the RTU.
+    let _ = send_mad(shared, peer, &rtu);
     Ok(Connected {
         peer,
         remote_qpn: rep.local_qpn,
@@ -336,8 +353,8 @@ pub fn connect(
     })
 }
 
-/// Sends a REJ of message `rejected` (0 REQ, 1 REP) for reason "consumer
-/// defined" (or the REJ's own reason for a REQ: see [`Listener`]).
+/// Sends a REJ of message `rejected` (0 REQ, 1 REP) for `reason`.
+#[allow(clippy::too_many_arguments)]
 fn reject(
     shared: &Shared,
     to: Ipv4Addr,
@@ -345,6 +362,7 @@ fn reject(
     local: u32,
     remote: u32,
     rejected: u8,
+    reason: u16,
     private_data: &[u8],
 ) {
     let mut pd = [0u8; wire::REJ_PRIVATE_DATA_LEN];
@@ -354,7 +372,7 @@ fn reject(
     Rej {
         ids: Ids { local, remote },
         message_rejected: rejected,
-        reason: wire::REJ_CONSUMER,
+        reason,
         private_data: pd,
     }
     .emit(tid, &mut m);
@@ -452,7 +470,9 @@ impl Listener {
                 .into());
             }
             let slice = Instant::now() + Duration::from_secs(1);
-            let deadline = waited.map_or(slice, |w| (started + w).min(slice));
+            let deadline = waited
+                .and_then(|w| started.checked_add(w))
+                .map_or(slice, |end| end.min(slice));
             let Some(a) = shared.gsi.wait(self.waiter(), deadline) else {
                 if let Some(w) = waited
                     && started.elapsed() >= w
@@ -470,7 +490,16 @@ impl Listener {
         let header = match wire::RdmaCmHeader::parse(&req.private_data) {
             Ok(h) => h,
             Err(e) => {
-                reject(shared, from, tid, 0, req.local_comm_id, 0, &[]);
+                reject(
+                    shared,
+                    from,
+                    tid,
+                    0,
+                    req.local_comm_id,
+                    0,
+                    wire::REJ_CONSUMER,
+                    &[],
+                );
                 return Err(ConnectError::Protocol {
                     peer: from,
                     what: format!("a REQ without rdma_cm's header ({e})"),
@@ -478,7 +507,12 @@ impl Listener {
             }
         };
         if req.transport != 0 || req.local_qpn <= 1 {
-            reject(shared, from, tid, 0, req.local_comm_id, 0, &[]);
+            let reason = if req.transport != 0 {
+                wire::REJ_INVALID_TRANSPORT
+            } else {
+                wire::REJ_CONSUMER
+            };
+            reject(shared, from, tid, 0, req.local_comm_id, 0, reason, &[]);
             return Err(ConnectError::Protocol {
                 peer: from,
                 what: format!(
@@ -495,7 +529,16 @@ impl Listener {
         };
         let reply = match decide(&request) {
             Decision::Reject(pd) => {
-                reject(shared, from, tid, 0, req.local_comm_id, 0, &pd);
+                reject(
+                    shared,
+                    from,
+                    tid,
+                    0,
+                    req.local_comm_id,
+                    0,
+                    wire::REJ_CONSUMER,
+                    &pd,
+                );
                 return Err(ConnectError::Rejected {
                     reason: wire::REJ_CONSUMER,
                     private_data: pd,
@@ -504,7 +547,16 @@ impl Listener {
             Decision::Accept(pd) => pd,
         };
         if reply.len() > REP_PRIVATE_DATA_MAX {
-            reject(shared, from, tid, 0, req.local_comm_id, 0, &[]);
+            reject(
+                shared,
+                from,
+                tid,
+                0,
+                req.local_comm_id,
+                0,
+                wire::REJ_CONSUMER,
+                &[],
+            );
             return Err(VerbsError::Invalid(format!(
                 "at most {REP_PRIVATE_DATA_MAX} bytes of private data in a REP"
             ))
@@ -530,7 +582,9 @@ impl Listener {
             ..*o
         };
         if let Err(e) = bring_up(qp, req.starting_psn, from, req.local_qpn, psn, mtu, &opts) {
-            reject(shared, from, tid, local_comm_id, req.local_comm_id, 0, &[]);
+            let (local, remote) = (local_comm_id, req.local_comm_id);
+            reject(shared, from, tid, local, remote, 0, wire::REJ_CONSUMER, &[]);
+            to_error(qp);
             return Err(e.into());
         }
         let mut pd = [0u8; wire::REP_PRIVATE_DATA_LEN];
@@ -567,37 +621,67 @@ impl Listener {
             initiator_depth,
             responder_resources,
         };
+        // Recorded before the REP goes: a DREQ that comes at any time after
+        // it ends the connection (the progress thread moves the QP to ERR).
+        shared.gsi.establish(local_comm_id, connection);
+        let fail = |e: ConnectError| {
+            shared.gsi.take_connection_of(qp.qpn());
+            to_error(qp);
+            Err(e)
+        };
         let begun = Instant::now();
-        for _ in 0..SENDS {
-            send(shared, from, &m)?;
-            let deadline = Instant::now() + RESEND_AFTER;
+        let mut mra_honoured = false;
+        let mut sends = 0;
+        while sends < SENDS {
+            if let Err(e) = send(shared, from, &m) {
+                return fail(e.into());
+            }
+            sends += 1;
+            let mut deadline = Instant::now() + RESEND_AFTER;
             while let Some(a) = shared.gsi.wait(w, deadline) {
+                // Only the active side's messages for this exchange count.
+                if a.from != from {
+                    continue;
+                }
                 match a.msg.body {
-                    Body::Rtu(_) => {
-                        shared.gsi.establish(local_comm_id, connection);
-                        return Ok(connected);
-                    }
-                    Body::Rej(rej) => {
-                        to_error(qp);
-                        return Err(ConnectError::Rejected {
+                    Body::Rtu(ids) if ids.local == req.local_comm_id => return Ok(connected),
+                    Body::Rej(rej) if rej.ids.local == req.local_comm_id => {
+                        return fail(ConnectError::Rejected {
                             reason: rej.reason,
                             private_data: rej.private_data.to_vec(),
                         });
                     }
+                    Body::Dreq(d) if d.ids.local == req.local_comm_id => {
+                        return fail(ConnectError::Protocol {
+                            peer: from,
+                            what: "a DREQ before the RTU".into(),
+                        });
+                    }
+                    // The active side needs longer for its RTU: once.
+                    Body::Mra(mra) if mra.message_mraed == 1 && !mra_honoured => {
+                        mra_honoured = true;
+                        let asked = Duration::from_nanos(4096u64 << mra.service_timeout.min(31));
+                        deadline = Instant::now() + asked.clamp(RESEND_AFTER, MRA_MAX);
+                    }
                     // A repeated REQ: the REP again, at once.
-                    Body::Req(_) => break,
+                    Body::Req(r) if r.local_comm_id == req.local_comm_id => break,
                     _ => {}
                 }
             }
             // The RTU may be lost while the peer already sends on the QP:
             // that it does is as good an answer (IBTA 12.9.8.3).
             if qp.stats().is_some_and(|s| s.responses_sent > 0) {
-                shared.gsi.establish(local_comm_id, connection);
                 return Ok(connected);
             }
+            if qp.state() == QpState::Err {
+                // The peer's DREQ (handled by the progress thread).
+                return fail(ConnectError::Protocol {
+                    peer: from,
+                    what: "disconnected before the RTU".into(),
+                });
+            }
         }
-        to_error(qp);
-        Err(ConnectError::NoAnswer {
+        fail(ConnectError::NoAnswer {
             peer: from,
             what: "REP",
             sends: SENDS,
@@ -630,21 +714,25 @@ fn to_error(qp: &Qp) {
 /// moved to ERR. (Dropping a connected QP sends the DREQ too.)
 pub fn disconnect(qp: &Qp) -> Result<(), VerbsError> {
     let shared = device(qp.context())?;
+    let mut sent = Ok(());
     if let Some((local, c)) = shared.gsi.take_connection_of(qp.qpn()) {
         let w = Waiter::Exchange(local);
         shared.gsi.register(w);
         let _unregister = Unregister(shared, w);
         let m = crate::provider::gsi::dreq_for(local, &c);
         'sends: for _ in 0..2 {
-            send(shared, c.peer, &m)?;
+            sent = send(shared, c.peer, &m);
+            if sent.is_err() {
+                break;
+            }
             let deadline = Instant::now() + RESEND_AFTER / 2;
             while let Some(a) = shared.gsi.wait(w, deadline) {
-                if matches!(a.msg.body, Body::Drep(_)) {
+                if a.from == c.peer && matches!(a.msg.body, Body::Drep(_)) {
                     break 'sends;
                 }
             }
         }
     }
     to_error(qp);
-    Ok(())
+    sent
 }

@@ -87,10 +87,12 @@ impl Gsi {
         self.psn.fetch_add(1, Ordering::Relaxed) & 0xff_ffff
     }
 
-    /// A communication ID no connection of this device has (0 is never one).
+    /// A communication ID no connection of this device has (0 is never
+    /// one): random, so that a peer cannot guess the next from one it saw.
     pub fn new_comm_id(&self) -> u32 {
         loop {
-            let id = self.next_comm_id.fetch_add(0x9e37_79b9, Ordering::Relaxed);
+            let id = getrandom::u32()
+                .unwrap_or_else(|_| self.next_comm_id.fetch_add(0x9e37_79b9, Ordering::Relaxed));
             let s = self.state.lock().expect("GSI lock");
             if id != 0
                 && !s.connections.contains_key(&id)
@@ -162,12 +164,12 @@ impl Gsi {
         }
     }
 
+    /// Records a connection (replacing any of the same QP: one reset and
+    /// connected again).
     pub fn establish(&self, local_comm_id: u32, c: Connection) {
-        self.state
-            .lock()
-            .expect("GSI lock")
-            .connections
-            .insert(local_comm_id, c);
+        let mut s = self.state.lock().expect("GSI lock");
+        s.connections.retain(|_, old| old.qpn != c.qpn);
+        s.connections.insert(local_comm_id, c);
     }
 
     /// The connection of QP `qpn`, forgotten: it is being disconnected.
@@ -222,6 +224,7 @@ impl Gsi {
                 if let Some(c) = s.connections.get(&d.ids.remote)
                     && c.peer == from
                     && c.remote_comm_id == d.ids.local
+                    && c.qpn == d.remote_qpn
                 {
                     out.disconnected_qp = Some(c.qpn);
                     s.connections.remove(&d.ids.remote);
@@ -233,6 +236,7 @@ impl Gsi {
                 if let Some(c) = s.connections.get(&r.ids.remote)
                     && c.active
                     && c.peer == from
+                    && c.remote_comm_id == r.ids.local
                 {
                     // Our RTU was lost: the REP comes again.
                     let mut rtu = [0u8; MAD_LEN];
@@ -244,7 +248,25 @@ impl Gsi {
                     out.reply = Some(rtu);
                     return out;
                 }
-                Some(Waiter::Exchange(r.ids.remote))
+                let w = Waiter::Exchange(r.ids.remote);
+                if !s.queues.contains_key(&w) {
+                    // A REP for no exchange of ours: as Linux's CM, a REJ
+                    // "invalid communication ID".
+                    let mut rej = [0u8; MAD_LEN];
+                    cm::Rej {
+                        ids: Ids {
+                            local: r.ids.remote,
+                            remote: r.ids.local,
+                        },
+                        message_rejected: 1,
+                        reason: cm::REJ_INVALID_COMM_ID,
+                        private_data: [0; cm::REJ_PRIVATE_DATA_LEN],
+                    }
+                    .emit(msg.tid, &mut rej);
+                    out.reply = Some(rej);
+                    return out;
+                }
+                Some(w)
             }
             Body::Rtu(ids) | Body::Drep(ids) => Some(Waiter::Exchange(ids.remote)),
             Body::Rej(r) => Some(Waiter::Exchange(r.ids.remote)),
@@ -317,14 +339,23 @@ mod tests {
             })
         );
         assert_eq!(out.disconnected_qp, None);
-        // Its own DREQ ends it, once.
-        m = dreq_for(
+        // Its own DREQ ends it, once: from its peer, naming its QP.
+        let theirs = Connection {
+            remote_comm_id: 0x55,
+            remote_qpn: 0x11,
+            ..c
+        };
+        m = dreq_for(0xaa, &theirs);
+        let elsewhere = Ipv4Addr::new(10, 99, 0, 9);
+        assert_eq!(g.dispatch(elsewhere, &m).disconnected_qp, None);
+        let other_qp = dreq_for(
             0xaa,
             &Connection {
-                remote_comm_id: 0x55,
-                ..c
+                remote_qpn: 0x12,
+                ..theirs
             },
         );
+        assert_eq!(g.dispatch(PEER, &other_qp).disconnected_qp, None);
         assert_eq!(g.dispatch(PEER, &m).disconnected_qp, Some(0x11));
         assert_eq!(g.dispatch(PEER, &m).disconnected_qp, None);
         assert!(g.take_connection_of(0x11).is_none());
@@ -378,8 +409,20 @@ mod tests {
         assert!(g.dispatch(PEER, &m).reply.is_none());
         let got = g.wait(w, Instant::now()).unwrap();
         assert_eq!((got.from, got.msg.tid), (PEER, 5));
+        // One for no exchange gets a REJ, "invalid communication ID".
         m[28..32].copy_from_slice(&0x77u32.to_be_bytes());
-        assert!(g.dispatch(PEER, &m).reply.is_none());
+        let Body::Rej(rej) = parse(&g.dispatch(PEER, &m).reply.unwrap()) else {
+            panic!("a REJ")
+        };
+        assert_eq!(
+            (
+                rej.ids.local,
+                rej.ids.remote,
+                rej.message_rejected,
+                rej.reason
+            ),
+            (0x77, 0xaa, 1, cm::REJ_INVALID_COMM_ID)
+        );
         g.unregister(w);
         assert!(g.wait(w, Instant::now()).is_none());
         // A REQ repeated after its connection was made reaches no listener.
