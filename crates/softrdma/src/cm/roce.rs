@@ -487,19 +487,23 @@ impl Listener {
                 break (a.from, a.msg.tid, req);
             }
         };
+        // A REJ of the REQ (this side has no communication ID yet).
+        let reject_req = |reason: u16, private_data: &[u8]| {
+            reject(
+                shared,
+                from,
+                tid,
+                0,
+                req.local_comm_id,
+                0,
+                reason,
+                private_data,
+            );
+        };
         let header = match wire::RdmaCmHeader::parse(&req.private_data) {
             Ok(h) => h,
             Err(e) => {
-                reject(
-                    shared,
-                    from,
-                    tid,
-                    0,
-                    req.local_comm_id,
-                    0,
-                    wire::REJ_CONSUMER,
-                    &[],
-                );
+                reject_req(wire::REJ_CONSUMER, &[]);
                 return Err(ConnectError::Protocol {
                     peer: from,
                     what: format!("a REQ without rdma_cm's header ({e})"),
@@ -512,7 +516,7 @@ impl Listener {
             } else {
                 wire::REJ_CONSUMER
             };
-            reject(shared, from, tid, 0, req.local_comm_id, 0, reason, &[]);
+            reject_req(reason, &[]);
             return Err(ConnectError::Protocol {
                 peer: from,
                 what: format!(
@@ -529,16 +533,7 @@ impl Listener {
         };
         let reply = match decide(&request) {
             Decision::Reject(pd) => {
-                reject(
-                    shared,
-                    from,
-                    tid,
-                    0,
-                    req.local_comm_id,
-                    0,
-                    wire::REJ_CONSUMER,
-                    &pd,
-                );
+                reject_req(wire::REJ_CONSUMER, &pd);
                 return Err(ConnectError::Rejected {
                     reason: wire::REJ_CONSUMER,
                     private_data: pd,
@@ -547,16 +542,7 @@ impl Listener {
             Decision::Accept(pd) => pd,
         };
         if reply.len() > REP_PRIVATE_DATA_MAX {
-            reject(
-                shared,
-                from,
-                tid,
-                0,
-                req.local_comm_id,
-                0,
-                wire::REJ_CONSUMER,
-                &[],
-            );
+            reject_req(wire::REJ_CONSUMER, &[]);
             return Err(VerbsError::Invalid(format!(
                 "at most {REP_PRIVATE_DATA_MAX} bytes of private data in a REP"
             ))

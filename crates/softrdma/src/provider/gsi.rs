@@ -214,13 +214,7 @@ impl Gsi {
             Body::Dreq(d) => {
                 // Answered whether or not the connection is known (so does
                 // Linux's CM): the peer stops repeating it.
-                let mut drep = [0u8; MAD_LEN];
-                Ids {
-                    local: d.ids.remote,
-                    remote: d.ids.local,
-                }
-                .emit_as(cm::DREP, msg.tid, &mut drep);
-                out.reply = Some(drep);
+                out.reply = Some(answer(d.ids, cm::DREP, msg.tid));
                 if let Some(c) = s.connections.get(&d.ids.remote)
                     && c.peer == from
                     && c.remote_comm_id == d.ids.local
@@ -239,13 +233,7 @@ impl Gsi {
                     && c.remote_comm_id == r.ids.local
                 {
                     // Our RTU was lost: the REP comes again.
-                    let mut rtu = [0u8; MAD_LEN];
-                    Ids {
-                        local: r.ids.remote,
-                        remote: r.ids.local,
-                    }
-                    .emit_as(cm::RTU, msg.tid, &mut rtu);
-                    out.reply = Some(rtu);
+                    out.reply = Some(answer(r.ids, cm::RTU, msg.tid));
                     return out;
                 }
                 let w = Waiter::Exchange(r.ids.remote);
@@ -280,6 +268,18 @@ impl Gsi {
         }
         out
     }
+}
+
+/// The message `attribute` (RTU, DREP) answering one with `ids`: the IDs
+/// the other way round.
+fn answer(ids: Ids, attribute: u16, tid: u64) -> [u8; MAD_LEN] {
+    let mut m = [0u8; MAD_LEN];
+    Ids {
+        local: ids.remote,
+        remote: ids.local,
+    }
+    .emit_as(attribute, tid, &mut m);
+    m
 }
 
 /// The DREQ for connection `c` (this side's ID `local`).

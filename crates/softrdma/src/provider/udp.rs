@@ -1744,16 +1744,7 @@ pub(crate) fn send_mad(shared: &Shared, to: Ipv4Addr, mad: &[u8; MAD_LEN]) -> io
     let sock = socket_for(shared, gsi::GSI_QPN);
     let local = SocketAddrV4::new(*shared.local.ip(), shared.ports[sock]);
     let to = SocketAddrV4::new(to, ROCE_PORT);
-    let udp_len = (8 + packet.len()) as u16;
-    let ip = Ipv4Pseudo {
-        src: local.ip().octets(),
-        dst: to.ip().octets(),
-        identification: 0,
-        dont_fragment: true,
-    };
-    let udp = icrc::udp_header(local.port(), ROCE_PORT, udp_len);
-    icrc::fill(&ip.header(udp_len), &udp, &mut packet)
-        .map_err(|e| io::Error::other(e.to_string()))?;
+    seal_gsi(local, to, &mut packet).ok_or_else(|| io::Error::other("no ICRC"))?;
     if let Some(pcap) = &shared.pcap {
         let m = PacketMeta {
             src: local,
@@ -1793,7 +1784,14 @@ pub(crate) fn send_cm_rej(
     let mut rej = [0u8; gsi::REJ_PACKET_LEN];
     gsi::reject_req(packet, &mut rej)?;
     let to = SocketAddrV4::new(*from.ip(), ROCE_PORT);
-    let udp_len = (8 + rej.len()) as u16;
+    seal_gsi(local, to, &mut rej)?;
+    Some(sock.send_to(&rej, to).is_ok())
+}
+
+/// Fills the ICRC of a GSI packet (BTH to ICRC) sent from `local` to `to`'s
+/// RoCEv2 port.
+fn seal_gsi(local: SocketAddrV4, to: SocketAddrV4, packet: &mut [u8]) -> Option<()> {
+    let udp_len = (8 + packet.len()) as u16;
     let ip = Ipv4Pseudo {
         src: local.ip().octets(),
         dst: to.ip().octets(),
@@ -1801,8 +1799,7 @@ pub(crate) fn send_cm_rej(
         dont_fragment: true,
     };
     let udp = icrc::udp_header(local.port(), ROCE_PORT, udp_len);
-    icrc::fill(&ip.header(udp_len), &udp, &mut rej).ok()?;
-    Some(sock.send_to(&rej, to).is_ok())
+    icrc::fill(&ip.header(udp_len), &udp, packet).ok().map(drop)
 }
 
 /// The QP `qpn` names, if it takes packets from `from`.
