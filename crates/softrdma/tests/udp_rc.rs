@@ -819,3 +819,170 @@ fn a_deferred_ack_leaves_when_busy_polling_is_turned_off() {
     assert_eq!(wc.status, WcStatus::Success);
     assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
 }
+
+/// SEND with invalidate over RoCEv2: the named rkey stops working before
+/// the receive completes (a WRITE with it then fails), its lkey goes on,
+/// and a multi-packet SEND carries the IETH on its last packet.
+#[test]
+fn send_with_invalidate_ends_the_rkey_not_the_lkey() {
+    let dir = tempfile::tempdir().unwrap();
+    let pcap = dir.path().join("a.pcap");
+    let a = roce_end(Device::udp("127.0.0.1:0".parse().unwrap()).pcap(&pcap));
+    let b = end("127.0.0.1");
+    cm::connect(&a.qp, &a.info, &b.info, &RcOptions::default()).unwrap();
+    cm::connect(&b.qp, &b.info, &a.info, &RcOptions::default()).unwrap();
+    let pd = &b._pd;
+    let victim = pd.register(8192, Access::ALL).unwrap();
+    let payload: Vec<u8> = (0..5000u32).map(|i| (i * 13) as u8).collect();
+    a.mr.write(0, &payload).unwrap();
+    b.qp.post_recv(RecvWr::new(1, [b.mr.sge(0, 8192)])).unwrap();
+    a.qp.post_send(SendWr::new(
+        2,
+        SendOp::SendWithInv(victim.rkey()),
+        vec![a.mr.sge(0, 5000)],
+    ))
+    .unwrap();
+    let wc = one(&b.cq);
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.byte_len, wc.invalidated_rkey),
+        (1, WcStatus::Success, 5000, Some(victim.rkey()))
+    );
+    assert_eq!(b.mr.read_vec(0, 5000).unwrap(), payload);
+    let wc = one(&a.cq);
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.opcode),
+        (2, WcStatus::Success, WcOpcode::Send)
+    );
+    // The lkey still takes a SEND.
+    b.qp.post_recv(RecvWr::new(3, [victim.sge(0, 64)])).unwrap();
+    a.qp.post_send(SendWr::new(4, SendOp::Send, vec![a.mr.sge(0, 64)]))
+        .unwrap();
+    assert_eq!(one(&b.cq).status, WcStatus::Success);
+    assert_eq!(one(&a.cq).status, WcStatus::Success);
+    assert_eq!(victim.read_vec(0, 64).unwrap(), payload[..64]);
+    // The rkey does not take a WRITE.
+    a.qp.post_send(SendWr::new(
+        5,
+        SendOp::Write {
+            remote_addr: victim.addr(),
+            rkey: victim.rkey(),
+        },
+        vec![a.mr.sge(0, 8)],
+    ))
+    .unwrap();
+    assert_eq!(one(&a.cq).status, WcStatus::RemAccessErr);
+    assert_eq!(
+        victim.read_vec(0, 8).unwrap(),
+        payload[..8],
+        "nothing written"
+    );
+    // On the wire: FIRST, MIDDLEs, then LAST_WITH_INVALIDATE with the key
+    // in its IETH; every packet's ICRC holds.
+    let ports = [a.info.addr.port(), b.info.addr.port()];
+    drop(a);
+    let file = std::fs::read(&pcap).unwrap();
+    let mut decoder = softrdma::capture::Decoder::new();
+    for port in ports {
+        decoder.add_roce_port(port);
+    }
+    let mut lines = Vec::new();
+    for frame in softrdma::capture::frames(&file).unwrap() {
+        decoder.push(&frame.unwrap(), &mut |rec| {
+            assert!(rec.errors().is_empty(), "{:?}", rec.errors());
+            lines.push(rec.describe());
+        });
+    }
+    let last = lines
+        .iter()
+        .find(|l| l.contains("SEND_LAST_WITH_INVALIDATE"))
+        .unwrap_or_else(|| panic!("{lines:#?}"));
+    assert!(last.contains(&format!("{:#010x}", victim.rkey())), "{last}");
+}
+
+/// A SEND with invalidate naming a key of another PD: the receive fails
+/// (REM_INV_REQ_ERR), the sender hears "invalid request", nothing is
+/// invalidated.
+#[test]
+fn send_with_invalidate_of_a_foreign_key_is_refused() {
+    let (a, b) = pair();
+    let other = b
+        .ctx
+        .alloc_pd()
+        .unwrap()
+        .register(4096, Access::ALL)
+        .unwrap();
+    b.qp.post_recv(RecvWr::new(1, [b.mr.sge(0, 64)])).unwrap();
+    a.qp.post_send(SendWr::new(
+        2,
+        SendOp::SendWithInv(other.rkey()),
+        vec![a.mr.sge(0, 16)],
+    ))
+    .unwrap();
+    let wc = one(&b.cq);
+    assert_eq!((wc.wr_id, wc.status), (1, WcStatus::RemInvReqErr));
+    assert_eq!(one(&a.cq).status, WcStatus::RemInvReqErr);
+    common::wait_state(&b.qp, QpState::Err);
+}
+
+/// Local invalidate over RoCEv2: in send queue order, after what was posted
+/// before it; the peer's WRITE with the key then fails; an unknown key is a
+/// local protection error that ends the QP.
+#[test]
+fn local_invalidate_in_send_queue_order() {
+    let (a, b) = pair();
+    let pd = &a._pd;
+    let mine = pd.register(4096, Access::ALL).unwrap();
+    // A WRITE into the region from this side... then the invalidate, then a
+    // SEND: completions in posting order.
+    a.mr.write(0, b"before").unwrap();
+    a.qp.post_send(
+        SendWr::new(
+            1,
+            SendOp::Write {
+                remote_addr: b.info.va,
+                rkey: b.info.rkey,
+            },
+            vec![a.mr.sge(0, 6)],
+        )
+        .unsignaled(),
+    )
+    .unwrap();
+    a.qp.post_send(SendWr::new(2, SendOp::LocalInv(mine.rkey()), []))
+        .unwrap();
+    b.qp.post_recv(RecvWr::new(9, [b.mr.sge(100, 64)])).unwrap();
+    a.qp.post_send(SendWr::new(3, SendOp::Send, vec![a.mr.sge(0, 6)]))
+        .unwrap();
+    let got: Vec<_> = [one(&a.cq), one(&a.cq)]
+        .iter()
+        .map(|w| (w.wr_id, w.status, w.opcode))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (2, WcStatus::Success, WcOpcode::LocalInv),
+            (3, WcStatus::Success, WcOpcode::Send)
+        ]
+    );
+    assert_eq!(one(&b.cq).status, WcStatus::Success);
+    assert_eq!(b.mr.read_vec(0, 6).unwrap(), b"before");
+    // The peer's WRITE with the invalidated key fails.
+    b.mr.write(0, b"after").unwrap();
+    b.qp.post_send(SendWr::new(
+        4,
+        SendOp::Write {
+            remote_addr: mine.addr(),
+            rkey: mine.rkey(),
+        },
+        vec![b.mr.sge(0, 5)],
+    ))
+    .unwrap();
+    assert_eq!(one(&b.cq).status, WcStatus::RemAccessErr);
+    assert_eq!(mine.read_vec(0, 5).unwrap(), [0; 5]);
+    // An unknown key: LOC_PROT_ERR, and the QP in ERR.
+    let (a, _b) = pair();
+    a.qp.post_send(SendWr::new(5, SendOp::LocalInv(0x1234_5678), []))
+        .unwrap();
+    let wc = one(&a.cq);
+    assert_eq!((wc.wr_id, wc.status), (5, WcStatus::LocProtErr));
+    common::wait_state(&a.qp, QpState::Err);
+}

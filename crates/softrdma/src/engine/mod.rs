@@ -110,11 +110,13 @@ pub enum SendOp {
         /// Addend.
         add: u64,
     },
-    /// SEND with invalidate (iWARP): the message also invalidates the
-    /// peer's STag (rkey) `0` when it arrives.
+    /// SEND with invalidate (RC on iWARP and RoCEv2): the message also
+    /// invalidates the peer's STag (rkey) `0` when it arrives.
     SendWithInv(u32),
-    /// Local invalidate (iWARP): this side's rkey `0` stops working for
-    /// remote access, in send queue order. No message goes out.
+    /// Local invalidate (RC on iWARP and RoCEv2): this side's rkey `0`
+    /// stops working for remote access, in send queue order (on RoCEv2
+    /// once everything posted before it has completed). No message goes
+    /// out.
     LocalInv(u32),
 }
 

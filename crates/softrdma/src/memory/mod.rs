@@ -15,6 +15,7 @@ use std::borrow::Borrow;
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 pub(crate) use backing::WORD_COPY_MAX;
 pub use backing::{RegionMemory, copy_bytes};
@@ -151,6 +152,11 @@ pub struct Region {
     memory: Arc<RegionMemory>,
     /// Where the region starts in `memory`.
     offset: usize,
+    /// Its rkey was invalidated (SEND with invalidate, local invalidate):
+    /// remote accesses fail from then on. An atomic, so that a transport
+    /// holding the table's read lock invalidates before it completes the
+    /// operation and before it looks at the next packet.
+    remote_invalid: AtomicBool,
 }
 
 impl Region {
@@ -181,6 +187,7 @@ impl Region {
             access,
             memory,
             offset,
+            remote_invalid: AtomicBool::new(false),
         })
     }
 
@@ -420,33 +427,26 @@ impl MrTable {
         self.regions.insert(region.lkey, region);
     }
 
-    /// Invalidates a remote key (iWARP SEND with invalidate): later remote
-    /// accesses with it fail; local use of the region goes on. Returns
-    /// whether `rkey` named a region's remote key.
-    pub fn invalidate_remote(&mut self, rkey: u32) -> bool {
+    /// Invalidates `rkey` (SEND with invalidate, local invalidate) if it is
+    /// a remote key (distinct from its lkey) of a region of `pd`: later
+    /// remote accesses with it fail; local use of the region goes on.
+    /// Invalidating a key already invalid succeeds (as siw and rxe allow).
+    /// Returns whether it was such a key.
+    pub fn invalidate(&self, pd: PdId, rkey: u32) -> bool {
         match self.regions.get(&rkey) {
-            Some(r) if r.rkey == rkey && r.lkey != rkey => {
-                self.regions.remove(&rkey);
+            Some(r) if r.rkey == rkey && r.lkey != rkey && r.pd == pd => {
+                r.remote_invalid.store(true, Ordering::Release);
                 true
             }
             _ => false,
         }
     }
 
-    /// Whether `rkey` is a remote key (distinct from its lkey) of a region
-    /// of `pd`: one that SEND with invalidate or local invalidate may
-    /// invalidate.
-    pub fn can_invalidate(&self, pd: PdId, rkey: u32) -> bool {
-        self.regions
-            .get(&rkey)
-            .is_some_and(|r| r.rkey == rkey && r.lkey != rkey && r.pd == pd)
-    }
-
     /// Removes the region with this lkey; later accesses with its keys fail.
     pub fn remove(&mut self, lkey: u32) -> Option<Arc<Region>> {
         let r = self.regions.get(&lkey).filter(|r| r.lkey == lkey)?.clone();
         self.regions.remove(&r.lkey);
-        // The rkey may have been invalidated and handed to another region since.
+        // The rkey may be another region's (registered with the same key).
         if self
             .regions
             .get(&r.rkey)
@@ -535,6 +535,9 @@ impl MrTable {
         let r = self.regions.get(&key).ok_or(AccessError::UnknownKey(key))?;
         if (if remote { r.rkey } else { r.lkey }) != key {
             return Err(AccessError::WrongKeyKind(key));
+        }
+        if remote && r.remote_invalid.load(Ordering::Acquire) {
+            return Err(AccessError::UnknownKey(key));
         }
         if r.pd != pd {
             return Err(AccessError::WrongPd { key });

@@ -664,22 +664,6 @@ impl Shared {
         let mut signal = [false; 2];
         let mut overran = false;
         let mut qp = self.engine.lock().expect("QP lock");
-        // Invalidations first, so that nobody sees the completion of a SEND
-        // with invalidate or a local invalidate while the STag still works.
-        // (The MR table lock comes before the QP's: take it without the QP.)
-        loop {
-            let invalidated: Vec<u32> = std::iter::from_fn(|| qp.poll_invalidated()).collect();
-            if invalidated.is_empty() {
-                break;
-            }
-            drop(qp);
-            let mut mrs = self.mrs.write().expect("MR table lock");
-            for stag in invalidated {
-                mrs.invalidate_remote(stag);
-            }
-            drop(mrs);
-            qp = self.engine.lock().expect("QP lock");
-        }
         while let Some((kind, wc)) = qp.poll_completion() {
             if !CqInner::deliver([&self.send_cq, &self.recv_cq], kind, wc, &mut signal) {
                 // Completions are being lost: the QP terminates the stream.

@@ -281,8 +281,6 @@ pub struct IwarpQp {
     events: VecDeque<QpEvent>,
     /// The Terminate the peer sent, if any.
     peer_terminate: Option<TerminateRepr>,
-    /// STags invalidated by SEND with invalidate (the provider applies them).
-    invalidated: VecDeque<u32>,
     /// Peer-to-peer: the RTR message still to send, the one still awaited,
     /// and whether the READ Response to this side's RTR READ is due.
     rtr_to_send: Option<Rtr>,
@@ -322,7 +320,6 @@ impl IwarpQp {
             completions: VecDeque::new(),
             events: VecDeque::new(),
             peer_terminate: None,
-            invalidated: VecDeque::new(),
             rtr_to_send: match cfg.p2p {
                 Some(P2p::Send(r)) => Some(r),
                 _ => None,
@@ -369,12 +366,6 @@ impl IwarpQp {
     /// The Terminate this side sent (or is sending), if any.
     pub fn own_terminate(&self) -> Option<&TerminateRepr> {
         self.terminate.as_ref()
-    }
-
-    /// STags the peer invalidated with SEND with invalidate, for the
-    /// provider to apply to its MR table.
-    pub fn poll_invalidated(&mut self) -> Option<u32> {
-        self.invalidated.pop_front()
     }
 
     /// The checks a send WR passes before it is posted (with or without a
@@ -773,15 +764,13 @@ impl IwarpQp {
         let pd = self.pd;
         while let Some(SendOp::LocalInv(rkey)) = self.sq.front().map(|e| e.wr.op) {
             let e = self.sq.pop_front().expect("front");
-            if !mrs.can_invalidate(pd, rkey) {
+            if !mrs.invalidate(pd, rkey) {
                 // Not an rkey of this PD: a local error ends the stream, as
                 // any local error does (siw).
                 self.complete(e.seq, WcStatus::LocProtErr);
                 self.fail(None);
                 return None;
             }
-            // The provider applies it before it delivers this completion.
-            self.invalidated.push_back(rkey);
             self.complete(e.seq, WcStatus::Success);
             if !self.sq_ready() {
                 return None;
@@ -1218,7 +1207,7 @@ impl IwarpQp {
                     wc.byte_len = end as u32;
                     wc.solicited = solicited;
                     if let Some(stag) = invalidate {
-                        if !mrs.can_invalidate(self.pd, stag) {
+                        if !mrs.invalidate(self.pd, stag) {
                             // As siw: another PD's STag is a protection
                             // error, an unknown one an operation error.
                             let etype = if mrs.key_in_use(stag) { 1 } else { 2 };
@@ -1228,7 +1217,6 @@ impl IwarpQp {
                             return;
                         }
                         wc.invalidated_rkey = Some(stag);
-                        self.invalidated.push_back(stag);
                     }
                     self.completions.push_back((CqKind::Recv, wc));
                 }

@@ -6,7 +6,9 @@ use softrdma_wire::packet::Repr;
 use softrdma_wire::{Opcode, Psn, atomic, bth, reth};
 
 use super::{MAX_PKTS_PER_ACK, MAX_UNACKED_PSNS, MIN_UNACKED_PSNS, RcQp};
-use crate::engine::{CqKind, PostError, QpState, SendOp, SendWr, Time, Transmit, WcStatus};
+use crate::engine::{
+    CqKind, PostError, QpState, SendOp, SendWr, Time, Transmit, WcOpcode, WcStatus,
+};
 use crate::engine::{SegList, gather, push_pieces};
 use crate::memory::{Access, MrTable, Segment};
 
@@ -151,12 +153,6 @@ impl RcQp {
             }
             _ => {}
         }
-        if matches!(wr.op, SendOp::SendWithInv(_) | SendOp::LocalInv(_)) {
-            return Err(PostError::Unsupported(
-                "SEND with invalidate and local invalidate are not implemented over RoCEv2 \
-                 (they are on iWARP)",
-            ));
-        }
         let len = crate::engine::check_post_send(&wr, &self.caps)?;
         if self.req.sq.len() >= self.caps.max_send_wr as usize {
             return Err(PostError::QueueFull(self.caps.max_send_wr));
@@ -249,6 +245,28 @@ impl RcQp {
                 if self.state == QpState::Sqd {
                     return None;
                 }
+                if let SendOp::LocalInv(rkey) = w.wr.op {
+                    // Runs once everything posted before it has completed
+                    // (a fence of its own): no PSN, and its completion then
+                    // comes in posting order.
+                    if idx != 0 {
+                        return None;
+                    }
+                    let w = self.req.sq.pop_front().expect("front exists");
+                    if !mrs.invalidate(self.pd, rkey) {
+                        // Not a remote key of this PD: a local error, which
+                        // ends the QP as any does.
+                        let wc = self.wc(w.wr.wr_id, WcStatus::LocProtErr, WcOpcode::LocalInv);
+                        self.completions.push_back((CqKind::Send, wc));
+                        self.enter_error();
+                        return None;
+                    }
+                    if w.wr.flags.signaled {
+                        let wc = self.wc(w.wr.wr_id, WcStatus::Success, WcOpcode::LocalInv);
+                        self.completions.push_back((CqKind::Send, wc));
+                    }
+                    continue;
+                }
                 if w.wr.flags.fence
                     && self
                         .req
@@ -319,6 +337,7 @@ impl RcQp {
                     w.wr.op,
                     SendOp::Send
                         | SendOp::SendWithImm(_)
+                        | SendOp::SendWithInv(_)
                         | SendOp::Write { .. }
                         | SendOp::WriteWithImm { .. }
                 );
@@ -397,18 +416,21 @@ impl RcQp {
                 let (first, last) = (k == 0, k + 1 == n);
                 use Opcode as O;
                 let (opcode, imm, reth_on) = match op {
-                    SendOp::Send | SendOp::SendWithImm(_) => {
+                    SendOp::Send | SendOp::SendWithImm(_) | SendOp::SendWithInv(_) => {
                         let imm = match op {
                             SendOp::SendWithImm(i) => Some(i),
                             _ => None,
                         };
-                        let opc = match (first, last, imm.is_some()) {
-                            (true, true, false) => O::RC_SEND_ONLY,
-                            (true, true, true) => O::RC_SEND_ONLY_WITH_IMMEDIATE,
-                            (true, false, _) => O::RC_SEND_FIRST,
-                            (false, false, _) => O::RC_SEND_MIDDLE,
-                            (false, true, false) => O::RC_SEND_LAST,
-                            (false, true, true) => O::RC_SEND_LAST_WITH_IMMEDIATE,
+                        let inv = matches!(op, SendOp::SendWithInv(_));
+                        let opc = match (first, last, imm.is_some(), inv) {
+                            (true, true, _, true) => O::RC_SEND_ONLY_WITH_INVALIDATE,
+                            (false, true, _, true) => O::RC_SEND_LAST_WITH_INVALIDATE,
+                            (true, true, false, _) => O::RC_SEND_ONLY,
+                            (true, true, true, _) => O::RC_SEND_ONLY_WITH_IMMEDIATE,
+                            (true, false, ..) => O::RC_SEND_FIRST,
+                            (false, false, ..) => O::RC_SEND_MIDDLE,
+                            (false, true, false, _) => O::RC_SEND_LAST,
+                            (false, true, true, _) => O::RC_SEND_LAST_WITH_IMMEDIATE,
                         };
                         (opc, imm.filter(|_| last), false)
                     }
@@ -440,6 +462,9 @@ impl RcQp {
                 let psn = w.first_psn.add(k);
                 let mut r = Repr::new(opcode, dest_qp, psn, len);
                 r.immediate = imm;
+                if let (SendOp::SendWithInv(rkey), true) = (op, last) {
+                    r.invalidate_rkey = Some(rkey);
+                }
                 if reth_on {
                     let (remote_addr, rkey) = match op {
                         SendOp::Write { remote_addr, rkey }
@@ -464,7 +489,10 @@ impl RcQp {
                 }
                 let wants_se = matches!(
                     op,
-                    SendOp::Send | SendOp::SendWithImm(_) | SendOp::WriteWithImm { .. }
+                    SendOp::Send
+                        | SendOp::SendWithImm(_)
+                        | SendOp::SendWithInv(_)
+                        | SendOp::WriteWithImm { .. }
                 );
                 r.bth.solicited = last && w.wr.flags.solicited && wants_se;
                 (psn, r, Some((off as usize, len, last)))
@@ -575,7 +603,9 @@ impl RcQp {
                 }),
             ),
             SendOp::WriteWithImm { .. } => (Opcode::RC_RDMA_WRITE_MIDDLE, None),
-            SendOp::Send | SendOp::SendWithImm(_) => (Opcode::RC_SEND_MIDDLE, None),
+            SendOp::Send | SendOp::SendWithImm(_) | SendOp::SendWithInv(_) => {
+                (Opcode::RC_SEND_MIDDLE, None)
+            }
             _ => return None,
         };
         let psn = w.first_psn.add(k);

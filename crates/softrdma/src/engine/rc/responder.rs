@@ -196,7 +196,7 @@ impl RcQp {
             (None, _) => info.position.starts(),
             _ => false,
         };
-        if !continues || info.headers.contains(softrdma_wire::opcode::Headers::IETH) {
+        if !continues {
             return Err(invalid);
         }
         // FIRST and MIDDLE carry exactly a path MTU; LAST at least one byte.
@@ -334,6 +334,7 @@ impl RcQp {
         let mut wc = self.wc(wqe.wr_id, WcStatus::Success, opcode);
         wc.byte_len = byte_len as u32;
         wc.imm = p.immediate();
+        wc.invalidated_rkey = p.invalidate_rkey();
         wc.solicited = p.bth().solicited();
         self.completions.push_back((CqKind::Recv, wc));
         self.resp.msn = self.resp.msn.wrapping_add(1) & 0xff_ffff;
@@ -392,6 +393,18 @@ impl RcQp {
                 self.completions.push_back((CqKind::Recv, wc));
                 self.resp.epsn = psn;
                 return Err(Refusal(NakCode::RemoteOperationalError));
+            }
+            if let Some(rkey) = p.invalidate_rkey() {
+                // SEND with invalidate: the key stops working before the
+                // receive completes (and before the next packet is looked
+                // at). One not of this QP's PD, or no remote key: the
+                // receive fails and the sender hears "invalid request".
+                if !mrs.invalidate(self.pd, rkey) {
+                    let wc = self.wc(wqe.wr_id, WcStatus::RemInvReqErr, WcOpcode::Recv);
+                    self.completions.push_back((CqKind::Recv, wc));
+                    self.resp.epsn = psn;
+                    return Err(Refusal(NakCode::InvalidRequest));
+                }
             }
             self.finish_recv(&wqe, WcOpcode::Recv, received, p);
         }
