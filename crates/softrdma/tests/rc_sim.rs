@@ -652,7 +652,7 @@ fn check_end(sim: &Sim, sides: &[Side; 2], mems: &[Arc<RegionMemory>]) -> Result
                     cas_total += 1;
                 }
                 SendOp::SendWithInv(_) | SendOp::LocalInv(_) => {
-                    return Err("the simulation posts no iWARP-only operations".into());
+                    return Err("the simulation posts no invalidations".into());
                 }
             }
         }

@@ -896,12 +896,21 @@ fn send_with_invalidate_ends_the_rkey_not_the_lkey() {
         .iter()
         .find(|l| l.contains("SEND_LAST_WITH_INVALIDATE"))
         .unwrap_or_else(|| panic!("{lines:#?}"));
-    assert!(last.contains(&format!("{:#010x}", victim.rkey())), "{last}");
+    assert!(
+        last.contains(&format!("IETH rkey={:#x}", victim.rkey())),
+        "{last}"
+    );
+    // The IETH is on the last packet only.
+    assert_eq!(
+        lines.iter().filter(|l| l.contains("IETH")).count(),
+        1,
+        "{lines:#?}"
+    );
+    assert!(lines.iter().any(|l| l.contains("SEND_FIRST")), "{lines:#?}");
 }
 
 /// A SEND with invalidate naming a key of another PD: the receive fails
-/// (REM_INV_REQ_ERR), the sender hears "invalid request", nothing is
-/// invalidated.
+/// (REM_INV_REQ_ERR) and the sender hears "invalid request".
 #[test]
 fn send_with_invalidate_of_a_foreign_key_is_refused() {
     let (a, b) = pair();
@@ -932,33 +941,32 @@ fn local_invalidate_in_send_queue_order() {
     let (a, b) = pair();
     let pd = &a._pd;
     let mine = pd.register(4096, Access::ALL).unwrap();
-    // A WRITE into the region from this side... then the invalidate, then a
-    // SEND: completions in posting order.
+    // A WRITE, then the invalidate, then a SEND: completions in posting
+    // order, the invalidate's after the WRITE's (which needs the peer's
+    // ACK).
     a.mr.write(0, b"before").unwrap();
-    a.qp.post_send(
-        SendWr::new(
-            1,
-            SendOp::Write {
-                remote_addr: b.info.va,
-                rkey: b.info.rkey,
-            },
-            vec![a.mr.sge(0, 6)],
-        )
-        .unsignaled(),
-    )
+    a.qp.post_send(SendWr::new(
+        1,
+        SendOp::Write {
+            remote_addr: b.info.va,
+            rkey: b.info.rkey,
+        },
+        vec![a.mr.sge(0, 6)],
+    ))
     .unwrap();
     a.qp.post_send(SendWr::new(2, SendOp::LocalInv(mine.rkey()), []))
         .unwrap();
     b.qp.post_recv(RecvWr::new(9, [b.mr.sge(100, 64)])).unwrap();
     a.qp.post_send(SendWr::new(3, SendOp::Send, vec![a.mr.sge(0, 6)]))
         .unwrap();
-    let got: Vec<_> = [one(&a.cq), one(&a.cq)]
+    let got: Vec<_> = [one(&a.cq), one(&a.cq), one(&a.cq)]
         .iter()
         .map(|w| (w.wr_id, w.status, w.opcode))
         .collect();
     assert_eq!(
         got,
         [
+            (1, WcStatus::Success, WcOpcode::RdmaWrite),
             (2, WcStatus::Success, WcOpcode::LocalInv),
             (3, WcStatus::Success, WcOpcode::Send)
         ]

@@ -795,7 +795,8 @@ impl ShmQp {
     pub(crate) fn post_send(&self, wr: &SendWr) -> Result<(), PostError> {
         if matches!(wr.op, SendOp::SendWithInv(_) | SendOp::LocalInv(_)) {
             return Err(PostError::Unsupported(
-                "SEND with invalidate and local invalidate are iWARP's (not shm's)",
+                "SEND with invalidate and local invalidate are not implemented on shm devices \
+                 (they are on iWARP and RoCEv2)",
             ));
         }
         crate::engine::check_post_send(wr, &self.caps)?;
