@@ -54,6 +54,15 @@ struct State {
     connections: HashMap<u32, Connection>,
 }
 
+impl State {
+    /// A connection with the peer at `from` whose ID there is `remote`.
+    fn connected_to(&self, from: Ipv4Addr, remote: u32) -> bool {
+        self.connections
+            .values()
+            .any(|c| c.peer == from && c.remote_comm_id == remote)
+    }
+}
+
 /// What the progress thread does after a dispatch.
 #[derive(Debug, Default)]
 pub(crate) struct Outcome {
@@ -138,10 +147,7 @@ impl Gsi {
     /// before the first was taken).
     pub fn is_taken(&self, from: Ipv4Addr, remote: u32) -> bool {
         let s = self.state.lock().expect("GSI lock");
-        s.passive.contains_key(&(from, remote))
-            || s.connections
-                .values()
-                .any(|c| c.peer == from && c.remote_comm_id == remote)
+        s.passive.contains_key(&(from, remote)) || s.connected_to(from, remote)
     }
 
     /// The next message for `w`, waiting until `deadline`.
@@ -191,13 +197,7 @@ impl Gsi {
                 Some(&local) => Some(Waiter::Exchange(local)),
                 // A REQ repeated after its connection was made: the REP
                 // reached the peer (it sent the RTU); nothing to do.
-                None if s
-                    .connections
-                    .values()
-                    .any(|c| c.peer == from && c.remote_comm_id == r.local_comm_id) =>
-                {
-                    return out;
-                }
+                None if s.connected_to(from, r.local_comm_id) => return out,
                 None => {
                     let w = Waiter::Service(r.service_id);
                     if !s.queues.contains_key(&w) {
