@@ -2,6 +2,7 @@
 //! the device's address, then the MPA exchange ([`super::mpa`]) carrying the
 //! application's private data, then the QP runs on the connection.
 
+use std::io;
 use std::net::{SocketAddr, SocketAddrV4, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -55,7 +56,7 @@ pub fn connect(qp: &Qp, to: SocketAddrV4, cfg: &MpaConfig) -> Result<MpaOutcome,
     if let Some(tos) = cfg.tos {
         sock.set_tos_v4(u32::from(tos)).map_err(tcp)?;
     }
-    sock.connect(&SocketAddr::V4(to).into()).map_err(tcp)?;
+    connect_through_signals(&sock, &SocketAddr::V4(to).into()).map_err(tcp)?;
     let mut stream: TcpStream = sock.into();
     let out = mpa::connect(&mut stream, cfg)?;
     // Linux siw (6.1) sends its MPA Reply before it hooks the socket's
@@ -68,6 +69,31 @@ pub fn connect(qp: &Qp, to: SocketAddrV4, cfg: &MpaConfig) -> Result<MpaOutcome,
     }
     qp.attach_iwarp(stream, &out)?;
     Ok(out)
+}
+
+/// A blocking `connect` that a signal interrupts goes on in the kernel
+/// (calling it again fails with EALREADY): waits for it to end, as the
+/// socket turns writable, and takes its outcome.
+fn connect_through_signals(sock: &socket2::Socket, to: &socket2::SockAddr) -> io::Result<()> {
+    match sock.connect(to) {
+        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+        done => return done,
+    }
+    loop {
+        let mut fds = [rustix::event::PollFd::new(
+            sock,
+            rustix::event::PollFlags::OUT,
+        )];
+        match rustix::event::poll(&mut fds, None) {
+            Ok(_) => break,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    match sock.take_error()? {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }
 
 /// A listener for iWARP connections on a device's address. Connections are
