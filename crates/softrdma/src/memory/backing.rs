@@ -121,7 +121,7 @@ fn choose_copy_loops() -> CopyChoice {
 ///
 /// # Safety
 /// `from` is readable and `to` writable for `len` bytes; they do not overlap.
-unsafe fn copy_apart(from: *const u8, to: *mut u8, len: usize) {
+pub(super) unsafe fn copy_apart(from: *const u8, to: *mut u8, len: usize) {
     if len <= WORD_COPY_MAX {
         // SAFETY: the caller's contract.
         unsafe { copy_words(from, to, len) };
@@ -377,6 +377,17 @@ impl RegionMemory {
                 std::ptr::copy(from, to, len)
             }
         };
+    }
+
+    /// The address of `offset..offset + len`, checked: for a copy made
+    /// through raw pointers while the caller keeps this memory alive and
+    /// borrowed ([`super::board::CopyBoard`]).
+    ///
+    /// # Panics
+    /// If the range reaches past the memory.
+    pub(super) fn ptr_at(&self, offset: usize, len: usize) -> *mut u8 {
+        self.check(offset, len);
+        self.ptr.as_ptr().wrapping_add(offset)
     }
 
     /// Atomic load (sequentially consistent) of the host-order word at

@@ -10,6 +10,7 @@
 //! of other memory.
 
 mod backing;
+mod board;
 
 use std::borrow::Borrow;
 use std::collections::HashMap;
@@ -19,6 +20,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 pub(crate) use backing::WORD_COPY_MAX;
 pub use backing::{RegionMemory, copy_bytes};
+pub use board::{CopyBoard, SHARE_MIN};
 
 /// Access rights of a memory region (values as libibverbs' `IBV_ACCESS_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -298,6 +300,16 @@ impl<R: Borrow<Region>> Segment<R> {
         assert!(fits(src_at, len, src.len), "read past the segment");
         self.memory()
             .copy_from(self.offset + at, src.memory(), src.offset + src_at, len);
+    }
+    /// The address of `at..at + len` of the segment, for a copy made
+    /// through raw pointers while the caller holds the segment
+    /// ([`CopyBoard`]).
+    ///
+    /// # Panics
+    /// If the range reaches past the segment.
+    fn ptr_at(&self, at: usize, len: usize) -> *mut u8 {
+        assert!(fits(at, len, self.len), "range past the segment");
+        self.memory().ptr_at(self.offset + at, len)
     }
     /// Atomic compare-and-swap of the 8-byte word at the start of the segment
     /// (in host byte order, as rxe and NICs keep it); returns the old value.

@@ -23,6 +23,7 @@
 //! one user on one host that is the protection there is: the peer's memory is
 //! mapped here.
 
+mod copier;
 pub(crate) mod mapping;
 #[cfg(test)]
 mod tests;
@@ -644,6 +645,7 @@ pub(crate) fn establish(
     timeout: Duration,
     reads_first: bool,
 ) -> io::Result<Arc<ShmQp>> {
+    copier::start();
     let slots = u64::from(parts.caps.max_recv_wr.max(1)).next_power_of_two();
     let (inbox, inbox_fd) = mapping::create(inbox_len(slots), "softrdma-inbox")?;
     let my_event = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?;
@@ -1004,7 +1006,7 @@ impl ShmQp {
                 Self::with_remote(peer, rkey, remote_addr, len, Access::REMOTE_READ, |src| {
                     let mut at = 0;
                     self.each_local(local, wr, Access::LOCAL_WRITE, |seg| {
-                        seg.copy_from(0, src, at, seg.len());
+                        copier::copy(seg, 0, src, at, seg.len());
                         at += seg.len();
                     })
                 })?;
@@ -1101,7 +1103,7 @@ impl ShmQp {
                 let room = seg.len() - cur_at;
                 let k = room.min(n);
                 match src {
-                    Some(s) => seg.copy_from(cur_at, s, from, k),
+                    Some(s) => copier::copy(seg, cur_at, s, from, k),
                     None => seg.write(cur_at, &bytes[from..from + k]),
                 }
                 from += k;

@@ -401,3 +401,57 @@ fn a_progress_thread_that_panics_ends_the_connection_and_flushes() {
         std::thread::sleep(Duration::from_millis(1));
     }
 }
+
+/// A stream of large WRITEs and READs (the copy helper's sizes) moves every
+/// byte, and the helper takes chunks of them: copies go on until it has
+/// (it stays away while the CPUs are busy, as under a parallel test run).
+#[test]
+fn large_copies_shared_with_the_copy_helper_move_every_byte() {
+    use crate::engine::{SendOp, SendWr};
+    use crate::memory::Access;
+    let ((_a_ctx, a_pd, a_cq, a_qp), (_b_ctx, b_pd, _b_cq, _b_qp)) = connected("helper");
+    let len = 1 << 20;
+    let a_mr = a_pd.register(2 * len, Access::ALL).unwrap();
+    let b_mr = b_pd.register(len, Access::ALL).unwrap();
+    let before = copier::CHUNKS_HELPED.load(Ordering::Relaxed);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut round = 0u32;
+    loop {
+        // Sizes from the smallest shared copy up, at offsets not aligned.
+        let size = [32 << 10, 65536 + 3, 300_001, len - 8][round as usize % 4];
+        let data: Vec<u8> = (0..size)
+            .map(|i| (i as u32 ^ (i as u32 >> 9) ^ round) as u8)
+            .collect();
+        a_mr.write(5, &data).unwrap();
+        let write = SendOp::Write {
+            remote_addr: b_mr.addr() + 7,
+            rkey: b_mr.rkey(),
+        };
+        a_qp.post_send(SendWr::new(1, write, vec![a_mr.sge(5, size as u32)]))
+            .unwrap();
+        let wc = a_cq.wait(Duration::from_secs(5)).unwrap().expect("WRITE");
+        assert_eq!(wc.status, WcStatus::Success);
+        assert!(b_mr.read_vec(7, size).unwrap() == data, "WRITE {round}");
+        let read = SendOp::Read {
+            remote_addr: b_mr.addr() + 7,
+            rkey: b_mr.rkey(),
+        };
+        a_qp.post_send(SendWr::new(2, read, vec![a_mr.sge(len + 1, size as u32)]))
+            .unwrap();
+        let wc = a_cq.wait(Duration::from_secs(5)).unwrap().expect("READ");
+        assert_eq!(wc.status, WcStatus::Success);
+        assert!(
+            a_mr.read_vec(len + 1, size).unwrap() == data,
+            "READ {round}"
+        );
+        round += 1;
+        let helped = copier::CHUNKS_HELPED.load(Ordering::Relaxed) > before;
+        if helped && round >= 40 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the helper took no chunk in {round} rounds"
+        );
+    }
+}

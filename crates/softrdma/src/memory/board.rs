@@ -1,0 +1,414 @@
+//! A copy board: one thread posts a large region-to-region copy, helper
+//! threads take chunks of it while the poster copies the rest.
+//!
+//! This is the memory half of the shm provider's copy helper: the chunks,
+//! the claims, and the guarantee that a helper touches the poster's memory
+//! only while the poster's [`CopyBoard::copy`] holds it borrowed. Threads,
+//! clocks and when to help are the provider's.
+//!
+//! The final [`TAIL`] bytes are stored last, by the poster, once every chunk
+//! is in: a peer polling the last byte of a WRITE (perftest's latency tests,
+//! eager RDMA protocols) sees the whole message when it sees that byte, as a
+//! single forward copy gave it.
+
+use std::borrow::Borrow;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+
+use super::backing::copy_apart;
+use super::{Region, Segment};
+
+/// Copies from this size up go on the board.
+pub const SHARE_MIN: usize = 32 << 10;
+/// The smallest chunk.
+const CHUNK: usize = 32 << 10;
+/// Most chunks in a copy: enough for two threads to even out.
+const MOST_CHUNKS: usize = 8;
+/// Bytes at the end of a copy that the poster stores after every chunk.
+const TAIL: usize = 64;
+
+/// The chunk size for `len` bytes on the board: at most [`MOST_CHUNKS`].
+fn chunk_len(len: usize) -> usize {
+    CHUNK.max(len.div_ceil(MOST_CHUNKS))
+}
+
+/// The job's state in one word, so that a claim names its job: generation
+/// (high 48 bits: it does not come round again), then the unclaimed chunks
+/// `lo..hi` (8 bits each). The poster claims from the front, helpers from
+/// the back: in a stream of like copies each thread keeps writing the same
+/// lines, which stay in its cache, where taking turns would move them.
+fn pack(generation: u64, lo: u8, hi: u8) -> u64 {
+    (generation << 16) | (u64::from(lo) << 8) | u64::from(hi)
+}
+
+fn generation_of(state: u64) -> u64 {
+    state >> 16
+}
+
+fn lo_of(state: u64) -> u8 {
+    (state >> 8) as u8
+}
+
+fn hi_of(state: u64) -> u8 {
+    state as u8
+}
+
+/// Which end of the unclaimed chunks a thread takes.
+#[derive(Clone, Copy)]
+enum End {
+    Front,
+    Back,
+}
+
+/// Its own cache line: the poster and the helpers write these at
+/// different moments, and a shared line would bounce between them.
+#[repr(align(64))]
+#[derive(Default)]
+struct Line<T>(T);
+
+/// What a helper reads when it claims a chunk: one line.
+#[derive(Default)]
+struct Job {
+    state: AtomicU64,
+    from: AtomicUsize,
+    to: AtomicUsize,
+    /// Bytes on the board (the copy less its tail).
+    len: AtomicUsize,
+}
+
+/// See the module.
+#[derive(Default)]
+pub struct CopyBoard {
+    job: Line<Job>,
+    /// Chunks helpers have finished in this generation.
+    done: Line<AtomicU32>,
+    /// A poster holds the board (one copy at a time; others copy alone).
+    taken: Line<AtomicBool>,
+}
+
+impl std::fmt::Debug for CopyBoard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CopyBoard")
+            .field("generation", &self.generation())
+            .finish_non_exhaustive()
+    }
+}
+
+impl CopyBoard {
+    /// An empty board.
+    pub fn new() -> CopyBoard {
+        CopyBoard::default()
+    }
+
+    /// The generation of the latest copy posted: a helper waits for it to
+    /// change, then calls [`help`](Self::help).
+    pub fn generation(&self) -> u64 {
+        generation_of(self.job.0.state.load(Ordering::Acquire))
+    }
+
+    /// The bytes the latest copy put on the board (a helper sizes its
+    /// waits by it).
+    pub fn last_len(&self) -> usize {
+        self.job.0.len.load(Ordering::Relaxed)
+    }
+
+    /// Copies chunks of copy `generation` until none is left unclaimed;
+    /// returns how many it copied (none if that copy is over).
+    pub fn help(&self, generation: u64) -> usize {
+        let mut copied = 0;
+        while let Some(i) = self.claim(generation, End::Back) {
+            let job = &self.job.0;
+            let from = job.from.load(Ordering::Relaxed) as *const u8;
+            let to = job.to.load(Ordering::Relaxed) as *mut u8;
+            let len = job.len.load(Ordering::Relaxed);
+            let (at, n) = chunk(len, i);
+            // SAFETY: chunk `i` of this copy is claimed, so the copy is
+            // live: its poster, inside `copy`, keeps both ranges borrowed
+            // (valid, not overlapping) until `done` counts this chunk, and
+            // published them before the state this claim read (Acquire).
+            // `at + n <= len`, the length of both.
+            unsafe { copy_apart(from.add(at), to.add(at), n) };
+            self.done.0.fetch_add(1, Ordering::Release);
+            copied += 1;
+        }
+        copied
+    }
+
+    /// Claims the chunk at `end` of the unclaimed chunks of copy
+    /// `generation`; `None` once all are claimed or that copy is over.
+    fn claim(&self, generation: u64, end: End) -> Option<u8> {
+        let state = &self.job.0.state;
+        let mut s = state.load(Ordering::Acquire);
+        loop {
+            let (lo, hi) = (lo_of(s), hi_of(s));
+            if generation_of(s) != generation || lo >= hi {
+                return None;
+            }
+            let (taken, next) = match end {
+                End::Front => (lo, pack(generation, lo + 1, hi)),
+                End::Back => (hi - 1, pack(generation, lo, hi - 1)),
+            };
+            match state.compare_exchange_weak(s, next, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return Some(taken),
+                Err(now) => s = now,
+            }
+        }
+    }
+
+    /// Copies `len` bytes from `src` (at `src_at`) into `dst` at `at`, as
+    /// [`Segment::copy_from`] does, with whatever help the board's helpers
+    /// give; `false`, having copied nothing, if the board is held by another
+    /// copy, the copy is smaller than [`SHARE_MIN`] or the ranges overlap in
+    /// this address space.
+    ///
+    /// # Panics
+    /// If either range reaches past its segment.
+    pub fn copy<D: Borrow<Region>, S: Borrow<Region>>(
+        &self,
+        dst: &Segment<D>,
+        at: usize,
+        src: &Segment<S>,
+        src_at: usize,
+        len: usize,
+    ) -> bool {
+        let to = dst.ptr_at(at, len);
+        let from = src.ptr_at(src_at, len).cast_const();
+        if len < SHARE_MIN {
+            return false;
+        }
+        if (to as usize).abs_diff(from as usize) < len {
+            return false;
+        }
+        if self.taken.0.swap(true, Ordering::Acquire) {
+            return false;
+        }
+        let job = &self.job.0;
+        let shared = len - TAIL;
+        let count = shared.div_ceil(chunk_len(shared)) as u8;
+        let generation = generation_of(job.state.load(Ordering::Relaxed)) + 1;
+        job.from.store(from as usize, Ordering::Relaxed);
+        job.to.store(to as usize, Ordering::Relaxed);
+        job.len.store(shared, Ordering::Relaxed);
+        self.done.0.store(0, Ordering::Relaxed);
+        job.state
+            .store(pack(generation, 0, count), Ordering::Release);
+        // From here to the wait below nothing may unwind: helpers may be
+        // copying between the ranges this call borrows.
+        let mut mine = 0u32;
+        while let Some(i) = self.claim(generation, End::Front) {
+            let (off, n) = chunk(shared, i);
+            // SAFETY: both ranges were checked against their memories
+            // (`ptr_at`) and do not overlap; `off + n <= shared`.
+            unsafe { copy_apart(from.add(off), to.add(off), n) };
+            mine += 1;
+        }
+        let theirs = u32::from(count) - mine;
+        let mut spins = 0u32;
+        while self.done.0.load(Ordering::Acquire) < theirs {
+            // A helper is copying a chunk: a microsecond or two, unless it
+            // lost its CPU.
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(1024) {
+                std::thread::yield_now();
+            }
+            std::hint::spin_loop();
+        }
+        // SAFETY: as above; the tail is the last `TAIL` bytes of both ranges.
+        unsafe { copy_apart(from.add(shared), to.add(shared), TAIL) };
+        self.taken.0.store(false, Ordering::Release);
+        true
+    }
+}
+
+/// Where chunk `i` of `len` bytes on the board starts, and its length.
+fn chunk(len: usize, i: u8) -> (usize, usize) {
+    let c = chunk_len(len);
+    let at = usize::from(i) * c;
+    (at, c.min(len - at))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::{Access, MrTable, Region, RegionMemory};
+    use std::sync::Arc;
+
+    #[test]
+    fn the_state_word_names_its_copy() {
+        let s = pack(7, 3, 16);
+        assert_eq!((generation_of(s), lo_of(s), hi_of(s)), (7, 3, 16));
+        assert_eq!(generation_of(pack((1 << 48) - 1, 0, 16)), (1 << 48) - 1);
+        let board = CopyBoard::new();
+        board.job.0.state.store(pack(5, 0, 3), Ordering::Relaxed);
+        assert_eq!(board.claim(5, End::Front), Some(0));
+        assert_eq!(board.claim(5, End::Back), Some(2));
+        assert_eq!(board.claim(4, End::Back), None, "another copy's claim");
+        assert_eq!(board.claim(5, End::Back), Some(1));
+        assert_eq!(board.claim(5, End::Front), None);
+        assert_eq!(board.claim(5, End::Back), None);
+    }
+
+    #[test]
+    fn chunks_are_few_and_not_small() {
+        for len in [SHARE_MIN - TAIL, 64 << 10, 1 << 20, (1 << 30) + 7] {
+            let c = chunk_len(len);
+            assert!(c >= CHUNK);
+            assert!(len.div_ceil(c) <= MOST_CHUNKS, "{len}");
+            let last = (len.div_ceil(c) - 1) as u8;
+            let (at, n) = chunk(len, last);
+            assert_eq!(at + n, len, "{len}");
+        }
+    }
+
+    const A: u64 = 0x1000_0000;
+    const B: u64 = 0x2000_0000;
+
+    /// Two regions of `len` bytes, keys 1 at `A` and 2 at `B`.
+    fn two_regions(len: usize) -> MrTable {
+        let mut t = MrTable::new();
+        for (key, iova) in [(1, A), (2, B)] {
+            let mem = Arc::new(RegionMemory::zeroed(len).unwrap());
+            t.insert(Region::new(1, (key, key), mem, 0, len, iova, Access::ALL).unwrap());
+        }
+        t
+    }
+
+    /// A helper thread as the shm provider's, spinning on the board;
+    /// counts the chunks it copied.
+    fn spawn_helper(
+        board: &Arc<CopyBoard>,
+        stop: &Arc<AtomicBool>,
+        helped: &Arc<AtomicUsize>,
+    ) -> std::thread::JoinHandle<()> {
+        let (board, stop, helped) = (Arc::clone(board), Arc::clone(stop), Arc::clone(helped));
+        std::thread::spawn(move || {
+            let mut seen = board.generation();
+            while !stop.load(Ordering::Relaxed) {
+                let g = board.generation();
+                if g != seen {
+                    seen = g;
+                    helped.fetch_add(board.help(g), Ordering::Relaxed);
+                }
+                std::hint::spin_loop();
+            }
+        })
+    }
+
+    /// Every byte lands where it should, for sizes around the chunking's
+    /// edges and offsets that are not aligned, and the helper takes chunks.
+    #[test]
+    fn copies_with_a_helper_move_every_byte() {
+        let len = 3 << 20;
+        let t = two_regions(len);
+        let board = Arc::new(CopyBoard::new());
+        let (stop, helped) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicUsize::new(0)),
+        );
+        let helper = spawn_helper(&board, &stop, &helped);
+        let src = t.local(1, 2, B, len as u32, Access::NONE).unwrap();
+        let dst = t.local(1, 1, A, len as u32, Access::LOCAL_WRITE).unwrap();
+        let check = |round: usize, size: usize, dst_at: usize, src_at: usize| {
+            let pattern: Vec<u8> = (0..size)
+                .map(|i| (i as u8) ^ (i >> 8) as u8 ^ round as u8)
+                .collect();
+            src.write(src_at, &pattern);
+            assert!(board.copy(&dst, dst_at, &src, src_at, size));
+            let mut out = vec![0u8; size];
+            dst.read(dst_at, &mut out);
+            assert!(out == pattern, "size {size} at {dst_at} from {src_at}");
+        };
+        let sizes = [
+            SHARE_MIN,
+            SHARE_MIN + 1,
+            65536,
+            100_003,
+            1 << 20,
+            (2 << 20) + 77,
+        ];
+        for (round, size) in sizes.into_iter().enumerate() {
+            for (dst_at, src_at) in [(0, 0), (1, 13), (4096 + 8, 64)] {
+                check(round, size, dst_at, src_at);
+            }
+        }
+        // Whether the helper got a chunk in yet is the scheduler's: go on
+        // until it has (a stalled test fails by its time).
+        let mut round = sizes.len();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while helped.load(Ordering::Relaxed) == 0 && std::time::Instant::now() < deadline {
+            check(round, 2 << 20, 8, 0);
+            round += 1;
+        }
+        stop.store(true, Ordering::Relaxed);
+        helper.join().unwrap();
+        assert!(
+            helped.load(Ordering::Relaxed) > 0,
+            "the helper never copied a chunk"
+        );
+    }
+
+    /// A peer that sees the last byte of a copy sees all of it: with the
+    /// helper copying chunks, the tail is still stored last. x86 keeps
+    /// stores in order for every observer; the observer's plain reads rely
+    /// on that.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_last_byte_lands_last() {
+        let len = (1 << 20) + 77;
+        let t = Arc::new(two_regions(len));
+        let board = Arc::new(CopyBoard::new());
+        let (stop, helped) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicUsize::new(0)),
+        );
+        let helper = spawn_helper(&board, &stop, &helped);
+        let observer = {
+            let (t, stop) = (Arc::clone(&t), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let dst = t.local(1, 1, A, len as u32, Access::NONE).unwrap();
+                let (mut last, mut seen, mut out) = (0u8, 0, vec![0u8; len]);
+                while !stop.load(Ordering::Relaxed) {
+                    let mut b = [0u8];
+                    dst.read(len - 1, &mut b);
+                    if b[0] != last {
+                        last = b[0];
+                        dst.read(0, &mut out);
+                        // Later copies may have begun: newer bytes are
+                        // fine, older ones are not.
+                        let older = out.iter().position(|&x| x < last);
+                        assert_eq!(older, None, "copy {last}: a byte of an older copy");
+                        seen += 1;
+                    }
+                }
+                seen
+            })
+        };
+        let src = t.local(1, 2, B, len as u32, Access::NONE).unwrap();
+        let dst = t.local(1, 1, A, len as u32, Access::LOCAL_WRITE).unwrap();
+        for k in 1..=250u8 {
+            src.write(0, &vec![k; len]);
+            assert!(board.copy(&dst, 0, &src, 0, len));
+        }
+        stop.store(true, Ordering::Relaxed);
+        helper.join().unwrap();
+        let seen = observer.join().unwrap();
+        assert!(seen > 0, "the observer saw no copy land");
+    }
+
+    #[test]
+    fn small_overlapping_and_out_of_range_copies_are_refused() {
+        let t = two_regions(1 << 20);
+        let board = CopyBoard::new();
+        let src = t.local(1, 2, B, 1 << 20, Access::NONE).unwrap();
+        let dst = t.local(1, 1, A, 1 << 20, Access::LOCAL_WRITE).unwrap();
+        assert!(!board.copy(&dst, 0, &src, 0, SHARE_MIN - 1));
+        assert!(!board.copy(&dst, 0, &dst, 4096, 65536), "overlapping");
+        let out_of_range = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            board.copy(&dst, 1 << 19, &src, 0, 1 << 20)
+        }));
+        assert!(out_of_range.is_err());
+        assert!(
+            board.copy(&dst, 0, &src, 0, 65536),
+            "the board is free again"
+        );
+    }
+}
