@@ -71,9 +71,8 @@ pub fn connect(qp: &Qp, to: SocketAddrV4, cfg: &MpaConfig) -> Result<MpaOutcome,
     Ok(out)
 }
 
-/// A blocking `connect` that a signal interrupts goes on in the kernel
-/// (calling it again fails with EALREADY): waits for it to end, as the
-/// socket turns writable, and takes its outcome.
+/// A blocking `connect` that a signal interrupts goes on in the kernel:
+/// waits for it to end, as the socket turns writable, and takes its outcome.
 fn connect_through_signals(sock: &socket2::Socket, to: &socket2::SockAddr) -> io::Result<()> {
     match sock.connect(to) {
         Err(e) if e.kind() == io::ErrorKind::Interrupted => {}

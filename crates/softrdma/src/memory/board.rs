@@ -20,7 +20,7 @@ use super::{Region, Segment};
 /// Copies from this size up go on the board.
 pub const SHARE_MIN: usize = 32 << 10;
 /// The smallest chunk.
-const CHUNK: usize = 32 << 10;
+const CHUNK: usize = 16 << 10;
 /// Most chunks in a copy: enough for two threads to even out.
 const MOST_CHUNKS: usize = 8;
 /// Bytes at the end of a copy that the poster stores after every chunk.
@@ -178,12 +178,12 @@ impl CopyBoard {
         if (to as usize).abs_diff(from as usize) < len {
             return false;
         }
-        if self.taken.0.swap(true, Ordering::Acquire) {
+        let shared = len - TAIL;
+        let count = shared.div_ceil(chunk_len(shared)) as u8;
+        if count < 2 || self.taken.0.swap(true, Ordering::Acquire) {
             return false;
         }
         let job = &self.job.0;
-        let shared = len - TAIL;
-        let count = shared.div_ceil(chunk_len(shared)) as u8;
         let generation = generation_of(job.state.load(Ordering::Relaxed)) + 1;
         job.from.store(from as usize, Ordering::Relaxed);
         job.to.store(to as usize, Ordering::Relaxed);

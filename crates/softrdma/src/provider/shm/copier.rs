@@ -158,6 +158,12 @@ pub(super) fn start() {
     helper();
 }
 
+/// Whether this process has a helper (tests).
+#[cfg(test)]
+pub(super) fn on() -> bool {
+    helper().is_some()
+}
+
 /// Copies `len` bytes from `src` at `src_at` into `dst` at `at`, sharing a
 /// large copy with the helper (see the module).
 ///
@@ -194,7 +200,7 @@ pub(super) fn copy<D: Borrow<Region>, S: Borrow<Region>>(
             return;
         } else {
             // Tells a napping helper that copies are coming.
-            h.missed.fetch_add(1, Ordering::Relaxed);
+            h.missed.fetch_add(1, Ordering::SeqCst);
             h.wake_for(len);
         }
     }
