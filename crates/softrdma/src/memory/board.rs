@@ -21,14 +21,58 @@ use super::{Region, Segment};
 pub const SHARE_MIN: usize = 32 << 10;
 /// The smallest chunk.
 const CHUNK: usize = 16 << 10;
-/// Most chunks in a copy: enough for two threads to even out.
+/// The largest chunk: a poster waits for a chunk a helper holds, and a
+/// helper that loses its CPU mid-chunk should not hold much.
+const LARGEST_CHUNK: usize = 256 << 10;
+/// Most chunks in a copy up to `MOST_CHUNKS * LARGEST_CHUNK`: enough for two
+/// threads to even out.
 const MOST_CHUNKS: usize = 8;
-/// Bytes at the end of a copy that the poster stores after every chunk.
+/// A larger copy goes on the board in pieces of this size (the state word
+/// counts chunks in 8 bits).
+const PIECE: usize = 128 * LARGEST_CHUNK;
+/// Bytes at the end of a copy that the poster stores after every chunk (up
+/// to a line more, so that the board's part ends on a line).
 const TAIL: usize = 64;
+/// A cache line: chunks meet at line boundaries of the destination, so two
+/// threads never write one line.
+const LINE: usize = 64;
+/// A waiting poster calls its `waiting` hook once every this many spins.
+const SPINS_PER_WAITING: u32 = 256;
 
-/// The chunk size for `len` bytes on the board: at most [`MOST_CHUNKS`].
-fn chunk_len(len: usize) -> usize {
-    CHUNK.max(len.div_ceil(MOST_CHUNKS))
+/// How a copy's bytes on the board fall into chunks: every boundary between
+/// two chunks is at a line boundary of the destination.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Chunks {
+    len: usize,
+    /// The destination's offset into its first line.
+    skew: usize,
+    chunk: usize,
+}
+
+impl Chunks {
+    fn new(to: usize, len: usize) -> Chunks {
+        let chunk = len
+            .div_ceil(MOST_CHUNKS)
+            .next_multiple_of(LINE)
+            .clamp(CHUNK, LARGEST_CHUNK);
+        Chunks {
+            len,
+            skew: to % LINE,
+            chunk,
+        }
+    }
+
+    fn count(&self) -> usize {
+        (self.len + self.skew).div_ceil(self.chunk)
+    }
+
+    /// Where chunk `i` starts, and its length.
+    fn span(&self, i: u8) -> (usize, usize) {
+        let i = usize::from(i);
+        let at = (i * self.chunk).saturating_sub(self.skew);
+        let end = ((i + 1) * self.chunk - self.skew).min(self.len);
+        (at, end - at)
+    }
 }
 
 /// The job's state in one word, so that a claim names its job: generation
@@ -71,7 +115,7 @@ struct Job {
     state: AtomicU64,
     from: AtomicUsize,
     to: AtomicUsize,
-    /// Bytes on the board (the copy less its tail).
+    /// Bytes on the board (the copy, or its piece, less its tail).
     len: AtomicUsize,
 }
 
@@ -90,6 +134,38 @@ impl std::fmt::Debug for CopyBoard {
         f.debug_struct("CopyBoard")
             .field("generation", &self.generation())
             .finish_non_exhaustive()
+    }
+}
+
+/// Held while a poster has the board; lets it go even if the poster's
+/// `waiting` hook unwinds.
+struct Taken<'a>(&'a AtomicBool);
+
+impl Drop for Taken<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+/// The helpers' chunks of a posted piece. Dropping it waits for them, so
+/// that no path out of [`CopyBoard::copy`], an unwinding `waiting` hook
+/// included, leaves a helper copying between ranges no longer borrowed.
+struct Theirs<'a> {
+    done: &'a AtomicU32,
+    count: u32,
+}
+
+impl Theirs<'_> {
+    fn in_(&self) -> bool {
+        self.done.load(Ordering::Acquire) >= self.count
+    }
+}
+
+impl Drop for Theirs<'_> {
+    fn drop(&mut self) {
+        while !self.in_() {
+            std::hint::spin_loop();
+        }
     }
 }
 
@@ -114,13 +190,19 @@ impl CopyBoard {
     /// Copies chunks of copy `generation` until none is left unclaimed;
     /// returns how many it copied (none if that copy is over).
     pub fn help(&self, generation: u64) -> usize {
+        self.help_after(generation, || {})
+    }
+
+    /// As [`help`](Self::help), calling `claimed` after each claim (tests
+    /// hold a chunk there).
+    fn help_after(&self, generation: u64, mut claimed: impl FnMut()) -> usize {
         let mut copied = 0;
         while let Some(i) = self.claim(generation, End::Back) {
+            claimed();
             let job = &self.job.0;
             let from = job.from.load(Ordering::Relaxed) as *const u8;
             let to = job.to.load(Ordering::Relaxed) as *mut u8;
-            let len = job.len.load(Ordering::Relaxed);
-            let (at, n) = chunk(len, i);
+            let (at, n) = Chunks::new(to as usize, job.len.load(Ordering::Relaxed)).span(i);
             // SAFETY: chunk `i` of this copy is claimed, so the copy is
             // live: its poster, inside `copy`, keeps both ranges borrowed
             // (valid, not overlapping) until `done` counts this chunk, and
@@ -158,7 +240,9 @@ impl CopyBoard {
     /// [`Segment::copy_from`] does, with whatever help the board's helpers
     /// give; `false`, having copied nothing, if the board is held by another
     /// copy, the copy is smaller than [`SHARE_MIN`] or the ranges overlap in
-    /// this address space.
+    /// this address space. While it waits for a chunk a helper holds, it
+    /// calls `waiting` every few hundred spins (the caller may sleep there:
+    /// the helper may have lost its CPU).
     ///
     /// # Panics
     /// If either range reaches past its segment.
@@ -169,19 +253,71 @@ impl CopyBoard {
         src: &Segment<S>,
         src_at: usize,
         len: usize,
+        mut waiting: impl FnMut(),
     ) -> bool {
         let to = dst.ptr_at(at, len);
         let from = src.ptr_at(src_at, len).cast_const();
-        if len < SHARE_MIN {
+        if len < SHARE_MIN || (to as usize).abs_diff(from as usize) < len {
             return false;
         }
-        if (to as usize).abs_diff(from as usize) < len {
+        if self.taken.0.swap(true, Ordering::Acquire) {
             return false;
         }
-        let shared = len - TAIL;
-        let count = shared.div_ceil(chunk_len(shared)) as u8;
-        if count < 2 || self.taken.0.swap(true, Ordering::Acquire) {
-            return false;
+        let _taken = Taken(&self.taken.0);
+        let mut off = 0;
+        while off < len {
+            let rest = len - off;
+            // The last piece takes the rest, at least `SHARE_MIN`.
+            let piece = if rest > PIECE + SHARE_MIN {
+                PIECE
+            } else {
+                rest
+            };
+            // SAFETY: both ranges were checked against their memories
+            // (`ptr_at`) and do not overlap; the piece lies within them.
+            unsafe {
+                self.copy_piece(
+                    from.add(off),
+                    to.add(off),
+                    piece,
+                    off + piece == len,
+                    &mut waiting,
+                )
+            };
+            off += piece;
+        }
+        true
+    }
+
+    /// Posts one piece of a copy, copies its chunks from the front, waits
+    /// for the helpers' and, for the copy's `last` piece, stores its tail.
+    ///
+    /// # Safety
+    /// `from` and `to` are valid for `len` bytes, do not overlap, and stay
+    /// so for the call; the caller holds `taken`.
+    unsafe fn copy_piece(
+        &self,
+        from: *const u8,
+        to: *mut u8,
+        len: usize,
+        last: bool,
+        waiting: &mut impl FnMut(),
+    ) {
+        // The tail starts on a line of the destination, so the board's
+        // part and the tail do not share one.
+        let shared = if last {
+            (to as usize + len - TAIL) / LINE * LINE - to as usize
+        } else {
+            len
+        };
+        let chunks = Chunks::new(to as usize, shared);
+        let Ok(count) = u8::try_from(chunks.count()) else {
+            unreachable!("a piece has at most {} chunks", PIECE / LARGEST_CHUNK + 2);
+        };
+        if count < 2 {
+            // SAFETY: the caller's.
+            unsafe { copy_apart(from, to, len) };
+            return;
         }
         let job = &self.job.0;
         let generation = generation_of(job.state.load(Ordering::Relaxed)) + 1;
@@ -191,39 +327,33 @@ impl CopyBoard {
         self.done.0.store(0, Ordering::Relaxed);
         job.state
             .store(pack(generation, 0, count), Ordering::Release);
-        // From here to the wait below nothing may unwind: helpers may be
-        // copying between the ranges this call borrows.
+        // Nothing here unwinds until `theirs` below guards the helpers'
+        // chunks.
         let mut mine = 0u32;
         while let Some(i) = self.claim(generation, End::Front) {
-            let (off, n) = chunk(shared, i);
-            // SAFETY: both ranges were checked against their memories
-            // (`ptr_at`) and do not overlap; `off + n <= shared`.
-            unsafe { copy_apart(from.add(off), to.add(off), n) };
+            let (at, n) = chunks.span(i);
+            // SAFETY: the caller's; `at + n <= shared <= len`.
+            unsafe { copy_apart(from.add(at), to.add(at), n) };
             mine += 1;
         }
-        let theirs = u32::from(count) - mine;
+        let theirs = Theirs {
+            done: &self.done.0,
+            count: u32::from(count) - mine,
+        };
         let mut spins = 0u32;
-        while self.done.0.load(Ordering::Acquire) < theirs {
-            // A helper is copying a chunk: a microsecond or two, unless it
-            // lost its CPU.
+        while !theirs.in_() {
+            // A helper is copying a chunk: microseconds, unless it lost
+            // its CPU.
             spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(1024) {
-                std::thread::yield_now();
+            if spins.is_multiple_of(SPINS_PER_WAITING) {
+                waiting();
             }
             std::hint::spin_loop();
         }
-        // SAFETY: as above; the tail is the last `TAIL` bytes of both ranges.
-        unsafe { copy_apart(from.add(shared), to.add(shared), TAIL) };
-        self.taken.0.store(false, Ordering::Release);
-        true
+        drop(theirs);
+        // SAFETY: the caller's; the tail is the rest of both ranges.
+        unsafe { copy_apart(from.add(shared), to.add(shared), len - shared) };
     }
-}
-
-/// Where chunk `i` of `len` bytes on the board starts, and its length.
-fn chunk(len: usize, i: u8) -> (usize, usize) {
-    let c = chunk_len(len);
-    let at = usize::from(i) * c;
-    (at, c.min(len - at))
 }
 
 #[cfg(test)]
@@ -248,14 +378,35 @@ mod tests {
     }
 
     #[test]
-    fn chunks_are_few_and_not_small() {
-        for len in [SHARE_MIN - TAIL, 64 << 10, 1 << 20, (1 << 30) + 7] {
-            let c = chunk_len(len);
-            assert!(c >= CHUNK);
-            assert!(len.div_ceil(c) <= MOST_CHUNKS, "{len}");
-            let last = (len.div_ceil(c) - 1) as u8;
-            let (at, n) = chunk(len, last);
-            assert_eq!(at + n, len, "{len}");
+    fn chunks_are_few_not_small_and_meet_on_lines() {
+        let sizes = [
+            SHARE_MIN - 2 * TAIL,
+            64 << 10,
+            1 << 20,
+            (2 << 20) + 77,
+            PIECE,
+            PIECE + SHARE_MIN,
+        ];
+        for len in sizes {
+            for to in [0x1000_0000usize, 0x1000_0001, 0x1000_003f] {
+                let c = Chunks::new(to, len);
+                assert!((CHUNK..=LARGEST_CHUNK).contains(&c.chunk), "{c:?}");
+                assert!(c.count() >= 2 && c.count() <= 255, "{c:?}");
+                if len <= MOST_CHUNKS * LARGEST_CHUNK {
+                    assert!(c.count() <= MOST_CHUNKS + 1, "{c:?}");
+                }
+                let mut end = 0;
+                for i in 0..c.count() as u8 {
+                    let (at, n) = c.span(i);
+                    assert_eq!(at, end, "{c:?} chunk {i}");
+                    assert!(n > 0, "{c:?} chunk {i}");
+                    if i > 0 {
+                        assert_eq!((to + at) % LINE, 0, "{c:?} chunk {i}");
+                    }
+                    end = at + n;
+                }
+                assert_eq!(end, len, "{c:?}");
+            }
         }
     }
 
@@ -312,7 +463,7 @@ mod tests {
                 .map(|i| (i as u8) ^ (i >> 8) as u8 ^ round as u8)
                 .collect();
             src.write(src_at, &pattern);
-            assert!(board.copy(&dst, dst_at, &src, src_at, size));
+            assert!(board.copy(&dst, dst_at, &src, src_at, size, std::thread::yield_now));
             let mut out = vec![0u8; size];
             dst.read(dst_at, &mut out);
             assert!(out == pattern, "size {size} at {dst_at} from {src_at}");
@@ -385,13 +536,103 @@ mod tests {
         let src = t.local(1, 2, B, len as u32, Access::NONE).unwrap();
         let dst = t.local(1, 1, A, len as u32, Access::LOCAL_WRITE).unwrap();
         for k in 1..=250u8 {
+            if helped.load(Ordering::Relaxed) == 0 {
+                // Gives a helper thread that has not run yet a CPU.
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
             src.write(0, &vec![k; len]);
-            assert!(board.copy(&dst, 0, &src, 0, len));
+            assert!(board.copy(&dst, 0, &src, 0, len, std::thread::yield_now));
         }
         stop.store(true, Ordering::Relaxed);
         helper.join().unwrap();
         let seen = observer.join().unwrap();
         assert!(seen > 0, "the observer saw no copy land");
+        assert!(
+            helped.load(Ordering::Relaxed) > 0,
+            "the helper never copied a chunk"
+        );
+    }
+
+    /// A copy larger than a piece goes on the board piece by piece, every
+    /// byte in place.
+    #[test]
+    fn copies_larger_than_a_piece_go_in_pieces() {
+        let len = PIECE + PIECE / 2 + 4099;
+        let t = two_regions(len);
+        let board = Arc::new(CopyBoard::new());
+        let (stop, helped) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicUsize::new(0)),
+        );
+        let helper = spawn_helper(&board, &stop, &helped);
+        let src = t.local(1, 2, B, len as u32, Access::NONE).unwrap();
+        let dst = t.local(1, 1, A, len as u32, Access::LOCAL_WRITE).unwrap();
+        let pattern: Vec<u8> = (0..len - 8).map(|i| (i % 251) as u8).collect();
+        src.write(8, &pattern);
+        let generation = board.generation();
+        assert!(board.copy(&dst, 0, &src, 8, len - 8, std::thread::yield_now));
+        assert_eq!(board.generation(), generation + 2, "two pieces");
+        let mut out = vec![0u8; len - 8];
+        dst.read(0, &mut out);
+        assert!(out == pattern, "the copy's bytes");
+        stop.store(true, Ordering::Relaxed);
+        helper.join().unwrap();
+    }
+
+    /// A poster waiting for a chunk a helper holds calls its `waiting`
+    /// hook, and the copy completes once the helper finishes.
+    #[test]
+    fn a_poster_waiting_for_a_held_chunk_calls_its_hook() {
+        let len = 1 << 20;
+        let t = two_regions(len);
+        let board = Arc::new(CopyBoard::new());
+        let (stop, helped) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicUsize::new(0)),
+        );
+        let slow_helper = {
+            let (board, stop, helped) =
+                (Arc::clone(&board), Arc::clone(&stop), Arc::clone(&helped));
+            std::thread::spawn(move || {
+                let mut seen = board.generation();
+                while !stop.load(Ordering::Relaxed) {
+                    let g = board.generation();
+                    if g != seen {
+                        seen = g;
+                        // Holds each chunk it claims for 5 ms, as a helper
+                        // that lost its CPU.
+                        let n = board.help_after(g, || {
+                            std::thread::sleep(std::time::Duration::from_millis(5))
+                        });
+                        helped.fetch_add(n, Ordering::Relaxed);
+                    }
+                    std::hint::spin_loop();
+                }
+            })
+        };
+        let src = t.local(1, 2, B, len as u32, Access::NONE).unwrap();
+        let dst = t.local(1, 1, A, len as u32, Access::LOCAL_WRITE).unwrap();
+        let mut waits = 0u32;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        let mut k = 0u8;
+        while helped.load(Ordering::Relaxed) == 0 && std::time::Instant::now() < deadline {
+            k = k.wrapping_add(1);
+            src.write(0, &vec![k; len]);
+            assert!(board.copy(&dst, 0, &src, 0, len, || waits += 1));
+            let mut out = vec![0u8; len];
+            dst.read(0, &mut out);
+            assert!(out.iter().all(|&b| b == k), "the copy's bytes");
+        }
+        stop.store(true, Ordering::Relaxed);
+        slow_helper.join().unwrap();
+        assert!(
+            helped.load(Ordering::Relaxed) > 0,
+            "the helper never claimed a chunk"
+        );
+        assert!(
+            waits > 0,
+            "the poster waited for a held chunk without its hook"
+        );
     }
 
     #[test]
@@ -400,14 +641,17 @@ mod tests {
         let board = CopyBoard::new();
         let src = t.local(1, 2, B, 1 << 20, Access::NONE).unwrap();
         let dst = t.local(1, 1, A, 1 << 20, Access::LOCAL_WRITE).unwrap();
-        assert!(!board.copy(&dst, 0, &src, 0, SHARE_MIN - 1));
-        assert!(!board.copy(&dst, 0, &dst, 4096, 65536), "overlapping");
+        assert!(!board.copy(&dst, 0, &src, 0, SHARE_MIN - 1, || {}));
+        assert!(
+            !board.copy(&dst, 0, &dst, 4096, 65536, || {}),
+            "overlapping"
+        );
         let out_of_range = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            board.copy(&dst, 1 << 19, &src, 0, 1 << 20)
+            board.copy(&dst, 1 << 19, &src, 0, 1 << 20, || {})
         }));
         assert!(out_of_range.is_err());
         assert!(
-            board.copy(&dst, 0, &src, 0, 65536),
+            board.copy(&dst, 0, &src, 0, 65536, || {}),
             "the board is free again"
         );
     }

@@ -20,22 +20,26 @@
 //!   A poster never waits for the helper to come (see [`CopyBoard::copy`]).
 //! - The helper helps only while the CPUs have room for it. Before it spins
 //!   (at most every [`LOAD_EVERY`]) it counts the running tasks
-//!   (`/proc/loadavg`, itself among them) and looks at how long it waited
-//!   for a CPU since it last looked (its `schedstat`: sharing a CPU with its
-//!   poster, it waits about half the time). More tasks than CPUs or a wait
-//!   of more than [`WAITED_MAX`] of the time at two looks in a row (one look
-//!   in a hundred meets a passing kernel thread), or a spin that lost its CPU, and
-//!   it helps no copy for a while ([`BACKOFF_MIN`], doubling every few in a row up to
-//!   [`BACKOFF_MAX`]); a nap's wake-up then finds it an idle CPU if there
-//!   is one. It must not take a CPU from the application's threads (a
-//!   latency test's two pollers, say), and a poster waits for a chunk its
-//!   helper holds.
-//! - Posters time one copy in [`SAMPLE_EVERY`], every other one of them
-//!   made alone, and tell the helper to stay away for a while (from
-//!   [`UNHELPFUL_MIN`], doubling while it goes on, up to [`UNHELPFUL_MAX`])
-//!   when shared copies do not save a tenth of the time: on some hosts the
-//!   two CPUs pass cache lines so slowly that shared 64 KiB copies ran at
-//!   0.6 of one thread's.
+//!   (`/proc/loadavg`, itself among them, against the host's CPUs online)
+//!   and judges how long it waited for a CPU (its `schedstat`: sharing a
+//!   CPU with its poster, it waits about half the time it runs or waits).
+//!   More tasks than CPUs at two looks in a row, or too long a wait at two
+//!   judgements in a row (one look in a hundred meets a passing kernel
+//!   thread), or a spin that lost its CPU, and it helps no copy for a while
+//!   ([`BACKOFF_MIN`], doubling every few in a row up to [`BACKOFF_MAX`]);
+//!   a nap's wake-up then finds it an idle CPU if there is one. It must not
+//!   take a CPU from the application's threads (a latency test's two
+//!   pollers, say), and a poster waits for a chunk its helper holds.
+//! - Posters time one copy in [`SAMPLE_EVERY`] of each size (powers of
+//!   two), every other one of them made alone, and make copies of that size
+//!   alone for a while (from [`UNHELPFUL_MIN`], doubling while it goes on,
+//!   up to [`UNHELPFUL_MAX`]) when shared ones do not save a tenth of the
+//!   time: on some hosts the two CPUs pass cache lines so slowly that
+//!   shared 64 KiB copies ran at 0.6 of one thread's. With no copies posted
+//!   the helper naps and sleeps.
+//! - A poster waiting for a chunk its helper holds spins for
+//!   [`POSTER_SPIN`], then sleeps in [`POSTER_NAP`]s: the helper lost its
+//!   CPU, perhaps to the poster.
 //! - `SOFTRDMA_SHM_COPY_HELPER=0` turns it off: every copy is the poster's.
 
 use std::borrow::Borrow;
@@ -79,16 +83,29 @@ const BACKOFF_MIN: Duration = Duration::from_millis(1);
 const BACKOFF_MAX: Duration = Duration::from_millis(200);
 const BACKOFFS_TO_DOUBLE: u32 = 4;
 
-/// A poster times one copy in [`SAMPLE_EVERY`], every other one made
-/// without the helper, and judges the help once it has [`SAMPLES`] of each.
+/// A waiting helper's look at the CPUs judges its wait for one only over
+/// this much time run or waited since the last judgement.
+const WAIT_SPAN_MIN: Duration = Duration::from_millis(1);
+
+/// A poster times one copy in [`SAMPLE_EVERY`] of a size, every other one
+/// made without the helper, and judges the help once it has [`SAMPLES`] of
+/// each.
 const SAMPLE_EVERY: u32 = 32;
 const SAMPLES: usize = 6;
+/// Sizes the poster judges apart: powers of two from [`SHARE_MIN`], the
+/// last taking every larger copy.
+const SIZE_CLASSES: usize = 8;
 /// Help that does not save this share of a copy's time does not pay.
 const WORTH: f64 = 0.9;
-/// How long a helper whose help did not pay stays away: from
-/// [`UNHELPFUL_MIN`], doubling each time in a row, up to [`UNHELPFUL_MAX`].
+/// How long a poster whose copies of a size the help did not speed up makes
+/// them alone: from [`UNHELPFUL_MIN`], doubling each time in a row, up to
+/// [`UNHELPFUL_MAX`].
 const UNHELPFUL_MIN: Duration = Duration::from_millis(50);
 const UNHELPFUL_MAX: Duration = Duration::from_secs(2);
+
+/// A poster waiting for the helper's chunk spins this long, then naps.
+const POSTER_SPIN: Duration = Duration::from_micros(50);
+const POSTER_NAP: Duration = Duration::from_micros(20);
 
 fn spin_for(len: usize) -> Duration {
     Duration::from_nanos((len / SPIN_BYTES_PER_NS) as u64).clamp(SPIN_MIN, SPIN_MAX)
@@ -106,16 +123,10 @@ struct Helper {
     ready: AtomicBool,
     /// Large copies made while it was not ready.
     missed: AtomicU64,
-    /// Until when (nanoseconds since [`epoch`]) it stays away: posters
-    /// timed their copies and found its help did not pay.
-    unhelpful_until: AtomicU64,
-    /// How long it stays away the next time it does not pay (doubling).
-    unhelpful_for: AtomicU64,
     /// It sleeps until a poster wakes it.
     parked: AtomicBool,
     /// When a poster last found it parked (nanoseconds since [`epoch`]).
     found_parked: AtomicU64,
-    cpus: usize,
     thread: OnceLock<Thread>,
 }
 
@@ -127,6 +138,7 @@ fn epoch() -> Instant {
 fn helper() -> Option<&'static Helper> {
     static HELPER: OnceLock<Option<&'static Helper>> = OnceLock::new();
     *HELPER.get_or_init(|| {
+        // The CPUs this process may run on.
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         if std::env::var_os("SOFTRDMA_SHM_COPY_HELPER").is_some_and(|v| v == "0") || cpus < 2 {
             return None;
@@ -136,11 +148,8 @@ fn helper() -> Option<&'static Helper> {
             board: CopyBoard::new(),
             ready: AtomicBool::new(false),
             missed: AtomicU64::new(0),
-            unhelpful_until: AtomicU64::new(0),
-            unhelpful_for: AtomicU64::new(UNHELPFUL_MIN.as_nanos() as u64),
             parked: AtomicBool::new(false),
             found_parked: AtomicU64::new(u64::MAX),
-            cpus,
             thread: OnceLock::new(),
         }));
         let t = std::thread::Builder::new()
@@ -179,23 +188,20 @@ pub(super) fn copy<D: Borrow<Region>, S: Borrow<Region>>(
     if len >= SHARE_MIN
         && let Some(h) = helper()
     {
-        if h.ready.load(Ordering::Relaxed) {
-            let sample = PROBE.with(|p| p.borrow_mut().next());
+        let sample = PROBE.with(|p| p.borrow_mut().next(len));
+        if sample == Sample::Away {
+            // Help did not pay for this size lately.
+        } else if h.ready.load(Ordering::Relaxed) {
             let start = (sample != Sample::No).then(Instant::now);
             if sample == Sample::Alone {
                 dst.copy_from(at, src, src_at, len);
-            } else if !h.board.copy(dst, at, src, src_at, len) {
+            } else if !h.board.copy(dst, at, src, src_at, len, poster_wait()) {
                 dst.copy_from(at, src, src_at, len);
                 return;
             }
             if let Some(start) = start {
                 let took = start.elapsed();
-                let helps = PROBE.with(|p| p.borrow_mut().record(sample, took, len));
-                match helps {
-                    Some(false) => h.unhelpful(),
-                    Some(true) => h.helpful(),
-                    None => {}
-                }
+                PROBE.with(|p| p.borrow_mut().record(sample, took, len));
             }
             return;
         } else {
@@ -207,25 +213,19 @@ pub(super) fn copy<D: Borrow<Region>, S: Borrow<Region>>(
     dst.copy_from(at, src, src_at, len);
 }
 
-impl Helper {
-    /// Posters found copies with its help no faster than without: it stays
-    /// away for a while, longer each time.
-    fn unhelpful(&self) {
-        let now = epoch().elapsed().as_nanos() as u64;
-        let away = self.unhelpful_for.load(Ordering::Relaxed);
-        self.unhelpful_until.store(now + away, Ordering::Relaxed);
-        let next = (away * 2).min(UNHELPFUL_MAX.as_nanos() as u64);
-        self.unhelpful_for.store(next, Ordering::Relaxed);
-    }
-
-    /// Posters found its help faster: the next stay away is short again.
-    fn helpful(&self) {
-        let min = UNHELPFUL_MIN.as_nanos() as u64;
-        if self.unhelpful_for.load(Ordering::Relaxed) != min {
-            self.unhelpful_for.store(min, Ordering::Relaxed);
+/// A poster's wait for a chunk its helper holds (see the module): called
+/// every few hundred spins.
+fn poster_wait() -> impl FnMut() {
+    let mut since = None;
+    move || {
+        let now = Instant::now();
+        if now - *since.get_or_insert(now) > POSTER_SPIN {
+            std::thread::sleep(POSTER_NAP);
         }
     }
+}
 
+impl Helper {
     /// Wakes a parked helper for a copy of `len` bytes if that pays.
     fn wake_for(&self, len: usize) {
         if !self.parked.load(Ordering::SeqCst) {
@@ -244,7 +244,7 @@ impl Helper {
     }
 
     fn run(&self) {
-        let mut load = Load::open(self.cpus);
+        let mut load = Load::open(online_cpus());
         let mut seen = self.board.generation();
         let mut ready = Ready::default();
         loop {
@@ -261,27 +261,24 @@ impl Helper {
         let mut idle_since = Instant::now();
         let mut nap = NAP_MIN;
         loop {
-            let now = epoch().elapsed().as_nanos() as u64;
-            let until = self.unhelpful_until.load(Ordering::Relaxed);
-            if now < until {
-                ready.set(self, false);
-                std::thread::sleep(Duration::from_nanos(until - now));
-                continue;
-            }
-            if load.crowded_now_and_then() {
-                ready.set(self, false);
-                load.back_off();
-                continue;
-            }
-            ready.set(self, true);
-            match self.spin_for_copy(seen) {
-                Spun::Copy(g) => return g,
-                Spun::Preempted => {
+            let spun = if load.crowded_now_and_then() {
+                None
+            } else {
+                ready.set(self, true);
+                Some(self.spin_for_copy(seen))
+            };
+            match spun {
+                Some(Spun::Copy(g)) => return g,
+                Some(Spun::Nothing) => ready.set(self, false),
+                None | Some(Spun::Preempted) => {
                     ready.set(self, false);
                     load.back_off();
-                    continue;
+                    // Backing off while copies come; without them it
+                    // would go on looking at the load (and adding to it).
+                    if idle_since.elapsed() < PARK_AFTER {
+                        continue;
+                    }
                 }
-                Spun::Nothing => ready.set(self, false),
             }
             // Naps until a poster makes a large copy.
             let missed = self.missed.load(Ordering::Relaxed);
@@ -348,47 +345,92 @@ enum Sample {
     Alone,
     /// Made on the board.
     Shared,
+    /// Made alone: help did not pay for copies of this size lately.
+    Away,
 }
 
 /// A poster's timings: on some hosts the two CPUs pass cache lines so
 /// slowly (the hypervisor placed them far apart) that copies shared with
-/// the helper ran at 0.6 of one thread's; a poster that finds so tells the
-/// helper to stay away.
+/// the helper ran at 0.6 of one thread's; a poster that finds so makes
+/// copies of that size alone for a while.
 #[derive(Default, Debug)]
 struct Probe {
+    classes: [SizeProbe; SIZE_CLASSES],
+}
+
+/// A poster's timings of copies of one size class.
+#[derive(Debug)]
+struct SizeProbe {
     copies: u32,
     /// Timed copies, nanoseconds per KiB.
     alone: Vec<f64>,
     shared: Vec<f64>,
+    /// Copies are made alone until then.
+    away_until: Option<Instant>,
+    /// How long the next stay away lasts.
+    away_for: Duration,
+}
+
+impl Default for SizeProbe {
+    fn default() -> SizeProbe {
+        SizeProbe {
+            copies: 0,
+            alone: Vec::new(),
+            shared: Vec::new(),
+            away_until: None,
+            away_for: UNHELPFUL_MIN,
+        }
+    }
+}
+
+/// The size class of a copy of `len` (at least [`SHARE_MIN`]) bytes.
+fn size_class(len: usize) -> usize {
+    let class = len.ilog2().saturating_sub(SHARE_MIN.ilog2()) as usize;
+    class.min(SIZE_CLASSES - 1)
 }
 
 impl Probe {
-    fn next(&mut self) -> Sample {
-        self.copies = self.copies.wrapping_add(1);
-        if !self.copies.is_multiple_of(SAMPLE_EVERY) {
+    fn next(&mut self, len: usize) -> Sample {
+        let p = &mut self.classes[size_class(len)];
+        if let Some(until) = p.away_until {
+            if Instant::now() < until {
+                return Sample::Away;
+            }
+            p.away_until = None;
+        }
+        p.copies = p.copies.wrapping_add(1);
+        if !p.copies.is_multiple_of(SAMPLE_EVERY) {
             Sample::No
-        } else if (self.copies / SAMPLE_EVERY).is_multiple_of(2) {
+        } else if (p.copies / SAMPLE_EVERY).is_multiple_of(2) {
             Sample::Alone
         } else {
             Sample::Shared
         }
     }
 
-    /// Adds a timed copy; once there are enough of both kinds, whether the
-    /// help pays (and starts over).
+    /// Adds a timed copy; once there are enough of both kinds for its
+    /// size, whether the help pays (and starts over). Help that does not
+    /// sends copies of that size alone for a while.
     fn record(&mut self, sample: Sample, took: Duration, len: usize) -> Option<bool> {
+        let p = &mut self.classes[size_class(len)];
         let per_kib = took.as_nanos() as f64 * 1024.0 / len as f64;
         match sample {
-            Sample::Alone => self.alone.push(per_kib),
-            Sample::Shared => self.shared.push(per_kib),
-            Sample::No => return None,
+            Sample::Alone => p.alone.push(per_kib),
+            Sample::Shared => p.shared.push(per_kib),
+            Sample::No | Sample::Away => return None,
         }
-        if self.alone.len() < SAMPLES || self.shared.len() < SAMPLES {
+        if p.alone.len() < SAMPLES || p.shared.len() < SAMPLES {
             return None;
         }
-        let pays = typical(&self.shared) < typical(&self.alone) * WORTH;
-        self.alone.clear();
-        self.shared.clear();
+        let pays = typical(&p.shared) < typical(&p.alone) * WORTH;
+        p.alone.clear();
+        p.shared.clear();
+        if pays {
+            p.away_for = UNHELPFUL_MIN;
+        } else {
+            p.away_until = Some(Instant::now() + p.away_for);
+            p.away_for = (p.away_for * 2).min(UNHELPFUL_MAX);
+        }
         Some(pays)
     }
 }
@@ -421,19 +463,31 @@ enum Spun {
 }
 
 /// The running tasks the kernel counts (`/proc/loadavg`'s fourth field,
-/// "running/all"), against the CPUs.
+/// "running/all"), against the CPUs; and the helper's own waits for a CPU.
 struct Load {
     loadavg: Option<File>,
     /// This thread's scheduler statistics (`/proc/thread-self/schedstat`).
     schedstat: Option<File>,
+    /// The host's CPUs online: `/proc/loadavg` counts the host's tasks.
     cpus: usize,
-    /// When it last looked, and how long it had waited for a CPU by then.
-    checked: Option<(Instant, Duration)>,
+    /// When it last looked.
+    looked: Option<Instant>,
+    /// Its time run and waited for a CPU when it last judged its waits.
+    judged: Option<CpuTimes>,
     backoff: Duration,
     /// Back-offs in a row.
     backoffs: u32,
-    /// The last look found the CPUs busy.
-    was_busy: bool,
+    /// The last look found more tasks running than CPUs.
+    was_running_over: bool,
+    /// The last judgement of its waits found it waited too long.
+    had_waited: bool,
+}
+
+/// A thread's time on a CPU and waiting for one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct CpuTimes {
+    ran: Duration,
+    waited: Duration,
 }
 
 impl Load {
@@ -443,39 +497,61 @@ impl Load {
             loadavg: File::open("/proc/loadavg").ok(),
             schedstat: File::open("/proc/thread-self/schedstat").ok(),
             cpus,
-            checked: None,
+            looked: None,
+            judged: None,
             backoff: BACKOFF_MIN,
             backoffs: 0,
-            was_busy: false,
+            was_running_over: false,
+            had_waited: false,
         }
     }
 
-    /// Whether the CPUs are crowded: busy at this look and the last, where
-    /// busy is more tasks running than there are CPUs (this thread among
-    /// them), or this thread having spent more than [`WAITED_MAX`] of the
-    /// time since it last looked waiting for a CPU (sharing one with its
-    /// poster, which `/proc/loadavg` cannot show). Looked up at most every
-    /// [`LOAD_EVERY`] (else `false`). A look that finds them not busy resets
-    /// the back-off.
+    /// Whether the CPUs are crowded: more tasks running than there are
+    /// CPUs (this thread among them) at this look and the last, or this
+    /// thread having spent more than [`WAITED_MAX`] of its time waiting for
+    /// a CPU at this judgement of its waits and the last (sharing one with
+    /// its poster, which `/proc/loadavg` cannot show; a judgement takes
+    /// [`WAIT_SPAN_MIN`] run or waited, so a back-off's sleep does not
+    /// dilute it). One look in a hundred finds a task passing through (a
+    /// kernel worker, an interrupt's thread): hence twice in a row. Looked
+    /// up at most every [`LOAD_EVERY`] (else `false`). The back-off resets
+    /// once neither signal is busy.
     fn crowded_now_and_then(&mut self) -> bool {
         let now = Instant::now();
-        if self.checked.is_some_and(|(t, _)| now - t < LOAD_EVERY) {
+        if self.looked.is_some_and(|t| now - t < LOAD_EVERY) {
             return false;
         }
-        let waited = self.waited();
-        let kept_waiting = match (self.checked, waited) {
-            (Some((then, before)), Some(w)) => {
-                w.saturating_sub(before).as_secs_f64() > (now - then).as_secs_f64() * WAITED_MAX
-            }
-            _ => false,
+        self.looked = Some(now);
+        let waited = match self.cpu_times() {
+            None => Some(false),
+            Some(times) => match self.judged {
+                None => {
+                    self.judged = Some(times);
+                    None
+                }
+                Some(before) => {
+                    let verdict = waited_too_long(before, times);
+                    if verdict.is_some() {
+                        self.judged = Some(times);
+                    }
+                    verdict
+                }
+            },
         };
-        self.checked = waited.map(|w| (now, w));
-        let busy = kept_waiting || self.running().is_some_and(|r| r > self.cpus);
-        // One look in a hundred finds a task passing through (a kernel
-        // worker, an interrupt's thread): busy twice in a row is crowded.
-        let crowded = busy && self.was_busy;
-        self.was_busy = busy;
-        if !busy {
+        let running_over = self.running().is_some_and(|r| r > self.cpus);
+        self.judge(running_over, waited)
+    }
+
+    /// The verdict of a look that found `running_over` and, if it could
+    /// judge them, its waits too long or not.
+    fn judge(&mut self, running_over: bool, waited: Option<bool>) -> bool {
+        let crowded =
+            (running_over && self.was_running_over) || (waited == Some(true) && self.had_waited);
+        self.was_running_over = running_over;
+        if let Some(w) = waited {
+            self.had_waited = w;
+        }
+        if !running_over && !self.had_waited {
             self.backoff = BACKOFF_MIN;
             self.backoffs = 0;
         }
@@ -488,11 +564,11 @@ impl Load {
         running_tasks(std::str::from_utf8(&buf[..n]).ok()?)
     }
 
-    /// How long this thread has waited for a CPU in all.
-    fn waited(&self) -> Option<Duration> {
+    /// This thread's time run and waited for a CPU, in all.
+    fn cpu_times(&self) -> Option<CpuTimes> {
         let mut buf = [0u8; 96];
         let n = self.schedstat.as_ref()?.read_at(&mut buf, 0).ok()?;
-        waited_for_cpu(std::str::from_utf8(&buf[..n]).ok()?)
+        cpu_times(std::str::from_utf8(&buf[..n]).ok()?)
     }
 
     /// Sleeps out the back-off; every [`BACKOFFS_TO_DOUBLE`] in a row
@@ -500,19 +576,36 @@ impl Load {
     /// help; busy CPUs, few looks).
     fn back_off(&mut self) {
         std::thread::sleep(self.backoff);
+        self.backed_off();
+    }
+
+    fn backed_off(&mut self) {
         self.backoffs += 1;
         if self.backoffs.is_multiple_of(BACKOFFS_TO_DOUBLE) {
             self.backoff = (self.backoff * 2).min(BACKOFF_MAX);
         }
-        self.checked = None;
     }
 }
 
-/// The time waited for a CPU in a `schedstat` line ("run_ns wait_ns
-/// timeslices").
-fn waited_for_cpu(schedstat: &str) -> Option<Duration> {
-    let ns = schedstat.split_whitespace().nth(1)?.parse().ok()?;
-    Some(Duration::from_nanos(ns))
+/// Whether a thread waited for a CPU more than [`WAITED_MAX`] of its time
+/// between two readings of its [`CpuTimes`]; `None` if it ran and waited
+/// too little in between to tell (it slept).
+fn waited_too_long(before: CpuTimes, now: CpuTimes) -> Option<bool> {
+    let ran = now.ran.saturating_sub(before.ran);
+    let waited = now.waited.saturating_sub(before.waited);
+    let span = ran + waited;
+    (span >= WAIT_SPAN_MIN).then_some(waited.as_secs_f64() > span.as_secs_f64() * WAITED_MAX)
+}
+
+/// The times in a `schedstat` line ("run_ns wait_ns timeslices").
+fn cpu_times(schedstat: &str) -> Option<CpuTimes> {
+    let mut fields = schedstat.split_whitespace();
+    let ran = fields.next()?.parse().ok()?;
+    let waited = fields.next()?.parse().ok()?;
+    Some(CpuTimes {
+        ran: Duration::from_nanos(ran),
+        waited: Duration::from_nanos(waited),
+    })
 }
 
 /// The running tasks in a `/proc/loadavg` line: "0.30 0.30 0.14 1/83 2149".
@@ -524,6 +617,35 @@ fn running_tasks(loadavg: &str) -> Option<usize> {
         .next()?
         .parse()
         .ok()
+}
+
+/// The host's CPUs online (`/proc/loadavg` counts the host's tasks, where a
+/// container's process may run on fewer CPUs); the process's own if the
+/// host's list cannot be read.
+fn online_cpus() -> usize {
+    std::fs::read_to_string("/sys/devices/system/cpu/online")
+        .ok()
+        .and_then(|list| cpus_in_list(&list))
+        .or_else(|| std::thread::available_parallelism().ok().map(|n| n.get()))
+        .unwrap_or(1)
+}
+
+/// The CPUs in a kernel CPU list: "0-3,6,8-9".
+fn cpus_in_list(list: &str) -> Option<usize> {
+    let mut count = 0;
+    for part in list.trim().split(',') {
+        count += match part.split_once('-') {
+            Some((a, b)) => {
+                let (a, b): (usize, usize) = (a.parse().ok()?, b.parse().ok()?);
+                b.checked_sub(a)? + 1
+            }
+            None => {
+                part.parse::<usize>().ok()?;
+                1
+            }
+        };
+    }
+    (count > 0).then_some(count)
 }
 
 #[cfg(test)]
@@ -540,34 +662,46 @@ mod tests {
     #[test]
     fn posters_time_a_few_copies_and_judge_the_help() {
         let mut p = Probe::default();
-        let kinds: Vec<Sample> = (0..4 * SAMPLE_EVERY).map(|_| p.next()).collect();
+        let len = 64 << 10;
+        let kinds: Vec<Sample> = (0..4 * SAMPLE_EVERY).map(|_| p.next(len)).collect();
         let timed: Vec<Sample> = kinds.iter().copied().filter(|&k| k != Sample::No).collect();
         assert_eq!(
             timed,
             [Sample::Shared, Sample::Alone, Sample::Shared, Sample::Alone]
         );
-        let kib = |ns: u64| (Duration::from_nanos(ns), 1024);
+        let ns = Duration::from_nanos;
         // Help that halves the time pays, even with one copy hit by an
         // interrupt on each side; the verdict comes once both have enough.
         let mut verdict = None;
         for i in 0..SAMPLES {
             let slow = if i == 2 { 50 } else { 1 };
-            let (t, len) = kib(10 * slow);
-            assert_eq!(p.record(Sample::Alone, t, len), None);
-            let (t, len) = kib(5 * slow);
-            verdict = p.record(Sample::Shared, t, len);
+            assert_eq!(p.record(Sample::Alone, ns(640 * slow), len), None);
+            verdict = p.record(Sample::Shared, ns(320 * slow), len);
         }
         assert_eq!(verdict, Some(true));
-        // Help that saves 5 % does not; the sums started over.
+        assert_ne!(p.next(len), Sample::Away);
+        // Help that saves 5 % does not; the sums started over. Copies of
+        // that size are then made alone; other sizes go on as before.
         for _ in 0..SAMPLES {
-            let (t, len) = kib(100);
-            assert_eq!(p.record(Sample::Alone, t, len), None);
-            let (t, len) = kib(95);
-            verdict = p.record(Sample::Shared, t, len);
+            assert_eq!(p.record(Sample::Alone, ns(6400), len), None);
+            verdict = p.record(Sample::Shared, ns(6080), len);
         }
         assert_eq!(verdict, Some(false));
-        assert_eq!(p.record(Sample::No, Duration::ZERO, 1), None);
+        assert_eq!(p.next(len), Sample::Away);
+        assert_eq!(p.next(len + 1000), Sample::Away, "the same size class");
+        assert_ne!(p.next(1 << 20), Sample::Away);
+        assert_eq!(p.classes[size_class(len)].away_for, UNHELPFUL_MIN * 2);
+        assert_eq!(p.record(Sample::No, Duration::ZERO, len), None);
         assert_eq!(typical(&[1.0, 3.0, 100.0]), 2.0);
+    }
+
+    #[test]
+    fn size_classes_are_powers_of_two() {
+        assert_eq!(size_class(SHARE_MIN), 0);
+        assert_eq!(size_class(2 * SHARE_MIN - 1), 0);
+        assert_eq!(size_class(64 << 10), 1);
+        assert_eq!(size_class(1 << 20), 5);
+        assert_eq!(size_class(usize::MAX), SIZE_CLASSES - 1);
     }
 
     #[test]
@@ -581,13 +715,76 @@ mod tests {
     }
 
     #[test]
-    fn cpu_waits_are_read_from_schedstat() {
+    fn cpu_times_are_read_from_schedstat() {
         assert_eq!(
-            waited_for_cpu("1033501783 1417789 31\n"),
-            Some(Duration::from_nanos(1_417_789))
+            cpu_times("1033501783 1417789 31\n"),
+            Some(CpuTimes {
+                ran: Duration::from_nanos(1_033_501_783),
+                waited: Duration::from_nanos(1_417_789)
+            })
         );
-        assert_eq!(waited_for_cpu("12"), None);
+        assert_eq!(cpu_times("12"), None);
         let load = Load::open(2);
-        assert!(load.waited().is_some(), "this thread's schedstat");
+        assert!(load.cpu_times().is_some(), "this thread's schedstat");
+    }
+
+    /// The share of its time a thread waited counts the time it ran or
+    /// waited, not time asleep; too little of either tells nothing.
+    #[test]
+    fn cpu_waits_are_judged_against_time_run_or_waited() {
+        let at = |ran_us: u64, waited_us: u64| CpuTimes {
+            ran: Duration::from_micros(ran_us),
+            waited: Duration::from_micros(waited_us),
+        };
+        assert_eq!(WAIT_SPAN_MIN, Duration::from_millis(1));
+        let before = at(10_000, 1_000);
+        // Shared a CPU with its poster: half its time waiting.
+        assert_eq!(waited_too_long(before, at(11_000, 2_000)), Some(true));
+        // Ran alone, a short wait for a timer's wake-up.
+        assert_eq!(waited_too_long(before, at(12_000, 1_100)), Some(false));
+        // Slept (a back-off): nothing to judge.
+        assert_eq!(waited_too_long(before, at(10_100, 1_050)), None);
+        assert_eq!(waited_too_long(before, before), None);
+    }
+
+    /// Busy twice in a row by either signal is crowded; looks that cannot
+    /// judge the waits (after a back-off's sleep) neither break a run of
+    /// waits nor reset the back-off, which doubles while it goes on.
+    #[test]
+    fn crowding_takes_two_busy_looks_and_backs_off_longer_while_it_lasts() {
+        let mut load = Load::open(2);
+        assert!(!load.judge(true, Some(false)));
+        assert!(load.judge(true, None), "tasks over the CPUs twice");
+        assert!(!load.judge(false, Some(false)));
+        assert!(!load.judge(true, Some(false)), "once is a passing task");
+        assert!(!load.judge(false, Some(false)));
+        assert_eq!(load.backoff, BACKOFF_MIN);
+        // Sharing a CPU with its poster: each judgement of the waits finds
+        // them too long, with looks that cannot judge in between.
+        assert!(!load.judge(false, Some(true)));
+        let mut crowded = 0;
+        for _ in 0..4 * BACKOFFS_TO_DOUBLE {
+            assert!(!load.judge(false, None));
+            if load.judge(false, Some(true)) {
+                crowded += 1;
+                load.backed_off();
+            }
+        }
+        assert_eq!(crowded, 4 * BACKOFFS_TO_DOUBLE);
+        assert_eq!(load.backoff, BACKOFF_MIN * 16);
+        // A judgement that finds the waits short ends it.
+        assert!(!load.judge(false, Some(false)));
+        assert_eq!(load.backoff, BACKOFF_MIN);
+    }
+
+    #[test]
+    fn online_cpus_are_counted_from_the_kernels_list() {
+        assert_eq!(cpus_in_list("0-1\n"), Some(2));
+        assert_eq!(cpus_in_list("0-3,6,8-9"), Some(7));
+        assert_eq!(cpus_in_list("5"), Some(1));
+        assert_eq!(cpus_in_list(""), None);
+        assert_eq!(cpus_in_list("3-1"), None);
+        assert_eq!(cpus_in_list("x"), None);
+        assert!(online_cpus() >= 1);
     }
 }
