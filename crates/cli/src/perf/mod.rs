@@ -1855,7 +1855,8 @@ fn post_recvs(s: &Setup, size: u64, count: u64) -> Result<(), String> {
     post_recvs_at(s, size, count.min(s.cfg.iters), false)
 }
 
-/// The send_bw server: counts the messages, from the first to the last.
+/// The send_bw server: counts the messages that landed after the first
+/// poll that found any, over the time from that poll to the last.
 fn send_bw_server(s: &Setup, size: u64, first_rx: Option<&AtomicBool>) -> Result<Report, String> {
     let cfg = &s.cfg;
     let q = cfg.qps;
@@ -1867,7 +1868,9 @@ fn send_bw_server(s: &Setup, size: u64, first_rx: Option<&AtomicBool>) -> Result
     let mut sampled = 0u64;
     let mut got = 0u64;
     let mut first = None;
-    let mut last = Instant::now();
+    let mut first_batch = 0u64;
+    let waiting_since = Instant::now();
+    let mut last = waiting_since;
     let mut wcs = Vec::new();
     while got < n.saturating_mul(q as u64) {
         if !reap_until(&s.rcq, &mut wcs, clock.map(|c| c.end), 1)? {
@@ -1877,7 +1880,10 @@ fn send_bw_server(s: &Setup, size: u64, first_rx: Option<&AtomicBool>) -> Result
         if clock.is_some_and(|c| c.contains(now)) {
             sampled += wcs.len() as u64;
         }
-        first.get_or_insert(now);
+        if first.is_none() {
+            first = Some(now);
+            first_batch = wcs.len() as u64;
+        }
         if let Some(f) = first_rx {
             f.store(true, Ordering::Release);
         }
@@ -1912,19 +1918,33 @@ fn send_bw_server(s: &Setup, size: u64, first_rx: Option<&AtomicBool>) -> Result
             }
         }
     }
-    let (msgs, secs) = match clock {
+    let total = if clock.is_some() {
+        sampled
+    } else {
+        n * q as u64
+    };
+    let (timed, secs) = match clock {
         Some(c) => (sampled, c.secs()),
-        None => (
-            n * q as u64,
-            (last - first.unwrap_or(last)).as_secs_f64().max(1e-9),
+        // The first poll's messages landed at some time before it: the
+        // clock starts there.
+        None if got > first_batch => (
+            got - first_batch,
+            (last - first.unwrap_or(last)).as_secs_f64(),
         ),
+        None => {
+            eprintln!(
+                "softrdma perf: all {got} messages landed before the server's first poll: \
+                 its rate counts from when it began to wait (more -n to time them)"
+            );
+            (got, (last - waiting_since).as_secs_f64().max(1e-9))
+        }
     };
     Ok(Report {
         size,
-        iters: msgs,
+        iters: total,
         bw_peak: 0.0,
-        bw_avg: bw_unit((msgs * size) as f64 / secs, cfg.gbits),
-        msg_rate: msgs as f64 / secs / 1e6,
+        bw_avg: bw_unit((timed * size) as f64 / secs, cfg.gbits),
+        msg_rate: timed as f64 / secs / 1e6,
     })
 }
 
