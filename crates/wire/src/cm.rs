@@ -28,6 +28,9 @@ pub const REJ_PRIVATE_DATA_LEN: usize = 148;
 pub const REJ_TIMEOUT: u16 = 4;
 /// REJ reason 6, "invalid communication ID": a message for no connection.
 pub const REJ_INVALID_COMM_ID: u16 = 6;
+/// REJ reason 8, "invalid Service ID": no listener for the REQ's service
+/// (what Linux's cm.c answers then).
+pub const REJ_INVALID_SERVICE_ID: u16 = 8;
 /// REJ reason 9, "invalid transport service type" (not RC).
 pub const REJ_INVALID_TRANSPORT: u16 = 9;
 /// REJ reason 28, "consumer defined": the application said no
@@ -374,6 +377,23 @@ impl Rej {
         }
     }
 
+    /// The REJ of the REQ from the peer's communication ID `req_local_id`
+    /// for `reason`, as Linux's `cm_issue_rej` builds one for a REQ it
+    /// cannot match: Local Communication ID 0 (no connection was made),
+    /// Message Rejected 0 (the REQ), no ARI, no private data. It goes out
+    /// with the REQ's transaction ID.
+    pub fn of_req(req_local_id: u32, reason: u16) -> Rej {
+        Rej {
+            ids: Ids {
+                local: 0,
+                remote: req_local_id,
+            },
+            message_rejected: 0,
+            reason,
+            private_data: [0; REJ_PRIVATE_DATA_LEN],
+        }
+    }
+
     /// Writes the REJ, a whole MAD, into `out`.
     pub fn emit(&self, tid: u64, out: &mut [u8]) {
         emit_header(out, mad::CM_REJ, tid);
@@ -669,14 +689,22 @@ mod tests {
             Message::parse(&m).unwrap().unwrap().body,
             Body::Rej(rej.clone())
         );
-        // The REJ Linux's CM sends for an unknown service reads the same.
+        // The REJ Linux's CM sends for an unknown service: the REQ's
+        // transaction ID, its local ID as the remote one, reason 8.
         let mut req = frame(3);
-        let mut out = [0u8; MAD_LEN];
-        mad::cm_rej_for_req(&req, mad::REJ_INVALID_SERVICE_ID, &mut out).unwrap();
-        let Body::Rej(r) = Message::parse(&out).unwrap().unwrap().body else {
+        let got = Message::parse(&req).unwrap().unwrap();
+        let Body::Req(r) = &got.body else { panic!() };
+        let mut out = [0xffu8; MAD_LEN];
+        Rej::of_req(r.local_comm_id, REJ_INVALID_SERVICE_ID).emit(got.tid, &mut out);
+        let parsed = Message::parse(&out).unwrap().unwrap();
+        let Body::Rej(rej) = parsed.body else {
             panic!()
         };
-        assert_eq!((r.ids.remote, r.reason), (0x6c8d_b874, 8));
+        assert_eq!(parsed.tid, got.tid);
+        assert_eq!((rej.ids.local, rej.ids.remote), (0, 0x6c8d_b874));
+        assert_eq!((rej.message_rejected, rej.reason), (0, 8));
+        assert_eq!(&out[32..34], &[0, 0], "no ARI");
+        assert!(out[36..].iter().all(|&b| b == 0), "no private data");
 
         let mut mra = [0u8; MAD_LEN];
         emit_header(&mut mra, MRA, 3);

@@ -39,39 +39,6 @@ pub const METHOD_SEND: u8 = 0x03;
 pub const CM_REQ: u16 = 0x0010;
 /// CM REJ attribute ID.
 pub const CM_REJ: u16 = 0x0012;
-/// REJ reason 8, "invalid Service ID": no listener for the REQ's service
-/// (what Linux's cm.c answers then).
-pub const REJ_INVALID_SERVICE_ID: u16 = 8;
-
-/// Writes into `out` (a whole MAD) the REJ of the CM REQ `req` (a whole
-/// MAD) for `reason`, as Linux's `cm_issue_rej` builds one for a REQ it
-/// cannot match: the REQ's transaction ID; Local Communication ID 0 (no
-/// connection was made); Remote Communication ID the REQ's local one;
-/// Message Rejected 0 (the REQ); no ARI, no private data. REJ body offsets
-/// (from the MAD's start): 24 local and 28 remote communication IDs, 32
-/// Message Rejected (bits 7-6), 33 Reject Info Length (bits 7-1), 34 Reason.
-pub fn cm_rej_for_req(req: &[u8], reason: u16, out: &mut [u8]) -> Result<()> {
-    crate::bytes::check("CM REQ", req, MAD_LEN)?;
-    crate::bytes::check("CM REJ buffer", out, MAD_LEN)?;
-    let h = Header::new_unchecked(req);
-    let out = &mut out[..MAD_LEN];
-    out.fill(0);
-    Repr {
-        mgmt_class: CLASS_CM,
-        class_version: CM_CLASS_VERSION,
-        method: METHOD_SEND,
-        status: 0,
-        class_specific: 0,
-        transaction_id: h.transaction_id(),
-        attribute_id: CM_REJ,
-        attribute_modifier: 0,
-    }
-    .emit(&mut Header::new_unchecked(&mut out[..HEADER_LEN]));
-    out[28..32].copy_from_slice(&req[24..28]);
-    out[34..36].copy_from_slice(&reason.to_be_bytes());
-    Ok(())
-}
-
 /// A name for a management class.
 pub fn class_name(class: u8) -> Option<&'static str> {
     Some(match class {

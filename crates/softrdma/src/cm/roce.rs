@@ -12,7 +12,7 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::{Duration, Instant};
 
 use softrdma_wire::cm::{self as wire, Body, Ids, Rej, Rep, Req};
-use softrdma_wire::mad::{self, MAD_LEN};
+use softrdma_wire::mad::MAD_LEN;
 
 use super::{ConnInfo, RcOptions};
 use crate::provider::gsi::{Arrival, Connection, Waiter};
@@ -77,7 +77,7 @@ pub enum ConnectError {
 fn reason_name(reason: u16) -> &'static str {
     match reason {
         wire::REJ_TIMEOUT => ": timeout",
-        mad::REJ_INVALID_SERVICE_ID => ": nothing listens on that port",
+        wire::REJ_INVALID_SERVICE_ID => ": nothing listens on that port",
         wire::REJ_CONSUMER => ": the application refused it",
         _ => "",
     }

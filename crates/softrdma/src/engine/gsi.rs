@@ -7,6 +7,7 @@
 //! RDMA_CM_EVENT_REJECTED instead of retrying for over a minute. Other MADs
 //! are dropped.
 
+use softrdma_wire::cm;
 use softrdma_wire::deth::{self, GSI_QKEY};
 use softrdma_wire::mad::{self, MAD_LEN};
 use softrdma_wire::packet::{Packet, Repr};
@@ -17,8 +18,6 @@ pub const GSI_QPN: u32 = 1;
 
 /// A GSI packet: BTH, DETH, the MAD and the ICRC.
 pub const MAD_PACKET_LEN: usize = 12 + 8 + MAD_LEN + 4;
-/// A REJ packet (a GSI packet).
-pub const REJ_PACKET_LEN: usize = MAD_PACKET_LEN;
 
 /// The MAD `packet` (BTH through ICRC, its ICRC checked) carries, if it is
 /// a UD SEND to the GSI with the GSI's Q_Key and a whole MAD.
@@ -51,7 +50,7 @@ pub fn mad_packet(mad: &[u8; MAD_LEN], psn: u32, out: &mut [u8; MAD_PACKET_LEN])
 /// The REJ answering `packet` (BTH through ICRC, its ICRC checked), if it is
 /// a CM REQ to the GSI: written into `out` with its ICRC left for the
 /// sender to fill; `None` for anything else.
-pub fn reject_req(packet: &[u8], out: &mut [u8; REJ_PACKET_LEN]) -> Option<()> {
+pub fn reject_req(packet: &[u8], out: &mut [u8; MAD_PACKET_LEN]) -> Option<()> {
     let req = gsi_mad(packet)?;
     let h = mad::Header::new_checked(req).ok()?;
     let is_req = h.base_version() == mad::BASE_VERSION
@@ -62,8 +61,10 @@ pub fn reject_req(packet: &[u8], out: &mut [u8; REJ_PACKET_LEN]) -> Option<()> {
     if !is_req {
         return None;
     }
+    // The REQ's Local Communication ID (IBTA 12.6.5).
+    let req_local_id = u32::from_be_bytes(req[24..28].try_into().ok()?);
     let mut rej = [0u8; MAD_LEN];
-    mad::cm_rej_for_req(req, mad::REJ_INVALID_SERVICE_ID, &mut rej).ok()?;
+    cm::Rej::of_req(req_local_id, cm::REJ_INVALID_SERVICE_ID).emit(h.transaction_id(), &mut rej);
     mad_packet(&rej, 0, out)
 }
 
@@ -100,7 +101,7 @@ mod tests {
 
     #[test]
     fn a_cm_req_is_rejected_for_an_invalid_service_id() {
-        let mut out = [0u8; REJ_PACKET_LEN];
+        let mut out = [0u8; MAD_PACKET_LEN];
         reject_req(&req(mad::CM_REQ), &mut out).expect("a REJ");
         let p = Packet::new_checked(&out[..]).unwrap();
         assert_eq!(
@@ -120,7 +121,7 @@ mod tests {
 
     #[test]
     fn other_mads_and_packets_get_no_answer() {
-        let mut out = [0u8; REJ_PACKET_LEN];
+        let mut out = [0u8; MAD_PACKET_LEN];
         for attr in [mad::CM_REJ, 0x0013, 0x0015] {
             assert!(reject_req(&req(attr), &mut out).is_none(), "{attr:#x}");
         }

@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::Instant;
 
-use softrdma_wire::cm::{self, Body, Dreq, Ids, Message};
-use softrdma_wire::mad::{self, MAD_LEN};
+use softrdma_wire::cm::{self, Body, Dreq, Ids, Message, REJ_INVALID_SERVICE_ID, Rej};
+use softrdma_wire::mad::MAD_LEN;
 
 /// Messages a listener or an exchange keeps before it takes them: a peer
 /// that floods one gets the rest dropped.
@@ -203,9 +203,9 @@ impl Gsi {
                     if !s.queues.contains_key(&w) {
                         // As Linux's CM answers a REQ no listener takes.
                         let mut rej = [0u8; MAD_LEN];
-                        if mad::cm_rej_for_req(m, mad::REJ_INVALID_SERVICE_ID, &mut rej).is_ok() {
-                            out.reply = Some(rej);
-                        }
+                        Rej::of_req(r.local_comm_id, REJ_INVALID_SERVICE_ID)
+                            .emit(msg.tid, &mut rej);
+                        out.reply = Some(rej);
                         return out;
                     }
                     Some(w)

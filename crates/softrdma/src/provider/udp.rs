@@ -1781,7 +1781,7 @@ pub(crate) fn send_cm_rej(
     packet: &[u8],
     from: SocketAddrV4,
 ) -> Option<bool> {
-    let mut rej = [0u8; gsi::REJ_PACKET_LEN];
+    let mut rej = [0u8; gsi::MAD_PACKET_LEN];
     gsi::reject_req(packet, &mut rej)?;
     let to = SocketAddrV4::new(*from.ip(), ROCE_PORT);
     seal_gsi(local, to, &mut rej)?;
