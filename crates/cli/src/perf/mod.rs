@@ -1570,7 +1570,7 @@ fn reap_until(
         if end.is_some_and(|e| Instant::now() >= e) {
             return Ok(false);
         }
-        return Err("no completion in 60 s: the peer is gone?".into());
+        return Err("no completion in 60 s: is the peer gone, or running another test?".into());
     }
     let n = cq.poll(&mut more).map_err(|e| e.to_string())?;
     out.extend_from_slice(&more[..n]);
@@ -1595,7 +1595,7 @@ fn wait_one(cq: &Cq, end: Option<Instant>, side: &str) -> Result<Option<WorkComp
         Some(wc) if wc.status != WcStatus::Success => Err(completion_error(&wc, side)),
         Some(wc) => Ok(Some(wc)),
         None if end.is_some_and(|e| Instant::now() >= e) => Ok(None),
-        None => Err("no completion in 60 s: the peer is gone?".into()),
+        None => Err("no completion in 60 s: is the peer gone, or running another test?".into()),
     }
 }
 
@@ -1620,7 +1620,7 @@ fn spin_one(cq: &Cq, end: Option<Instant>, side: &str) -> Result<Option<WorkComp
                 return Ok(None);
             }
             if now > *deadline.get_or_insert(now + Duration::from_secs(60)) {
-                return Err("no completion in 60 s: the peer is gone?".into());
+                return Err("no completion in 60 s: is the peer gone, or running another test?".into());
             }
             std::thread::yield_now();
         } else {
