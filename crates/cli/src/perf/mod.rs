@@ -1620,7 +1620,9 @@ fn spin_one(cq: &Cq, end: Option<Instant>, side: &str) -> Result<Option<WorkComp
                 return Ok(None);
             }
             if now > *deadline.get_or_insert(now + Duration::from_secs(60)) {
-                return Err("no completion in 60 s: is the peer gone, or running another test?".into());
+                return Err(
+                    "no completion in 60 s: is the peer gone, or running another test?".into(),
+                );
             }
             std::thread::yield_now();
         } else {

@@ -40,37 +40,48 @@ const LINE: usize = 64;
 const SPINS_PER_WAITING: u32 = 256;
 
 /// How a copy's bytes on the board fall into chunks: every boundary between
-/// two chunks is at a line boundary of the destination.
+/// two chunks is at a line boundary of the destination; chunks are
+/// [`CHUNK`] to [`LARGEST_CHUNK`] long, but the first (up to a line
+/// shorter) and the last (at least a quarter of [`CHUNK`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Chunks {
     len: usize,
     /// The destination's offset into its first line.
     skew: usize,
     chunk: usize,
+    count: usize,
 }
 
 impl Chunks {
     fn new(to: usize, len: usize) -> Chunks {
-        let chunk = len
+        let skew = to % LINE;
+        let chunk = (len + skew)
             .div_ceil(MOST_CHUNKS)
             .next_multiple_of(LINE)
             .clamp(CHUNK, LARGEST_CHUNK);
+        let mut count = (len + skew).div_ceil(chunk);
+        // A last chunk of a few bytes is not worth a claim: the one before
+        // takes it.
+        if count > 2 && (len + skew) - (count - 1) * chunk < CHUNK / 4 {
+            count -= 1;
+        }
         Chunks {
             len,
-            skew: to % LINE,
+            skew,
             chunk,
+            count,
         }
-    }
-
-    fn count(&self) -> usize {
-        (self.len + self.skew).div_ceil(self.chunk)
     }
 
     /// Where chunk `i` starts, and its length.
     fn span(&self, i: u8) -> (usize, usize) {
         let i = usize::from(i);
         let at = (i * self.chunk).saturating_sub(self.skew);
-        let end = ((i + 1) * self.chunk - self.skew).min(self.len);
+        let end = if i + 1 >= self.count {
+            self.len
+        } else {
+            (i + 1) * self.chunk - self.skew
+        };
         (at, end - at)
     }
 }
@@ -241,8 +252,9 @@ impl CopyBoard {
     /// give; `false`, having copied nothing, if the board is held by another
     /// copy, the copy is smaller than [`SHARE_MIN`] or the ranges overlap in
     /// this address space. While it waits for a chunk a helper holds, it
-    /// calls `waiting` every few hundred spins (the caller may sleep there:
-    /// the helper may have lost its CPU).
+    /// calls `waiting` every few hundred spins, with how many times it has
+    /// in this wait (the caller may sleep there: the helper may have lost
+    /// its CPU).
     ///
     /// # Panics
     /// If either range reaches past its segment.
@@ -253,7 +265,7 @@ impl CopyBoard {
         src: &Segment<S>,
         src_at: usize,
         len: usize,
-        mut waiting: impl FnMut(),
+        mut waiting: impl FnMut(u32),
     ) -> bool {
         let to = dst.ptr_at(at, len);
         let from = src.ptr_at(src_at, len).cast_const();
@@ -301,7 +313,7 @@ impl CopyBoard {
         to: *mut u8,
         len: usize,
         last: bool,
-        waiting: &mut impl FnMut(),
+        waiting: &mut impl FnMut(u32),
     ) {
         // The tail starts on a line of the destination, so the board's
         // part and the tail do not share one.
@@ -311,14 +323,16 @@ impl CopyBoard {
             len
         };
         let chunks = Chunks::new(to as usize, shared);
-        let Ok(count) = u8::try_from(chunks.count()) else {
-            unreachable!("a piece has at most {} chunks", PIECE / LARGEST_CHUNK + 2);
+        // Neither happens (a piece has 2 to `PIECE / LARGEST_CHUNK + 1`
+        // chunks); the poster would copy alone.
+        let count = match u8::try_from(chunks.count) {
+            Ok(count) if count >= 2 => count,
+            _ => {
+                // SAFETY: the caller's.
+                unsafe { copy_apart(from, to, len) };
+                return;
+            }
         };
-        if count < 2 {
-            // SAFETY: the caller's.
-            unsafe { copy_apart(from, to, len) };
-            return;
-        }
         let job = &self.job.0;
         let generation = generation_of(job.state.load(Ordering::Relaxed)) + 1;
         job.from.store(from as usize, Ordering::Relaxed);
@@ -340,19 +354,30 @@ impl CopyBoard {
             done: &self.done.0,
             count: u32::from(count) - mine,
         };
-        let mut spins = 0u32;
+        let (mut spins, mut calls) = (0u32, 0u32);
         while !theirs.in_() {
             // A helper is copying a chunk: microseconds, unless it lost
             // its CPU.
             spins = spins.wrapping_add(1);
             if spins.is_multiple_of(SPINS_PER_WAITING) {
-                waiting();
+                calls = calls.saturating_add(1);
+                waiting(calls);
             }
             std::hint::spin_loop();
         }
         drop(theirs);
-        // SAFETY: the caller's; the tail is the rest of both ranges.
-        unsafe { copy_apart(from.add(shared), to.add(shared), len - shared) };
+        // The tail, its last `TAIL` bytes last: `copy_apart` stores up to
+        // `TAIL` bytes word by word, in order, where a longer copy may
+        // store its end before its middle.
+        if last {
+            let last_at = len - TAIL;
+            // SAFETY: the caller's; `shared <= last_at`, and the tail is
+            // the rest of both ranges.
+            unsafe {
+                copy_apart(from.add(shared), to.add(shared), last_at - shared);
+                copy_apart(from.add(last_at), to.add(last_at), TAIL);
+            }
+        }
     }
 }
 
@@ -382,6 +407,7 @@ mod tests {
         let sizes = [
             SHARE_MIN - 2 * TAIL,
             64 << 10,
+            (1 << 20) - 64,
             1 << 20,
             (2 << 20) + 77,
             PIECE,
@@ -391,17 +417,21 @@ mod tests {
             for to in [0x1000_0000usize, 0x1000_0001, 0x1000_003f] {
                 let c = Chunks::new(to, len);
                 assert!((CHUNK..=LARGEST_CHUNK).contains(&c.chunk), "{c:?}");
-                assert!(c.count() >= 2 && c.count() <= 255, "{c:?}");
-                if len <= MOST_CHUNKS * LARGEST_CHUNK {
-                    assert!(c.count() <= MOST_CHUNKS + 1, "{c:?}");
+                assert!(c.count >= 2 && c.count <= 255, "{c:?}");
+                if len + c.skew <= MOST_CHUNKS * LARGEST_CHUNK {
+                    assert!(c.count <= MOST_CHUNKS, "{c:?}");
                 }
                 let mut end = 0;
-                for i in 0..c.count() as u8 {
+                for i in 0..c.count as u8 {
                     let (at, n) = c.span(i);
                     assert_eq!(at, end, "{c:?} chunk {i}");
-                    assert!(n > 0, "{c:?} chunk {i}");
                     if i > 0 {
                         assert_eq!((to + at) % LINE, 0, "{c:?} chunk {i}");
+                    }
+                    if usize::from(i) + 1 < c.count {
+                        assert!(n >= CHUNK - LINE, "{c:?} chunk {i}: {n} bytes");
+                    } else {
+                        assert!(n >= CHUNK / 4, "{c:?}: a last chunk of {n} bytes");
                     }
                     end = at + n;
                 }
@@ -463,7 +493,14 @@ mod tests {
                 .map(|i| (i as u8) ^ (i >> 8) as u8 ^ round as u8)
                 .collect();
             src.write(src_at, &pattern);
-            assert!(board.copy(&dst, dst_at, &src, src_at, size, std::thread::yield_now));
+            assert!(board.copy(
+                &dst,
+                dst_at,
+                &src,
+                src_at,
+                size,
+                |_| std::thread::yield_now()
+            ));
             let mut out = vec![0u8; size];
             dst.read(dst_at, &mut out);
             assert!(out == pattern, "size {size} at {dst_at} from {src_at}");
@@ -504,7 +541,15 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn the_last_byte_lands_last() {
-        let len = (1 << 20) + 77;
+        // Tails of 77 and 120 bytes: copied in one piece, 120 is where a
+        // vector copy stores its last 32 bytes before its middle ones.
+        for len in [(1 << 20) + 77, (1 << 20) + 120] {
+            the_last_byte_lands_last_in(len);
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn the_last_byte_lands_last_in(len: usize) {
         let t = Arc::new(two_regions(len));
         let board = Arc::new(CopyBoard::new());
         let (stop, helped) = (
@@ -512,45 +557,53 @@ mod tests {
             Arc::new(AtomicUsize::new(0)),
         );
         let helper = spawn_helper(&board, &stop, &helped);
-        let observer = {
-            let (t, stop) = (Arc::clone(&t), Arc::clone(&stop));
-            std::thread::spawn(move || {
-                let dst = t.local(1, 1, A, len as u32, Access::NONE).unwrap();
-                let (mut last, mut seen, mut out) = (0u8, 0, vec![0u8; len]);
-                while !stop.load(Ordering::Relaxed) {
-                    let mut b = [0u8];
-                    dst.read(len - 1, &mut b);
-                    if b[0] != last {
-                        last = b[0];
-                        dst.read(0, &mut out);
-                        // Later copies may have begun: newer bytes are
-                        // fine, older ones are not.
-                        let older = out.iter().position(|&x| x < last);
-                        assert_eq!(older, None, "copy {last}: a byte of an older copy");
-                        seen += 1;
-                    }
-                }
-                seen
-            })
-        };
         let src = t.local(1, 2, B, len as u32, Access::NONE).unwrap();
         let dst = t.local(1, 1, A, len as u32, Access::LOCAL_WRITE).unwrap();
-        for k in 1..=250u8 {
-            if helped.load(Ordering::Relaxed) == 0 {
-                // Gives a helper thread that has not run yet a CPU.
-                std::thread::sleep(std::time::Duration::from_millis(1));
+        // Rounds of 250 copies until the helper took part in one (a busy
+        // machine may not run it in time; a stalled test fails by its time).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            dst.write(0, &vec![0u8; len]);
+            let before = helped.load(Ordering::Relaxed);
+            let watching = Arc::new(AtomicBool::new(true));
+            let observer = {
+                let (t, watching) = (Arc::clone(&t), Arc::clone(&watching));
+                std::thread::spawn(move || {
+                    let dst = t.local(1, 1, A, len as u32, Access::NONE).unwrap();
+                    let (mut last, mut seen, mut out) = (0u8, 0, vec![0u8; len]);
+                    while watching.load(Ordering::Relaxed) {
+                        let mut b = [0u8];
+                        dst.read(len - 1, &mut b);
+                        if b[0] != last {
+                            last = b[0];
+                            dst.read(0, &mut out);
+                            // Later copies may have begun: newer bytes are
+                            // fine, older ones are not.
+                            let older = out.iter().position(|&x| x < last);
+                            assert_eq!(older, None, "copy {last}: a byte of an older copy");
+                            seen += 1;
+                        }
+                    }
+                    seen
+                })
+            };
+            for k in 1..=250u8 {
+                src.write(0, &vec![k; len]);
+                assert!(board.copy(&dst, 0, &src, 0, len, |_| std::thread::yield_now()));
             }
-            src.write(0, &vec![k; len]);
-            assert!(board.copy(&dst, 0, &src, 0, len, std::thread::yield_now));
+            watching.store(false, Ordering::Relaxed);
+            let seen = observer.join().unwrap();
+            assert!(seen > 0, "the observer saw no copy land");
+            if helped.load(Ordering::Relaxed) > before {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the helper never copied a chunk"
+            );
         }
         stop.store(true, Ordering::Relaxed);
         helper.join().unwrap();
-        let seen = observer.join().unwrap();
-        assert!(seen > 0, "the observer saw no copy land");
-        assert!(
-            helped.load(Ordering::Relaxed) > 0,
-            "the helper never copied a chunk"
-        );
     }
 
     /// A copy larger than a piece goes on the board piece by piece, every
@@ -570,7 +623,7 @@ mod tests {
         let pattern: Vec<u8> = (0..len - 8).map(|i| (i % 251) as u8).collect();
         src.write(8, &pattern);
         let generation = board.generation();
-        assert!(board.copy(&dst, 0, &src, 8, len - 8, std::thread::yield_now));
+        assert!(board.copy(&dst, 0, &src, 8, len - 8, |_| std::thread::yield_now()));
         assert_eq!(board.generation(), generation + 2, "two pieces");
         let mut out = vec![0u8; len - 8];
         dst.read(0, &mut out);
@@ -618,7 +671,7 @@ mod tests {
         while helped.load(Ordering::Relaxed) == 0 && std::time::Instant::now() < deadline {
             k = k.wrapping_add(1);
             src.write(0, &vec![k; len]);
-            assert!(board.copy(&dst, 0, &src, 0, len, || waits += 1));
+            assert!(board.copy(&dst, 0, &src, 0, len, |_| waits += 1));
             let mut out = vec![0u8; len];
             dst.read(0, &mut out);
             assert!(out.iter().all(|&b| b == k), "the copy's bytes");
@@ -641,17 +694,17 @@ mod tests {
         let board = CopyBoard::new();
         let src = t.local(1, 2, B, 1 << 20, Access::NONE).unwrap();
         let dst = t.local(1, 1, A, 1 << 20, Access::LOCAL_WRITE).unwrap();
-        assert!(!board.copy(&dst, 0, &src, 0, SHARE_MIN - 1, || {}));
+        assert!(!board.copy(&dst, 0, &src, 0, SHARE_MIN - 1, |_| {}));
         assert!(
-            !board.copy(&dst, 0, &dst, 4096, 65536, || {}),
+            !board.copy(&dst, 0, &dst, 4096, 65536, |_| {}),
             "overlapping"
         );
         let out_of_range = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            board.copy(&dst, 1 << 19, &src, 0, 1 << 20, || {})
+            board.copy(&dst, 1 << 19, &src, 0, 1 << 20, |_| {})
         }));
         assert!(out_of_range.is_err());
         assert!(
-            board.copy(&dst, 0, &src, 0, 65536, || {}),
+            board.copy(&dst, 0, &src, 0, 65536, |_| {}),
             "the board is free again"
         );
     }

@@ -214,12 +214,14 @@ pub(super) fn copy<D: Borrow<Region>, S: Borrow<Region>>(
 }
 
 /// A poster's wait for a chunk its helper holds (see the module): called
-/// every few hundred spins.
-fn poster_wait() -> impl FnMut() {
-    let mut since = None;
-    move || {
+/// every few hundred spins of a wait, with the count of calls in it.
+fn poster_wait() -> impl FnMut(u32) {
+    let mut since = Instant::now();
+    move |calls| {
         let now = Instant::now();
-        if now - *since.get_or_insert(now) > POSTER_SPIN {
+        if calls <= 1 {
+            since = now;
+        } else if now - since > POSTER_SPIN {
             std::thread::sleep(POSTER_NAP);
         }
     }
@@ -260,6 +262,7 @@ impl Helper {
     fn next_copy(&self, seen: u64, load: &mut Load, ready: &mut Ready) -> u64 {
         let mut idle_since = Instant::now();
         let mut nap = NAP_MIN;
+        let mut missed_before = self.missed.load(Ordering::Relaxed);
         loop {
             let spun = if load.crowded_now_and_then() {
                 None
@@ -273,8 +276,14 @@ impl Helper {
                 None | Some(Spun::Preempted) => {
                     ready.set(self, false);
                     load.back_off();
-                    // Backing off while copies come; without them it
-                    // would go on looking at the load (and adding to it).
+                    // Copies made meanwhile keep it looking; without them
+                    // for a while it sleeps (looking at the load adds to
+                    // it).
+                    let missed = self.missed.load(Ordering::Relaxed);
+                    if missed != missed_before {
+                        missed_before = missed;
+                        idle_since = Instant::now();
+                    }
                     if idle_since.elapsed() < PARK_AFTER {
                         continue;
                     }
@@ -292,6 +301,8 @@ impl Helper {
                     // not wake this thread: look once more.
                     if self.missed.load(Ordering::SeqCst) == missed {
                         std::thread::park();
+                        // What it judged before it slept is stale.
+                        load.start_over();
                     }
                     self.parked.store(false, Ordering::SeqCst);
                     idle_since = Instant::now();
@@ -577,6 +588,15 @@ impl Load {
     fn back_off(&mut self) {
         std::thread::sleep(self.backoff);
         self.backed_off();
+    }
+
+    /// Forgets earlier looks and back-offs.
+    fn start_over(&mut self) {
+        self.judged = None;
+        self.had_waited = false;
+        self.was_running_over = false;
+        self.backoff = BACKOFF_MIN;
+        self.backoffs = 0;
     }
 
     fn backed_off(&mut self) {
