@@ -633,10 +633,15 @@ impl Shared {
         if !self.closed.load(Ordering::Acquire) {
             // A Terminate this side owes (a CRC error, a malformed segment)
             // still goes out: the transmit thread sends it, then ends the
-            // stream (see `LINGER`). Shut at once, the socket lost it.
+            // stream (see `LINGER`). Shut at once, the socket lost it. It
+            // is owed from when the engine made it until that end, not only
+            // while it waits to be taken: a transmit thread that has just
+            // taken it is writing it.
             let owed = {
                 let qp = self.engine.lock().expect("QP lock");
-                qp.state() == QpState::Err && qp.wants_transmit()
+                qp.state() == QpState::Err
+                    && qp.own_terminate().is_some()
+                    && self.write_ended.load(Ordering::Acquire) == 0
             };
             if owed {
                 self.kick();
