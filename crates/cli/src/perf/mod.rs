@@ -1946,7 +1946,7 @@ fn send_bw_server(s: &Setup, size: u64, first_rx: Option<&AtomicBool>) -> Result
         // clock starts there.
         None if got > first_batch => (
             got - first_batch,
-            (last - first.unwrap_or(last)).as_secs_f64(),
+            (last - first.unwrap_or(last)).as_secs_f64().max(1e-9),
         ),
         None => {
             eprintln!(

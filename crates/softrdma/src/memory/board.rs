@@ -366,17 +366,10 @@ impl CopyBoard {
             std::hint::spin_loop();
         }
         drop(theirs);
-        // The tail, its last `TAIL` bytes last: `copy_apart` stores up to
-        // `TAIL` bytes word by word, in order, where a longer copy may
-        // store its end before its middle.
         if last {
-            let last_at = len - TAIL;
-            // SAFETY: the caller's; `shared <= last_at`, and the tail is
-            // the rest of both ranges.
-            unsafe {
-                copy_apart(from.add(shared), to.add(shared), last_at - shared);
-                copy_apart(from.add(last_at), to.add(last_at), TAIL);
-            }
+            // SAFETY: the caller's; the tail is the rest of both ranges.
+            // `copy_apart` stores its last bytes last, in order.
+            unsafe { copy_apart(from.add(shared), to.add(shared), len - shared) };
         }
     }
 }
@@ -541,9 +534,10 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn the_last_byte_lands_last() {
-        // Tails of 77 and 120 bytes: copied in one piece, 120 is where a
-        // vector copy stores its last 32 bytes before its middle ones.
-        for len in [(1 << 20) + 77, (1 << 20) + 120] {
+        // Tails of 77, 71 and 120 bytes: 120 is where a vector copy stores
+        // its last 32 bytes before its middle ones; 71 ends 7 bytes into a
+        // word, which memcpy would store end first.
+        for len in [(1 << 20) + 77, (1 << 20) + 71, (1 << 20) + 120] {
             the_last_byte_lands_last_in(len);
         }
     }
@@ -565,13 +559,20 @@ mod tests {
         loop {
             dst.write(0, &vec![0u8; len]);
             let before = helped.load(Ordering::Relaxed);
-            let watching = Arc::new(AtomicBool::new(true));
+            let (watching, started) = (
+                Arc::new(AtomicBool::new(true)),
+                Arc::new(AtomicBool::new(false)),
+            );
             let observer = {
-                let (t, watching) = (Arc::clone(&t), Arc::clone(&watching));
+                let (t, watching, started) =
+                    (Arc::clone(&t), Arc::clone(&watching), Arc::clone(&started));
                 std::thread::spawn(move || {
                     let dst = t.local(1, 1, A, len as u32, Access::NONE).unwrap();
                     let (mut last, mut seen, mut out) = (0u8, 0, vec![0u8; len]);
-                    while watching.load(Ordering::Relaxed) {
+                    started.store(true, Ordering::Release);
+                    // Looks once more after the copies end.
+                    let mut more = true;
+                    while std::mem::replace(&mut more, watching.load(Ordering::Relaxed)) {
                         let mut b = [0u8];
                         dst.read(len - 1, &mut b);
                         if b[0] != last {
@@ -587,6 +588,9 @@ mod tests {
                     seen
                 })
             };
+            while !started.load(Ordering::Acquire) {
+                std::thread::yield_now();
+            }
             for k in 1..=250u8 {
                 src.write(0, &vec![k; len]);
                 assert!(board.copy(&dst, 0, &src, 0, len, |_| std::thread::yield_now()));

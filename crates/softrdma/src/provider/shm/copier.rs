@@ -216,12 +216,12 @@ pub(super) fn copy<D: Borrow<Region>, S: Borrow<Region>>(
 /// A poster's wait for a chunk its helper holds (see the module): called
 /// every few hundred spins of a wait, with the count of calls in it.
 fn poster_wait() -> impl FnMut(u32) {
-    let mut since = Instant::now();
+    let mut since = None;
     move |calls| {
         let now = Instant::now();
         if calls <= 1 {
-            since = now;
-        } else if now - since > POSTER_SPIN {
+            since = Some(now);
+        } else if since.is_some_and(|s| now - s > POSTER_SPIN) {
             std::thread::sleep(POSTER_NAP);
         }
     }
