@@ -145,6 +145,11 @@ pub struct Ids {
 }
 
 impl Ids {
+    /// The IDs of a CM MAD (`None` if it is too short to hold them).
+    pub fn of(mad: &[u8]) -> Option<Ids> {
+        (mad.len() >= 32).then(|| Ids::parse(mad))
+    }
+
     fn parse(m: &[u8]) -> Ids {
         Ids {
             local: get_u32(m, 24..28),

@@ -1540,6 +1540,9 @@ fn reap_batch(s: &Setup, n: u64, scnt: &[u64], ccnt: &[u64]) -> usize {
     (signaled / 2).max(1) as usize
 }
 
+/// How a wait for a completion ends after 60 s with none.
+const NO_COMPLETION: &str = "no completion in 60 s: is the peer gone, or running another test?";
+
 /// Waits for at least `need` completions on `cq` (at least one) and takes
 /// what is there; `Ok(false)` when `end` came first.
 fn reap_until(
@@ -1570,7 +1573,7 @@ fn reap_until(
         if end.is_some_and(|e| Instant::now() >= e) {
             return Ok(false);
         }
-        return Err("no completion in 60 s: is the peer gone, or running another test?".into());
+        return Err(NO_COMPLETION.into());
     }
     let n = cq.poll(&mut more).map_err(|e| e.to_string())?;
     out.extend_from_slice(&more[..n]);
@@ -1595,7 +1598,7 @@ fn wait_one(cq: &Cq, end: Option<Instant>, side: &str) -> Result<Option<WorkComp
         Some(wc) if wc.status != WcStatus::Success => Err(completion_error(&wc, side)),
         Some(wc) => Ok(Some(wc)),
         None if end.is_some_and(|e| Instant::now() >= e) => Ok(None),
-        None => Err("no completion in 60 s: is the peer gone, or running another test?".into()),
+        None => Err(NO_COMPLETION.into()),
     }
 }
 
@@ -1620,9 +1623,7 @@ fn spin_one(cq: &Cq, end: Option<Instant>, side: &str) -> Result<Option<WorkComp
                 return Ok(None);
             }
             if now > *deadline.get_or_insert(now + Duration::from_secs(60)) {
-                return Err(
-                    "no completion in 60 s: is the peer gone, or running another test?".into(),
-                );
+                return Err(NO_COMPLETION.into());
             }
             std::thread::yield_now();
         } else {

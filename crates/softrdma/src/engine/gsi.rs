@@ -61,10 +61,9 @@ pub fn reject_req(packet: &[u8], out: &mut [u8; MAD_PACKET_LEN]) -> Option<()> {
     if !is_req {
         return None;
     }
-    // The REQ's Local Communication ID (IBTA 12.6.5).
-    let req_local_id = u32::from_be_bytes(req[24..28].try_into().ok()?);
     let mut rej = [0u8; MAD_LEN];
-    cm::Rej::of_req(req_local_id, cm::REJ_INVALID_SERVICE_ID).emit(h.transaction_id(), &mut rej);
+    cm::Rej::of_req(cm::Ids::of(req)?.local, cm::REJ_INVALID_SERVICE_ID)
+        .emit(h.transaction_id(), &mut rej);
     mad_packet(&rej, 0, out)
 }
 

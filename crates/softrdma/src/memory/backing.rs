@@ -588,57 +588,25 @@ mod tests {
     use std::time::{Duration, Instant};
 
     /// A peer that sees a copy's last byte sees all of it, for sizes where
-    /// memcpy stores a copy's end first. x86 keeps stores in order for every
-    /// observer; the observer's plain reads rely on that.
+    /// memcpy stores a copy's end first.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn a_copys_last_byte_lands_last() {
-        use std::sync::atomic::AtomicBool;
+        use super::super::last_byte_watch::LastByteWatch;
         // memcpy's order showed in about one run of three of a single pass
         // (1000 bytes, end first): four passes.
         let lens = [7usize, 65, 71, 100, 127, 200, 1000, 4099, 70_001];
         for len in lens.into_iter().cycle().take(4 * lens.len()) {
             let mem = Arc::new(RegionMemory::zeroed(len + 8).unwrap());
-            let (watching, started) = (
-                Arc::new(AtomicBool::new(true)),
-                Arc::new(AtomicBool::new(false)),
-            );
-            let observer = {
-                let (mem, watching, started) = (
-                    Arc::clone(&mem),
-                    Arc::clone(&watching),
-                    Arc::clone(&started),
-                );
-                std::thread::spawn(move || {
-                    let (mut last, mut seen, mut out) = (0u8, 0u32, vec![0u8; len]);
-                    started.store(true, Ordering::Release);
-                    let mut more = true;
-                    while std::mem::replace(&mut more, watching.load(Ordering::Relaxed)) {
-                        let mut b = [0u8];
-                        mem.read(1 + len - 1, &mut b);
-                        if b[0] != last {
-                            last = b[0];
-                            mem.read(1, &mut out);
-                            let older = out.iter().position(|&x| x < last);
-                            assert_eq!(older, None, "{len} bytes, copy {last}: an older byte");
-                            seen += 1;
-                        }
-                    }
-                    seen
-                })
-            };
-            while !started.load(Ordering::Acquire) {
-                std::thread::yield_now();
-            }
             // At offset 1: the partial words at both ends.
+            let watch = {
+                let mem = Arc::clone(&mem);
+                LastByteWatch::start(len, move |at, out| mem.read(1 + at, out))
+            };
             for k in 1..=250u8 {
                 mem.write(1, &vec![k; len]);
             }
-            watching.store(false, Ordering::Relaxed);
-            assert!(
-                observer.join().unwrap() > 0,
-                "{len}: the observer saw no copy"
-            );
+            assert!(watch.stop() > 0, "{len}: the observer saw no copy");
         }
     }
 

@@ -446,25 +446,58 @@ mod tests {
         t
     }
 
-    /// A helper thread as the shm provider's, spinning on the board;
-    /// counts the chunks it copied.
-    fn spawn_helper(
-        board: &Arc<CopyBoard>,
-        stop: &Arc<AtomicBool>,
-        helped: &Arc<AtomicUsize>,
-    ) -> std::thread::JoinHandle<()> {
-        let (board, stop, helped) = (Arc::clone(board), Arc::clone(stop), Arc::clone(helped));
-        std::thread::spawn(move || {
-            let mut seen = board.generation();
-            while !stop.load(Ordering::Relaxed) {
-                let g = board.generation();
-                if g != seen {
-                    seen = g;
-                    helped.fetch_add(board.help(g), Ordering::Relaxed);
-                }
-                std::hint::spin_loop();
+    /// A helper thread as the shm provider's, spinning on the board and
+    /// counting the chunks it copied; it holds each chunk it claims for
+    /// `hold` (as a helper that lost its CPU).
+    struct TestHelper {
+        stop: Arc<AtomicBool>,
+        helped: Arc<AtomicUsize>,
+        thread: std::thread::JoinHandle<()>,
+    }
+
+    impl TestHelper {
+        fn start(board: &Arc<CopyBoard>, hold: std::time::Duration) -> TestHelper {
+            let (stop, helped) = (
+                Arc::new(AtomicBool::new(false)),
+                Arc::new(AtomicUsize::new(0)),
+            );
+            let thread = {
+                let (board, stop, helped) =
+                    (Arc::clone(board), Arc::clone(&stop), Arc::clone(&helped));
+                std::thread::spawn(move || {
+                    let mut seen = board.generation();
+                    while !stop.load(Ordering::Relaxed) {
+                        let g = board.generation();
+                        if g != seen {
+                            seen = g;
+                            let n = board.help_after(g, || {
+                                if !hold.is_zero() {
+                                    std::thread::sleep(hold);
+                                }
+                            });
+                            helped.fetch_add(n, Ordering::Relaxed);
+                        }
+                        std::hint::spin_loop();
+                    }
+                })
+            };
+            TestHelper {
+                stop,
+                helped,
+                thread,
             }
-        })
+        }
+
+        fn helped(&self) -> usize {
+            self.helped.load(Ordering::Relaxed)
+        }
+
+        /// Stops it; the chunks it copied.
+        fn stop(self) -> usize {
+            self.stop.store(true, Ordering::Relaxed);
+            self.thread.join().unwrap();
+            self.helped.load(Ordering::Relaxed)
+        }
     }
 
     /// Every byte lands where it should, for sizes around the chunking's
@@ -474,11 +507,7 @@ mod tests {
         let len = 3 << 20;
         let t = two_regions(len);
         let board = Arc::new(CopyBoard::new());
-        let (stop, helped) = (
-            Arc::new(AtomicBool::new(false)),
-            Arc::new(AtomicUsize::new(0)),
-        );
-        let helper = spawn_helper(&board, &stop, &helped);
+        let helper = TestHelper::start(&board, std::time::Duration::ZERO);
         let src = t.local(1, 2, B, len as u32, Access::NONE).unwrap();
         let dst = t.local(1, 1, A, len as u32, Access::LOCAL_WRITE).unwrap();
         let check = |round: usize, size: usize, dst_at: usize, src_at: usize| {
@@ -515,16 +544,11 @@ mod tests {
         // until it has (a stalled test fails by its time).
         let mut round = sizes.len();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        while helped.load(Ordering::Relaxed) == 0 && std::time::Instant::now() < deadline {
+        while helper.helped() == 0 && std::time::Instant::now() < deadline {
             check(round, 2 << 20, 8, 0);
             round += 1;
         }
-        stop.store(true, Ordering::Relaxed);
-        helper.join().unwrap();
-        assert!(
-            helped.load(Ordering::Relaxed) > 0,
-            "the helper never copied a chunk"
-        );
+        assert!(helper.stop() > 0, "the helper never copied a chunk");
     }
 
     /// A peer that sees the last byte of a copy sees all of it: with the
@@ -544,13 +568,10 @@ mod tests {
 
     #[cfg(target_arch = "x86_64")]
     fn the_last_byte_lands_last_in(len: usize) {
+        use super::super::last_byte_watch::LastByteWatch;
         let t = Arc::new(two_regions(len));
         let board = Arc::new(CopyBoard::new());
-        let (stop, helped) = (
-            Arc::new(AtomicBool::new(false)),
-            Arc::new(AtomicUsize::new(0)),
-        );
-        let helper = spawn_helper(&board, &stop, &helped);
+        let helper = TestHelper::start(&board, std::time::Duration::ZERO);
         let src = t.local(1, 2, B, len as u32, Access::NONE).unwrap();
         let dst = t.local(1, 1, A, len as u32, Access::LOCAL_WRITE).unwrap();
         // Rounds of 250 copies until the helper took part in one (a busy
@@ -558,47 +579,17 @@ mod tests {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
         loop {
             dst.write(0, &vec![0u8; len]);
-            let before = helped.load(Ordering::Relaxed);
-            let (watching, started) = (
-                Arc::new(AtomicBool::new(true)),
-                Arc::new(AtomicBool::new(false)),
-            );
-            let observer = {
-                let (t, watching, started) =
-                    (Arc::clone(&t), Arc::clone(&watching), Arc::clone(&started));
-                std::thread::spawn(move || {
-                    let dst = t.local(1, 1, A, len as u32, Access::NONE).unwrap();
-                    let (mut last, mut seen, mut out) = (0u8, 0, vec![0u8; len]);
-                    started.store(true, Ordering::Release);
-                    // Looks once more after the copies end.
-                    let mut more = true;
-                    while std::mem::replace(&mut more, watching.load(Ordering::Relaxed)) {
-                        let mut b = [0u8];
-                        dst.read(len - 1, &mut b);
-                        if b[0] != last {
-                            last = b[0];
-                            dst.read(0, &mut out);
-                            // Later copies may have begun: newer bytes are
-                            // fine, older ones are not.
-                            let older = out.iter().position(|&x| x < last);
-                            assert_eq!(older, None, "copy {last}: a byte of an older copy");
-                            seen += 1;
-                        }
-                    }
-                    seen
-                })
+            let before = helper.helped();
+            let watch = {
+                let dst = t.local(1, 1, A, len as u32, Access::NONE).unwrap();
+                LastByteWatch::start(len, move |at, out| dst.read(at, out))
             };
-            while !started.load(Ordering::Acquire) {
-                std::thread::yield_now();
-            }
             for k in 1..=250u8 {
                 src.write(0, &vec![k; len]);
                 assert!(board.copy(&dst, 0, &src, 0, len, |_| std::thread::yield_now()));
             }
-            watching.store(false, Ordering::Relaxed);
-            let seen = observer.join().unwrap();
-            assert!(seen > 0, "the observer saw no copy land");
-            if helped.load(Ordering::Relaxed) > before {
+            assert!(watch.stop() > 0, "the observer saw no copy land");
+            if helper.helped() > before {
                 break;
             }
             assert!(
@@ -606,8 +597,7 @@ mod tests {
                 "the helper never copied a chunk"
             );
         }
-        stop.store(true, Ordering::Relaxed);
-        helper.join().unwrap();
+        helper.stop();
     }
 
     /// A copy larger than a piece goes on the board piece by piece, every
@@ -617,11 +607,7 @@ mod tests {
         let len = PIECE + PIECE / 2 + 4099;
         let t = two_regions(len);
         let board = Arc::new(CopyBoard::new());
-        let (stop, helped) = (
-            Arc::new(AtomicBool::new(false)),
-            Arc::new(AtomicUsize::new(0)),
-        );
-        let helper = spawn_helper(&board, &stop, &helped);
+        let helper = TestHelper::start(&board, std::time::Duration::ZERO);
         let src = t.local(1, 2, B, len as u32, Access::NONE).unwrap();
         let dst = t.local(1, 1, A, len as u32, Access::LOCAL_WRITE).unwrap();
         let pattern: Vec<u8> = (0..len - 8).map(|i| (i % 251) as u8).collect();
@@ -632,8 +618,7 @@ mod tests {
         let mut out = vec![0u8; len - 8];
         dst.read(0, &mut out);
         assert!(out == pattern, "the copy's bytes");
-        stop.store(true, Ordering::Relaxed);
-        helper.join().unwrap();
+        helper.stop();
     }
 
     /// A poster waiting for a chunk a helper holds calls its `waiting`
@@ -643,36 +628,13 @@ mod tests {
         let len = 1 << 20;
         let t = two_regions(len);
         let board = Arc::new(CopyBoard::new());
-        let (stop, helped) = (
-            Arc::new(AtomicBool::new(false)),
-            Arc::new(AtomicUsize::new(0)),
-        );
-        let slow_helper = {
-            let (board, stop, helped) =
-                (Arc::clone(&board), Arc::clone(&stop), Arc::clone(&helped));
-            std::thread::spawn(move || {
-                let mut seen = board.generation();
-                while !stop.load(Ordering::Relaxed) {
-                    let g = board.generation();
-                    if g != seen {
-                        seen = g;
-                        // Holds each chunk it claims for 5 ms, as a helper
-                        // that lost its CPU.
-                        let n = board.help_after(g, || {
-                            std::thread::sleep(std::time::Duration::from_millis(5))
-                        });
-                        helped.fetch_add(n, Ordering::Relaxed);
-                    }
-                    std::hint::spin_loop();
-                }
-            })
-        };
+        let slow_helper = TestHelper::start(&board, std::time::Duration::from_millis(5));
         let src = t.local(1, 2, B, len as u32, Access::NONE).unwrap();
         let dst = t.local(1, 1, A, len as u32, Access::LOCAL_WRITE).unwrap();
         let mut waits = 0u32;
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
         let mut k = 0u8;
-        while helped.load(Ordering::Relaxed) == 0 && std::time::Instant::now() < deadline {
+        while slow_helper.helped() == 0 && std::time::Instant::now() < deadline {
             k = k.wrapping_add(1);
             src.write(0, &vec![k; len]);
             assert!(board.copy(&dst, 0, &src, 0, len, |_| waits += 1));
@@ -680,12 +642,7 @@ mod tests {
             dst.read(0, &mut out);
             assert!(out.iter().all(|&b| b == k), "the copy's bytes");
         }
-        stop.store(true, Ordering::Relaxed);
-        slow_helper.join().unwrap();
-        assert!(
-            helped.load(Ordering::Relaxed) > 0,
-            "the helper never claimed a chunk"
-        );
+        assert!(slow_helper.stop() > 0, "the helper never claimed a chunk");
         assert!(
             waits > 0,
             "the poster waited for a held chunk without its hook"

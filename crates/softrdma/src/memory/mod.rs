@@ -11,6 +11,8 @@
 
 mod backing;
 mod board;
+#[cfg(test)]
+mod last_byte_watch;
 
 use std::borrow::Borrow;
 use std::collections::HashMap;

@@ -483,6 +483,12 @@ struct Load {
     cpus: usize,
     /// When it last looked.
     looked: Option<Instant>,
+    verdicts: Verdicts,
+}
+
+/// What the helper's looks at the CPUs found so far.
+#[derive(Debug)]
+struct Verdicts {
     /// Its time run and waited for a CPU when it last judged its waits.
     judged: Option<CpuTimes>,
     backoff: Duration,
@@ -492,6 +498,18 @@ struct Load {
     was_running_over: bool,
     /// The last judgement of its waits found it waited too long.
     had_waited: bool,
+}
+
+impl Default for Verdicts {
+    fn default() -> Verdicts {
+        Verdicts {
+            judged: None,
+            backoff: BACKOFF_MIN,
+            backoffs: 0,
+            was_running_over: false,
+            had_waited: false,
+        }
+    }
 }
 
 /// A thread's time on a CPU and waiting for one.
@@ -509,11 +527,7 @@ impl Load {
             schedstat: File::open("/proc/thread-self/schedstat").ok(),
             cpus,
             looked: None,
-            judged: None,
-            backoff: BACKOFF_MIN,
-            backoffs: 0,
-            was_running_over: false,
-            had_waited: false,
+            verdicts: Verdicts::default(),
         }
     }
 
@@ -535,15 +549,15 @@ impl Load {
         self.looked = Some(now);
         let waited = match self.cpu_times() {
             None => Some(false),
-            Some(times) => match self.judged {
+            Some(times) => match self.verdicts.judged {
                 None => {
-                    self.judged = Some(times);
+                    self.verdicts.judged = Some(times);
                     None
                 }
                 Some(before) => {
                     let verdict = waited_too_long(before, times);
                     if verdict.is_some() {
-                        self.judged = Some(times);
+                        self.verdicts.judged = Some(times);
                     }
                     verdict
                 }
@@ -556,15 +570,15 @@ impl Load {
     /// The verdict of a look that found `running_over` and, if it could
     /// judge them, its waits too long or not.
     fn judge(&mut self, running_over: bool, waited: Option<bool>) -> bool {
-        let crowded =
-            (running_over && self.was_running_over) || (waited == Some(true) && self.had_waited);
-        self.was_running_over = running_over;
+        let crowded = (running_over && self.verdicts.was_running_over)
+            || (waited == Some(true) && self.verdicts.had_waited);
+        self.verdicts.was_running_over = running_over;
         if let Some(w) = waited {
-            self.had_waited = w;
+            self.verdicts.had_waited = w;
         }
-        if !running_over && !self.had_waited {
-            self.backoff = BACKOFF_MIN;
-            self.backoffs = 0;
+        if !running_over && !self.verdicts.had_waited {
+            self.verdicts.backoff = BACKOFF_MIN;
+            self.verdicts.backoffs = 0;
         }
         crowded
     }
@@ -586,23 +600,19 @@ impl Load {
     /// double it (a busy moment, such as a peer setting up, costs little
     /// help; busy CPUs, few looks).
     fn back_off(&mut self) {
-        std::thread::sleep(self.backoff);
+        std::thread::sleep(self.verdicts.backoff);
         self.backed_off();
     }
 
     /// Forgets earlier looks and back-offs.
     fn start_over(&mut self) {
-        self.judged = None;
-        self.had_waited = false;
-        self.was_running_over = false;
-        self.backoff = BACKOFF_MIN;
-        self.backoffs = 0;
+        self.verdicts = Verdicts::default();
     }
 
     fn backed_off(&mut self) {
-        self.backoffs += 1;
-        if self.backoffs.is_multiple_of(BACKOFFS_TO_DOUBLE) {
-            self.backoff = (self.backoff * 2).min(BACKOFF_MAX);
+        self.verdicts.backoffs += 1;
+        if self.verdicts.backoffs.is_multiple_of(BACKOFFS_TO_DOUBLE) {
+            self.verdicts.backoff = (self.verdicts.backoff * 2).min(BACKOFF_MAX);
         }
     }
 }
@@ -778,7 +788,7 @@ mod tests {
         assert!(!load.judge(false, Some(false)));
         assert!(!load.judge(true, Some(false)), "once is a passing task");
         assert!(!load.judge(false, Some(false)));
-        assert_eq!(load.backoff, BACKOFF_MIN);
+        assert_eq!(load.verdicts.backoff, BACKOFF_MIN);
         // Sharing a CPU with its poster: each judgement of the waits finds
         // them too long, with looks that cannot judge in between.
         assert!(!load.judge(false, Some(true)));
@@ -791,10 +801,10 @@ mod tests {
             }
         }
         assert_eq!(crowded, 4 * BACKOFFS_TO_DOUBLE);
-        assert_eq!(load.backoff, BACKOFF_MIN * 16);
+        assert_eq!(load.verdicts.backoff, BACKOFF_MIN * 16);
         // A judgement that finds the waits short ends it.
         assert!(!load.judge(false, Some(false)));
-        assert_eq!(load.backoff, BACKOFF_MIN);
+        assert_eq!(load.verdicts.backoff, BACKOFF_MIN);
     }
 
     #[test]
