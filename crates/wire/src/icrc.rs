@@ -199,61 +199,112 @@ pub fn solve_ipv4_identification(
     ip[5] = 0;
     let body = &ib_with_icrc[..ib_with_icrc.len() - LEN];
     let delta = carried(ib_with_icrc)? ^ compute(&ip, udp_header, body)?;
-    if delta == 0 {
-        return Ok(Some(0));
+    Ok(IdentificationMap::new(ib_with_icrc.len()).solve(delta))
+}
+
+/// What the IPv4 Identification does to the ICRC of packets of one length
+/// (BTH through ICRC): the ICRC under ID `x` is the one under ID 0 XOR a
+/// linear function of `x`'s 16 bits. Made once per length, it finds a
+/// packet's ID from one pass over the packet (see [`Ipv4Flow::syndrome`]).
+///
+/// Since CRC-32 detects every burst of up to 32 bits, the function is
+/// one-to-one; a corrupted packet still solves to some ID with probability
+/// 2^-16 (against 2^-32 when the ID is known).
+#[derive(Debug, Clone)]
+pub struct IdentificationMap {
+    packet_len: usize,
+    /// What flipping ID bit b XORs into the ICRC.
+    columns: [u32; 16],
+    /// The columns in echelon form by pivot bit, with the ID bits making each.
+    basis: [(u32, u16); 32],
+}
+
+/// One bit of the reflected CRC-32 register with a zero input bit: the
+/// difference two messages' registers carry over one more bit.
+const fn crc_bit_step(d: u32) -> u32 {
+    if d & 1 != 0 {
+        (d >> 1) ^ 0xEDB8_8320
+    } else {
+        d >> 1
     }
-    // The stream the ICRC covers: 8 bytes LRH stand-in, IPv4, UDP, then `body`;
-    // the ID sits at bytes 12 and 13 of it.
-    let total = 8 + IPV4_HEADER_LEN + UDP_HEADER_LEN + body.len();
-    const HEAD: usize = 14;
-    let mut zeros_tail = crc32fast::Hasher::new();
-    let zero = [0u8; 256];
-    let mut left = total - HEAD;
-    while left > 0 {
-        let n = left.min(zero.len());
-        zeros_tail.update(&zero[..n]);
-        left -= n;
+}
+
+impl IdentificationMap {
+    /// The map for packets of `packet_len` bytes, BTH through ICRC.
+    pub fn new(packet_len: usize) -> IdentificationMap {
+        // A difference in the last bit of the ID's low byte leaves the
+        // register differing by the polynomial; then the bytes after the ID
+        // (the rest of the prefix, the packet without its ICRC) carry it on.
+        let trailing = IPV4_PREFIX_LEN - IP_ID_AT - 2 + packet_len.saturating_sub(LEN);
+        let mut d = 0xEDB8_8320u32;
+        let zeros = [0u8; 256];
+        let mut left = trailing;
+        while left > 0 {
+            // crc32fast's register is the complement of its state; zero
+            // input bytes move a difference linearly.
+            let n = left.min(zeros.len());
+            let mut h = crc32fast::Hasher::new_with_initial(!d);
+            h.update(&zeros[..n]);
+            d = !h.finalize();
+            left -= n;
+        }
+        // Bits are hashed least significant first: ID bit 7 (the low byte's
+        // top bit) goes last, bit 0 eight bits before it, and the high
+        // byte's bit 15 one bit before bit 0.
+        let mut columns = [0u32; 16];
+        for b in (0..8).rev().chain((8..16).rev()) {
+            columns[b] = d;
+            d = crc_bit_step(d);
+        }
+        let mut basis = [(0u32, 0u16); 32];
+        for (b, &col) in columns.iter().enumerate() {
+            let (mut v, mut m) = (col, 1u16 << b);
+            while v != 0 {
+                let p = 31 - v.leading_zeros() as usize;
+                if basis[p].0 == 0 {
+                    basis[p] = (v, m);
+                    break;
+                }
+                v ^= basis[p].0;
+                m ^= basis[p].1;
+            }
+        }
+        IdentificationMap {
+            packet_len,
+            columns,
+            basis,
+        }
     }
-    let crc_of = |head: &[u8; HEAD]| {
-        let mut h = crc32fast::Hasher::new();
-        h.update(head);
-        h.combine(&zeros_tail);
-        h.finalize()
-    };
-    let base = crc_of(&[0u8; HEAD]);
-    // Column b: what flipping ID bit b does to the CRC.
-    let mut columns = [0u32; 16];
-    for (b, col) in columns.iter_mut().enumerate() {
-        let mut head = [0u8; HEAD];
-        head[13 - b / 8] = 1 << (b % 8);
-        *col = crc_of(&head) ^ base;
+
+    /// The packet length (BTH through ICRC) the map is for.
+    pub fn packet_len(&self) -> usize {
+        self.packet_len
     }
-    // Gaussian elimination: keep a basis of columns by pivot bit, with the ID
-    // bits that make each.
-    let mut basis: [(u32, u16); 32] = [(0, 0); 32];
-    for (b, &col) in columns.iter().enumerate() {
-        let (mut v, mut m) = (col, 1u16 << b);
+
+    /// What ID `id` XORs into the ICRC, against ID 0.
+    pub fn delta(&self, id: u16) -> u32 {
+        let mut d = 0;
+        for (b, col) in self.columns.iter().enumerate() {
+            if id >> b & 1 != 0 {
+                d ^= col;
+            }
+        }
+        d
+    }
+
+    /// The ID whose [`delta`](IdentificationMap::delta) is `delta`, if any.
+    pub fn solve(&self, delta: u32) -> Option<u16> {
+        let (mut v, mut id) = (delta, 0u16);
         while v != 0 {
             let p = 31 - v.leading_zeros() as usize;
-            if basis[p].0 == 0 {
-                basis[p] = (v, m);
-                break;
+            if self.basis[p].0 == 0 {
+                return None;
             }
-            v ^= basis[p].0;
-            m ^= basis[p].1;
+            v ^= self.basis[p].0;
+            id ^= self.basis[p].1;
         }
+        Some(id)
     }
-    let (mut v, mut id) = (delta, 0u16);
-    while v != 0 {
-        let p = 31 - v.leading_zeros() as usize;
-        if basis[p].0 == 0 {
-            return Ok(None);
-        }
-        v ^= basis[p].0;
-        id ^= basis[p].1;
-    }
-    ip[4..6].copy_from_slice(&id.to_be_bytes());
-    Ok((compute(&ip, udp_header, body)? == carried(ib_with_icrc)?).then_some(id))
 }
 
 /// The IPv4 header a kernel will put in front of a RoCEv2 datagram, as far as
@@ -448,6 +499,20 @@ impl Ipv4Flow {
         } else {
             Err(Error::BadIcrc { computed, carried })
         }
+    }
+
+    /// The ICRC a packet of this flow carries (BTH through ICRC) XOR the one
+    /// it would carry under IP ID 0: 0 when it came under ID 0, else the
+    /// [`IdentificationMap::delta`] of its ID, if it is intact.
+    pub fn syndrome(&self, ib_with_icrc: &[u8]) -> Result<u32> {
+        check("packet with ICRC", ib_with_icrc, bth::HEADER_LEN + LEN)?;
+        let n = ib_with_icrc.len();
+        let udp_len = u16::try_from(UDP_HEADER_LEN + n).map_err(|_| Error::InvalidField {
+            field: "UDP length",
+            value: (UDP_HEADER_LEN + n) as u64,
+        })?;
+        let computed = self.icrc(0, udp_len, &ib_with_icrc[..n - LEN])?.finish();
+        Ok(carried(ib_with_icrc)? ^ computed)
     }
 }
 
@@ -723,6 +788,45 @@ mod tests {
         bad[14] ^= 0x10;
         assert_eq!(solve_ipv4_identification(&blind, udp, &bad).unwrap(), None);
         assert!(solve_ipv4_identification(&[0x60; 40], udp, ib).is_err());
+    }
+
+    #[test]
+    fn an_identification_map_finds_any_id_from_one_pass() {
+        let flow = Ipv4Flow::new(
+            Ipv4Pseudo {
+                src: [10, 0, 0, 1],
+                dst: [10, 0, 0, 2],
+                identification: 0,
+                dont_fragment: true,
+            },
+            49152,
+            4791,
+        );
+        for len in [bth::HEADER_LEN + LEN, 40, 301, 4096 + 28 + LEN, 9000] {
+            let map = IdentificationMap::new(len);
+            assert_eq!(map.packet_len(), len);
+            let mut packet: Vec<u8> = (0..len).map(|i| (i * 7 + len) as u8).collect();
+            let udp_len = (UDP_HEADER_LEN + len) as u16;
+            for id in [0u16, 1, 2, 3, 0x80, 0x100, 0x4c36, 0xffff, 0x8000] {
+                let crc = flow
+                    .icrc(id, udp_len, &packet[..len - LEN])
+                    .unwrap()
+                    .finish();
+                packet[len - LEN..].copy_from_slice(&crc.to_le_bytes());
+                flow.verify(id, &packet).unwrap();
+                let syndrome = flow.syndrome(&packet).unwrap();
+                assert_eq!(syndrome, map.delta(id), "len {len} id {id:#x}");
+                assert_eq!(map.solve(syndrome), Some(id), "len {len} id {id:#x}");
+            }
+            // A flipped bit in the payload leaves no ID (1 in 65536 would).
+            packet[13] ^= 4;
+            assert_eq!(
+                map.solve(flow.syndrome(&packet).unwrap()),
+                None,
+                "len {len}"
+            );
+        }
+        assert!(flow.syndrome(&[0u8; 15]).is_err());
     }
 
     #[test]

@@ -27,13 +27,15 @@ use nix::sys::socket::{ControlMessage, MsgFlags, MultiHeaders, SockaddrIn, sendm
 use rustix::event::{EventfdFlags, PollFd, PollFlags, eventfd};
 use rustix::net::sockopt;
 use softrdma_wire::bth;
-use softrdma_wire::icrc::{self, Ipv4Flow, Ipv4Pseudo};
+use softrdma_wire::icrc::{self, IdentificationMap, Ipv4Flow, Ipv4Pseudo};
 use softrdma_wire::mad::MAD_LEN;
 use softrdma_wire::opcode::Opcode;
 use spin::mutex::SpinMutex;
 use spin::relax::Yield;
 
 use super::pcap::{PacketMeta, PcapWriter};
+
+mod connected;
 use super::timespec;
 use crate::engine::gsi;
 use crate::engine::rc::MAX_HEADER_LEN;
@@ -87,6 +89,9 @@ pub(crate) struct QpSlot {
     pub srq: Option<(u64, Arc<Mutex<Srq>>)>,
     /// Which thread transmits for the QP.
     tx: TransmitTurn,
+    /// Its own send socket, connected to its peer: taken in the transmit
+    /// turn, so never contended.
+    sender: SpinMutex<connected::SendSocket, Yield>,
     /// Whether packets were handled since a transmit last found nothing to
     /// send: a deferred transmit (see [`poll_now`]) is skipped when a post's
     /// has sent the answers already. Written under the QP lock.
@@ -169,6 +174,7 @@ impl QpSlot {
             recv_cq,
             srq,
             tx: TransmitTurn::default(),
+            sender: SpinMutex::new(connected::SendSocket::Untried),
             answers_pending: AtomicBool::new(false),
             destroyed: AtomicBool::new(false),
         }
@@ -226,9 +232,10 @@ pub(crate) struct Shared {
     uplink_lost: AtomicBool,
     pub stats: DeviceStats,
     /// The device's sockets: the first is bound to its address (exclusive)
-    /// or an ephemeral port (hostd); the others to ephemeral ports. A QP
-    /// sends from the one its number hashes to, so that fabrics hashing the
-    /// UDP source port (ECMP) spread the flows; all of them receive.
+    /// or an ephemeral port (hostd); the others to ephemeral ports. A UD QP
+    /// (and an RC QP without a connected socket of its own) sends from the
+    /// one its number hashes to, so that fabrics hashing the UDP source port
+    /// (ECMP) spread the flows; all of them receive.
     sockets: Vec<UdpSocket>,
     /// Their ports (the source port of what each sends).
     ports: Vec<u16>,
@@ -273,6 +280,9 @@ pub(crate) struct Shared {
     rx_lock: SpinMutex<Receiving, Yield>,
     /// Packets of a QP go out in UDP GSO sends (off after the kernel refuses).
     gso: AtomicBool,
+    /// RC QPs send from sockets of their own connected to their peers
+    /// (see [`connected`]); SOFTRDMA_NO_CONNECTED turns it off.
+    connected_sends: bool,
     /// The sockets report received TTLs and TOSes (see [`report_ip_fields`]).
     ip_fields: AtomicBool,
     /// QP 1's connection-manager bookkeeping (rdma_cm over RoCE).
@@ -701,6 +711,7 @@ thread_local! {
     // prefixes: consecutive packets mostly share them.
     static SEND_FLOW: Cell<Option<Ipv4Flow>> = const { Cell::new(None) };
     static RECV_FLOW: Cell<Option<Ipv4Flow>> = const { Cell::new(None) };
+    static ID_MAPS: RefCell<IdMaps> = const { RefCell::new(IdMaps { maps: Vec::new(), next: 0 }) };
     static TX: RefCell<Vec<TxSlot>> = RefCell::new(
         (0..BATCH)
             .map(|_| TxSlot {
@@ -810,6 +821,7 @@ impl UdpDevice {
             alarm_pushed: AtomicU64::new(0),
             rx_lock: SpinMutex::new(Receiving::default()),
             gso: AtomicBool::new(offload),
+            connected_sends: std::env::var_os("SOFTRDMA_NO_CONNECTED").is_none(),
             ip_fields: AtomicBool::new(ip_fields),
             gsi: super::gsi::Gsi::new(
                 std::process::id().wrapping_mul(0x9e37_79b9)
@@ -1021,8 +1033,15 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
                         i += 1;
                         continue;
                     };
-                    let k = gso_run(shared.gso.load(Ordering::Relaxed), &tx[i..n]);
-                    send_packets(shared, d, &mut tx[i..i + k], slot.qpn);
+                    let gso = shared.gso.load(Ordering::Relaxed);
+                    let k = gso_run(gso, &tx[i..n]);
+                    if tx[i].ah.is_none() && shared.connected_sends {
+                        let mut sender = slot.sender.lock();
+                        let via = sender.connected_to(*shared.local.ip(), d, gso);
+                        send_packets(shared, d, &mut tx[i..i + k], slot.qpn, via);
+                    } else {
+                        send_packets(shared, d, &mut tx[i..i + k], slot.qpn, None);
+                    }
                     i += k;
                 }
                 // UD send completions wait for their datagrams to be in the
@@ -1146,18 +1165,64 @@ fn socket_for(shared: &Shared, qpn: u32) -> usize {
     (qpn.wrapping_mul(0x61C8_8647) >> 18) as usize % shared.sockets.len()
 }
 
-fn send_packets(shared: &Shared, peer: SocketAddrV4, tx: &mut [TxSlot], qpn: u32) {
+/// The device socket a QP sends from unconnected, its port, and the IP ID
+/// its datagrams go out with.
+fn unconnected<'a>(
+    shared: &Shared,
+    qpn: u32,
+) -> (
+    std::os::fd::RawFd,
+    u16,
+    u16,
+    Option<&'a mut connected::ConnectedSend>,
+) {
     let sock = socket_for(shared, qpn);
+    (
+        std::os::fd::AsRawFd::as_raw_fd(&shared.sockets[sock]),
+        shared.ports[sock],
+        0,
+        None,
+    )
+}
+
+fn send_packets(
+    shared: &Shared,
+    peer: SocketAddrV4,
+    tx: &mut [TxSlot],
+    qpn: u32,
+    via: Option<&mut connected::ConnectedSend>,
+) {
+    let gso = tx.len() > 1;
+    // From the QP's connected socket if it takes this send and knows the
+    // ID it goes out with; else from the device's, unconnected (ID 0).
+    let (fd, src_port, base, mut via) = match via {
+        Some(c) if !gso || c.takes_gso() => match c.next_ident() {
+            Some(id) => (
+                std::os::fd::AsRawFd::as_raw_fd(c.socket()),
+                c.local().port(),
+                id,
+                Some(c),
+            ),
+            None => unconnected(shared, qpn),
+        },
+        _ => unconnected(shared, qpn),
+    };
+    let ident = |k: usize| {
+        if gso {
+            base.wrapping_add(k as u16)
+        } else {
+            base
+        }
+    };
     let ip = Ipv4Pseudo {
         src: shared.local.ip().octets(),
         dst: peer.ip().octets(),
         identification: 0,
         dont_fragment: true,
     };
-    let flow = cached_flow(&SEND_FLOW, ip, shared.ports[sock], peer.port());
-    let gso = tx.len() > 1;
+    let flow = cached_flow(&SEND_FLOW, ip, src_port, peer.port());
     for (k, s) in tx.iter_mut().enumerate() {
-        seal(&flow, s, if gso { k as u16 } else { 0 });
+        seal(&flow, s, ident(k));
     }
     let sealed = &*tx;
     let mut iov = smallvec::SmallVec::<[IoSlice<'_>; GSO_MAX_IOV]>::new();
@@ -1171,9 +1236,9 @@ fn send_packets(shared: &Shared, peer: SocketAddrV4, tx: &mut [TxSlot], qpn: u32
             let mut one = smallvec::SmallVec::<[IoSlice<'_>; GSO_MAX_IOV]>::new();
             gather(s, &mut one);
             let m = PacketMeta {
-                src: SocketAddrV4::new(*shared.local.ip(), shared.ports[sock]),
+                src: SocketAddrV4::new(*shared.local.ip(), src_port),
                 dst: peer,
-                identification: if gso { k as u16 } else { 0 },
+                identification: ident(k),
                 ttl: 64,
                 tos: 0,
             };
@@ -1181,8 +1246,8 @@ fn send_packets(shared: &Shared, peer: SocketAddrV4, tx: &mut [TxSlot], qpn: u32
             let _ = w.record(&m, &parts);
         }
     }
-    let to = [Some(SockaddrIn::from(peer))];
-    let fd = std::os::fd::AsRawFd::as_raw_fd(&shared.sockets[sock]);
+    // A connected socket's sends name no address.
+    let to = [via.is_none().then(|| SockaddrIn::from(peer))];
     let segment = (udp_len(&tx[0].t) - 8) as u16;
     let slices: &[IoSlice<'_>] = &iov;
     let sent = SEND_HEADERS.with_borrow_mut(|(plain, gso)| {
@@ -1199,6 +1264,9 @@ fn send_packets(shared: &Shared, peer: SocketAddrV4, tx: &mut [TxSlot], qpn: u32
     drop(iov);
     match sent {
         Ok(_) => {
+            if let Some(c) = via {
+                c.sent(tx.len());
+            }
             shared
                 .stats
                 .sent
@@ -1217,11 +1285,23 @@ fn send_packets(shared: &Shared, peer: SocketAddrV4, tx: &mut [TxSlot], qpn: u32
             nix::errno::Errno::EIO | nix::errno::Errno::EINVAL | nix::errno::Errno::ENOPROTOOPT,
         ) if gso => {
             shared.gso.store(false, Ordering::Relaxed);
+            if let Some(c) = via.as_deref_mut() {
+                c.failed();
+            }
             for s in tx {
-                send_packets(shared, peer, std::slice::from_mut(s), qpn);
+                send_packets(
+                    shared,
+                    peer,
+                    std::slice::from_mut(s),
+                    qpn,
+                    via.as_deref_mut(),
+                );
             }
         }
         Err(e) => {
+            if let Some(c) = via {
+                c.failed();
+            }
             // A full socket buffer or an unreachable peer: the packets are
             // lost, and the transport retransmits as for any loss.
             shared
@@ -1613,8 +1693,8 @@ fn receive_datagram(
     let mut run = Run::new();
     let mut run_slot: Option<Arc<QpSlot>> = None;
     let mut holding = false;
-    for (k, packet) in datagram.chunks(segment).enumerate() {
-        let Some((dest_qp, ident)) = check_packet(shared, packet, rx, dst_port, k) else {
+    for packet in datagram.chunks(segment) {
+        let Some((dest_qp, ident)) = check_packet(shared, packet, rx, dst_port) else {
             continue;
         };
         if let Some(slot) = run_slot.take_if(|s| s.qpn != dest_qp) {
@@ -1643,18 +1723,39 @@ fn receive_datagram(
     holding
 }
 
+/// The [`IdentificationMap`]s of the packet lengths a thread last received:
+/// a stream has a few (full packets, a message's last, ACKs).
+struct IdMaps {
+    maps: Vec<IdentificationMap>,
+    next: usize,
+}
+
+impl IdMaps {
+    const KEPT: usize = 8;
+
+    fn of(&mut self, packet_len: usize) -> &IdentificationMap {
+        if let Some(i) = self.maps.iter().position(|m| m.packet_len() == packet_len) {
+            return &self.maps[i];
+        }
+        let map = IdentificationMap::new(packet_len);
+        let i = if self.maps.len() < Self::KEPT {
+            self.maps.push(map);
+            self.maps.len() - 1
+        } else {
+            self.next = (self.next + 1) % Self::KEPT;
+            self.maps[self.next] = map;
+            self.next
+        };
+        &self.maps[i]
+    }
+}
+
 /// Checked packets for one QP, each with the IP ID it came under.
 type Run<'a> = smallvec::SmallVec<[(&'a [u8], u16); GSO_MAX_SEGMENTS_BULK]>;
 
-/// Checks a packet, the `k`th of its datagram: its ICRC (solving the IP ID
+/// Checks a packet: its ICRC (solving the IP ID
 /// it came under) and its BTH. Returns the QP number it is for and the ID.
-fn check_packet(
-    shared: &Shared,
-    packet: &[u8],
-    rx: &RxMeta,
-    dst_port: u16,
-    k: usize,
-) -> Option<(u32, u16)> {
+fn check_packet(shared: &Shared, packet: &[u8], rx: &RxMeta, dst_port: u16) -> Option<(u32, u16)> {
     let from = rx.from;
     let ip = Ipv4Pseudo {
         src: from.ip().octets(),
@@ -1663,23 +1764,14 @@ fn check_packet(
         dont_fragment: true,
     };
     let flow = cached_flow(&RECV_FLOW, ip, from.port(), dst_port);
-    // softrdma peers send IP ID 0, or k for the kth segment of a GSO send
-    // (the kernel numbers segments from 0); others (rxe) a counting ID that
-    // the socket does not show: then the ID is solved from the ICRC.
-    let with_id = |id: u16| flow.verify(id, packet).is_ok();
-    let ident = if with_id(k as u16) {
-        Some(k as u16)
-    } else if k != 0 && with_id(0) {
-        Some(0)
-    } else {
-        let udp_len = (8 + packet.len()) as u16;
-        icrc::solve_ipv4_identification(
-            &ip.header(udp_len),
-            &icrc::udp_header(from.port(), dst_port, udp_len),
-            packet,
-        )
-        .ok()
-        .flatten()
+    // The ID the packet came under, which the socket does not show: 0 or k
+    // (the kth segment of a GSO send) from an unconnected softrdma socket,
+    // a count from a connected one or from rxe. One pass over the packet
+    // gives the ICRC's difference from ID 0's, which gives the ID.
+    let ident = match flow.syndrome(packet) {
+        Ok(0) => Some(0),
+        Ok(syndrome) => ID_MAPS.with_borrow_mut(|maps| maps.of(packet.len()).solve(syndrome)),
+        Err(_) => None,
     };
     if let Some(pcap) = &shared.pcap {
         let m = PacketMeta {
