@@ -33,6 +33,11 @@
 //! skips the ICRCs and copies (the kernel's part alone); `--plain` passes
 //! one 64-byte datagram instead (sockperf's shape, for comparison). Loopback
 //! only: 127.0.0.93 and 127.0.0.94.
+//!
+//! Everything but `--plain` is sent as the provider's RC QPs send: from a
+//! socket connected to the peer, the IPv4 IDs its ICRCs cover read by
+//! `provider::udp::connected`; receivers check each ICRC as the provider
+//! does, in one pass with the ID solved.
 
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::{SocketAddrV4, UdpSocket};
@@ -45,7 +50,8 @@ use nix::sys::socket::{
     ControlMessage, ControlMessageOwned, MsgFlags, MultiHeaders, SockaddrIn, recvmsg, sendmmsg,
     setsockopt, sockopt,
 };
-use softrdma_wire::icrc::{self, Icrc, Ipv4Pseudo};
+use softrdma::provider::udp::connected::ConnectedSend;
+use softrdma_wire::icrc::{self, Icrc, IdentificationMap, Ipv4Flow, Ipv4Pseudo};
 
 const A: [u8; 4] = [127, 0, 0, 93];
 const B: [u8; 4] = [127, 0, 0, 94];
@@ -116,38 +122,80 @@ fn addr(s: &UdpSocket) -> io::Result<SocketAddrV4> {
     }
 }
 
-/// The IPv4 and UDP headers the ICRC covers for GSO segment `k` (the
-/// kernel gives segment k IP ID k) of `udp_len` bytes from `from` to `to`.
+/// The IPv4 and UDP headers the ICRC covers for a datagram (a GSO send's
+/// segment) of `udp_len` bytes from `from` to `to` with IP ID `ident`.
 fn pseudo_headers(
     from: SocketAddrV4,
     to: SocketAddrV4,
-    k: u16,
+    ident: u16,
     udp_len: usize,
 ) -> ([u8; 20], [u8; 8]) {
     let udp_len = udp_len as u16;
     let ip = Ipv4Pseudo {
         src: from.ip().octets(),
         dst: to.ip().octets(),
-        identification: k,
+        identification: ident,
         dont_fragment: true,
     }
     .header(udp_len);
     (ip, icrc::udp_header(from.port(), to.port(), udp_len))
 }
 
-/// The ICRC of a packet (`head` then `payload`) sent as GSO segment `k`
+/// The ICRC of a packet (`head` then `payload`) sent with IP ID `ident`
 /// from `from` to `to`.
-fn icrc_of(from: SocketAddrV4, to: SocketAddrV4, k: u16, head: &[u8], payload: &[u8]) -> u32 {
-    let (ip, udp) = pseudo_headers(from, to, k, 8 + head.len() + payload.len() + icrc::LEN);
+fn icrc_of(from: SocketAddrV4, to: SocketAddrV4, ident: u16, head: &[u8], payload: &[u8]) -> u32 {
+    let (ip, udp) = pseudo_headers(from, to, ident, 8 + head.len() + payload.len() + icrc::LEN);
     let mut crc = Icrc::with_ib_headers(&ip, &udp, head).expect("a BTH");
     crc.update(payload);
     crc.finish()
 }
 
-/// Checks the ICRC of `packet`, GSO segment `k` from `from` to `to`.
-fn icrc_ok(from: SocketAddrV4, to: SocketAddrV4, k: u16, packet: &[u8]) -> bool {
-    let (ip, udp) = pseudo_headers(from, to, k, 8 + packet.len());
-    icrc::verify(&ip, &udp, packet).is_ok()
+/// Checks ICRCs as the provider does: one pass with IP ID 0, and the ID
+/// (which a UDP socket does not show) solved from the difference.
+#[derive(Default)]
+struct Checker {
+    flow: Option<Ipv4Flow>,
+    maps: Vec<IdentificationMap>,
+}
+
+impl Checker {
+    /// Whether `packet`, from `from` to `to`, has a good ICRC under some ID.
+    fn ok(&mut self, from: SocketAddrV4, to: SocketAddrV4, packet: &[u8]) -> bool {
+        let ip = Ipv4Pseudo {
+            src: from.ip().octets(),
+            dst: to.ip().octets(),
+            identification: 0,
+            dont_fragment: true,
+        };
+        let flow = match self.flow {
+            Some(f) if f.is(&ip, from.port(), to.port()) => f,
+            _ => *self.flow.insert(Ipv4Flow::new(ip, from.port(), to.port())),
+        };
+        match flow.syndrome(packet) {
+            Ok(0) => true,
+            Ok(syndrome) => {
+                let map = match self
+                    .maps
+                    .iter()
+                    .position(|m| m.packet_len() == packet.len())
+                {
+                    Some(i) => &self.maps[i],
+                    None => {
+                        self.maps.push(IdentificationMap::new(packet.len()));
+                        &self.maps[self.maps.len() - 1]
+                    }
+                };
+                map.solve(syndrome).is_some()
+            }
+            Err(_) => false,
+        }
+    }
+}
+
+/// A send socket as the provider's RC QPs have: connected to the peer, its
+/// IPv4 IDs known.
+fn sender(me: SocketAddrV4, peer: SocketAddrV4) -> io::Result<ConnectedSend> {
+    ConnectedSend::open(*me.ip(), peer, true)
 }
 
 /// A BTH: opcode, destination QP 0x11, PSN.
@@ -160,25 +208,42 @@ fn bth(opcode: u8, psn: u32) -> [u8; BTH] {
     h
 }
 
-/// Sends `iov` as one datagram, cut into segments of `segment` bytes.
+/// Sends `iov` from `out` as one datagram, cut into segments of `segment`
+/// bytes (`segments` of them).
 fn send_gso(
-    sock: &UdpSocket,
+    out: &mut ConnectedSend,
     headers: &mut MultiHeaders<SockaddrIn>,
-    to: SocketAddrV4,
     iov: &[IoSlice<'_>],
     segment: u16,
+    segments: usize,
 ) -> io::Result<()> {
     let cmsg = [ControlMessage::UdpGsoSegments(&segment)];
-    sendmmsg(
-        sock.as_raw_fd(),
+    let one = [iov];
+    let sent = sendmmsg(
+        out.socket().as_raw_fd(),
         headers,
-        &[iov],
-        [Some(SockaddrIn::from(to))],
+        &one,
+        [None::<SockaddrIn>],
         cmsg,
         MsgFlags::empty(),
     )
-    .map(drop)
-    .map_err(io::Error::from)
+    .map(drop);
+    match sent {
+        Ok(_) => {
+            out.sent(segments);
+            Ok(())
+        }
+        Err(e) => {
+            out.failed();
+            Err(e.into())
+        }
+    }
+}
+
+/// The ID `out`'s next send goes out with.
+fn next_ident(out: &mut ConnectedSend) -> io::Result<u16> {
+    out.next_ident()
+        .ok_or_else(|| io::Error::other("the send socket's IP ID count cannot be read"))
 }
 
 /// Receives one datagram: its length, where from, its GRO segment size.
@@ -218,7 +283,7 @@ fn stream(secs: u64, busy: bool, bare: bool) -> io::Result<f64> {
         let (taken, stop) = (taken.clone(), stop.clone());
         // The send headers are not Send: the sender is made on its thread.
         std::thread::spawn(move || -> io::Result<()> {
-            let mut out = Sender::new(tx, from, to, &taken, &stop, bare, busy);
+            let mut out = Sender::new(tx, from, to, &taken, &stop, bare, busy)?;
             let mut psn = 0u32;
             while !stop.load(Ordering::Relaxed) {
                 let packets: [(u8, u32); PER_SEND] =
@@ -233,6 +298,7 @@ fn stream(secs: u64, busy: bool, bare: bool) -> io::Result<f64> {
     let mut cmsg = nix::cmsg_space!(i32);
     let mut target = vec![0u8; REGION];
     let (mut bytes, mut bad) = (0u64, 0u64);
+    let mut checker = Checker::default();
     let mut started = None;
     let flags = if busy {
         MsgFlags::MSG_DONTWAIT
@@ -248,14 +314,14 @@ fn stream(secs: u64, busy: bool, bare: bool) -> io::Result<f64> {
         };
         started.get_or_insert_with(Instant::now);
         let mut packets = 0;
-        for (k, packet) in buf[..n].chunks(segment).enumerate() {
+        for packet in buf[..n].chunks(segment) {
             packets += 1;
             if packet.len() != SEGMENT {
                 bad += 1;
                 continue;
             }
             if !bare {
-                if !icrc_ok(src, to, k as u16, packet) {
+                if !checker.ok(src, to, packet) {
                     bad += 1;
                     continue;
                 }
@@ -309,12 +375,19 @@ const OUTSTANDING_READS: u32 = 16;
 
 /// A READ request for the `packets` responses from `psn` on: BTH, RETH
 /// (its length field is what the responder reads), ICRC.
-fn read_request(from: SocketAddrV4, to: SocketAddrV4, psn: u32, len: u32, bare: bool) -> [u8; 32] {
+fn read_request(
+    from: SocketAddrV4,
+    to: SocketAddrV4,
+    ident: u16,
+    psn: u32,
+    len: u32,
+    bare: bool,
+) -> [u8; 32] {
     let mut r = [0u8; 32];
     r[..BTH].copy_from_slice(&bth(READ_REQUEST, psn));
     r[BTH + 12..BTH + 16].copy_from_slice(&len.to_be_bytes());
     if !bare {
-        let crc = icrc_of(from, to, 0, &r[..BTH + 16], &[]);
+        let crc = icrc_of(from, to, ident, &r[..BTH + 16], &[]);
         r[28..].copy_from_slice(&crc.to_le_bytes());
     }
     r
@@ -323,9 +396,11 @@ fn read_request(from: SocketAddrV4, to: SocketAddrV4, psn: u32, len: u32, bare: 
 /// A stream's sends: packets of one size in GSO sends of at most 15 (as the
 /// provider makes them), each after the flow-control window has room.
 struct Sender {
+    /// Where it receives (READ requests).
     sock: UdpSocket,
     me: SocketAddrV4,
     peer: SocketAddrV4,
+    out: ConnectedSend,
     headers: MultiHeaders<SockaddrIn>,
     region: Vec<u8>,
     /// Packets the receiver has taken, and the stop flag.
@@ -345,11 +420,12 @@ impl Sender {
         stop: &Arc<AtomicBool>,
         bare: bool,
         busy: bool,
-    ) -> Sender {
-        Sender {
+    ) -> io::Result<Sender> {
+        Ok(Sender {
             sock,
             me,
             peer,
+            out: sender(me, peer)?,
             headers: MultiHeaders::preallocate(1, Some(nix::cmsg_space!(u16))),
             region: (0..REGION).map(|i| (i * 7 + 1) as u8).collect(),
             taken: taken.clone(),
@@ -357,7 +433,7 @@ impl Sender {
             bare,
             busy,
             sent: 0,
-        }
+        })
     }
 
     /// Sends one GSO datagram of the packets `(opcode, psn)`, all of one
@@ -380,13 +456,14 @@ impl Sender {
         };
         let mut heads = [[0u8; BTH + AETH]; PER_SEND];
         let mut trailers = [[0u8; icrc::LEN]; PER_SEND];
+        let base = next_ident(&mut self.out)?;
         for (k, &(opcode, psn)) in packets.iter().enumerate() {
             heads[k][..BTH].copy_from_slice(&bth(opcode, psn));
             if !self.bare {
                 let crc = icrc_of(
-                    self.me,
+                    self.out.local(),
                     self.peer,
-                    k as u16,
+                    base.wrapping_add(k as u16),
                     &heads[k][..head_len],
                     &self.region[region_at(psn)],
                 );
@@ -403,7 +480,13 @@ impl Sender {
         // One packet goes as a plain datagram (no longer than the segment).
         let segment = (head_len + PAYLOAD + icrc::LEN) as u16;
         let iov = &iov[..3 * packets.len()];
-        send_gso(&self.sock, &mut self.headers, self.peer, iov, segment)?;
+        send_gso(
+            &mut self.out,
+            &mut self.headers,
+            iov,
+            segment,
+            packets.len(),
+        )?;
         self.sent += packets.len() as u64;
         Ok(())
     }
@@ -443,7 +526,8 @@ fn read_stream(secs: u64, size: usize, busy: bool, bare: bool) -> io::Result<f64
     let answering = {
         let (taken, stop) = (taken.clone(), stop.clone());
         std::thread::spawn(move || -> io::Result<()> {
-            let mut r = Sender::new(responder, resp_addr, req_addr, &taken, &stop, bare, busy);
+            let mut r = Sender::new(responder, resp_addr, req_addr, &taken, &stop, bare, busy)?;
+            let mut checker = Checker::default();
             let mut buf = vec![0u8; 65536];
             let mut cmsg = nix::cmsg_space!(i32);
             let mut last = None;
@@ -479,7 +563,7 @@ fn read_stream(secs: u64, size: usize, busy: bool, bare: bool) -> io::Result<f64
                 let request = &buf[..n];
                 if n != 32
                     || request[0] != READ_REQUEST
-                    || (!bare && !icrc_ok(from, r.me, 0, request))
+                    || (!bare && !checker.ok(from, r.me, request))
                 {
                     return Err(io::Error::other("a bad READ request"));
                 }
@@ -493,11 +577,30 @@ fn read_stream(secs: u64, size: usize, busy: bool, bare: bool) -> io::Result<f64
     let mut cmsg = nix::cmsg_space!(i32);
     let mut target = vec![0u8; REGION];
     let (mut bytes, mut bad) = (0u64, 0u64);
+    let mut checker = Checker::default();
     let mut next_psn = 0u32;
-    let ask = |next_psn: &mut u32| -> io::Result<()> {
-        let r = read_request(req_addr, resp_addr, *next_psn, size as u32, bare);
+    let mut asking = sender(req_addr, resp_addr)?;
+    let mut ask = |next_psn: &mut u32| -> io::Result<()> {
+        let ident = next_ident(&mut asking)?;
+        let r = read_request(
+            asking.local(),
+            resp_addr,
+            ident,
+            *next_psn,
+            size as u32,
+            bare,
+        );
         *next_psn = next_psn.wrapping_add(packets);
-        requester.send_to(&r, resp_addr).map(drop)
+        match asking.socket().send(&r) {
+            Ok(_) => {
+                asking.sent(1);
+                Ok(())
+            }
+            Err(e) => {
+                asking.failed();
+                Err(e)
+            }
+        }
     };
     for _ in 0..OUTSTANDING_READS {
         ask(&mut next_psn)?;
@@ -525,17 +628,16 @@ fn read_stream(secs: u64, size: usize, busy: bool, bare: bool) -> io::Result<f64
         started.get_or_insert_with(Instant::now);
         let mut count = 0;
         let mut lasts = 0;
-        for (k, packet) in buf[..n].chunks(segment).enumerate() {
+        for packet in buf[..n].chunks(segment) {
             count += 1;
             let head = match packet.first() {
                 Some(&READ_MIDDLE) => BTH,
                 Some(&READ_FIRST | &READ_LAST) => BTH + AETH,
                 _ => 0,
             };
-            let k = if n > segment { k as u16 } else { 0 };
             if head == 0
                 || packet.len() != head + PAYLOAD + icrc::LEN
-                || (!bare && !icrc_ok(src, req_addr, k, packet))
+                || (!bare && !checker.ok(src, req_addr, packet))
             {
                 bad += 1;
                 continue;
@@ -560,9 +662,13 @@ fn read_stream(secs: u64, size: usize, busy: bool, bare: bool) -> io::Result<f64
 /// One side of the ping-pong: waits for the peer's datagram (unless it
 /// starts), then answers with a WRITE and the ACK of the peer's WRITE.
 struct Side {
+    /// Where it receives (and, `--plain`, sends).
     sock: UdpSocket,
     me: SocketAddrV4,
     peer: SocketAddrV4,
+    /// Where it sends from, as the provider's RC QPs do.
+    out: ConnectedSend,
+    checker: Checker,
     bare: bool,
     plain: bool,
     headers: MultiHeaders<SockaddrIn>,
@@ -587,9 +693,10 @@ impl Side {
         ack[..BTH].copy_from_slice(&bth(0x11, self.psn));
         self.psn = self.psn.wrapping_add(1);
         let (mut wcrc, mut acrc) = ([0u8; 4], [0u8; 4]);
-        if !self.bare {
-            wcrc = icrc_of(self.me, self.peer, 0, &write, &payload).to_le_bytes();
-            acrc = icrc_of(self.me, self.peer, 1, &ack, &[]).to_le_bytes();
+        if !self.bare && !self.plain {
+            let (from, base) = (self.out.local(), next_ident(&mut self.out)?);
+            wcrc = icrc_of(from, self.peer, base, &write, &payload).to_le_bytes();
+            acrc = icrc_of(from, self.peer, base.wrapping_add(1), &ack, &[]).to_le_bytes();
         }
         if self.plain {
             // sockperf's shape: one 64-byte datagram.
@@ -604,13 +711,7 @@ impl Side {
             IoSlice::new(&ack),
             IoSlice::new(&acrc),
         ];
-        send_gso(
-            &self.sock,
-            &mut self.headers,
-            self.peer,
-            &iov,
-            WRITE_LEN as u16,
-        )
+        send_gso(&mut self.out, &mut self.headers, &iov, WRITE_LEN as u16, 2)
     }
 
     /// Spins until the peer's datagram for `count` is in.
@@ -635,12 +736,12 @@ impl Side {
                 }
                 return Ok(true);
             }
-            if from != self.peer || segment != WRITE_LEN || n <= segment {
+            if *from.ip() != *self.peer.ip() || segment != WRITE_LEN || n <= segment {
                 return Err(io::Error::other("an unexpected datagram"));
             }
             let (write, ack) = self.buf[..n].split_at(segment);
             if !self.bare {
-                if !icrc_ok(from, self.me, 0, write) || !icrc_ok(from, self.me, 1, ack) {
+                if !self.checker.ok(from, self.me, write) || !self.checker.ok(from, self.me, ack) {
                     return Err(io::Error::other("a bad ICRC"));
                 }
                 self.target
@@ -657,19 +758,23 @@ impl Side {
 fn pingpong(iters: u64, bare: bool, plain: bool) -> io::Result<(f64, f64)> {
     let (sa, sb) = (socket(A, true)?, socket(B, true)?);
     let (a, b) = (addr(&sa)?, addr(&sb)?);
-    let side = move |sock, me, peer| Side {
-        sock,
-        me,
-        peer,
-        bare,
-        plain,
-        headers: MultiHeaders::preallocate(1, Some(nix::cmsg_space!(u16))),
-        buf: vec![0u8; 65536],
-        cmsg: nix::cmsg_space!(i32),
-        target: [0; 8],
-        psn: 0,
+    let side = move |sock, me, peer| -> io::Result<Side> {
+        Ok(Side {
+            sock,
+            me,
+            peer,
+            out: sender(me, peer)?,
+            checker: Checker::default(),
+            bare,
+            plain,
+            headers: MultiHeaders::preallocate(1, Some(nix::cmsg_space!(u16))),
+            buf: vec![0u8; 65536],
+            cmsg: nix::cmsg_space!(i32),
+            target: [0; 8],
+            psn: 0,
+        })
     };
-    let mut client = side(sa, a, b);
+    let mut client = side(sa, a, b)?;
     let warmup = 1000;
     let total = iters + warmup;
     let failed = Arc::new(AtomicBool::new(false));
@@ -677,7 +782,7 @@ fn pingpong(iters: u64, bare: bool, plain: bool) -> io::Result<(f64, f64)> {
         let failed = failed.clone();
         // The send headers are not Send: the echoing side is made on its thread.
         std::thread::spawn(move || -> io::Result<()> {
-            let mut server = side(sb, b, a);
+            let mut server = side(sb, b, a)?;
             for i in 1..=total {
                 let r = server
                     .wait(i, &failed)

@@ -994,33 +994,75 @@ fn local_invalidate_in_send_queue_order() {
 /// RC QPs send from sockets connected to their peers, whose IDs count from
 /// a random start that the provider reads with a probe. The provider's own
 /// receiver solves any ID, so only the real headers can tell a wrong guess;
-/// a packet socket sees them (root only). Single datagrams and GSO sends
-/// (several packets under one header on loopback, segment k with ID + k).
+/// a packet socket sees them (root, or CAP_NET_RAW). Single datagrams and
+/// GSO sends (several packets under one header on loopback, segment k with
+/// the header's ID + k).
 #[test]
 fn icrcs_hold_over_the_ip_ids_the_kernel_wrote() {
     use socket2::{Domain, Protocol, Socket, Type};
     use softrdma::wire::icrc;
     use std::io::Read;
-    if !rustix::process::geteuid().is_root() {
-        eprintln!("not root: no packet socket; skipped");
-        return;
-    }
+    use std::sync::atomic::{AtomicBool, Ordering};
     const ETH_P_IP: u16 = 0x0800;
-    let capture = Socket::new(
+    let capture = match Socket::new(
         Domain::PACKET,
         Type::DGRAM,
         Some(Protocol::from(i32::from(ETH_P_IP.to_be()))),
+    ) {
+        Ok(s) => s,
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            eprintln!("no packet socket ({e}): skipped");
+            return;
+        }
+        Err(e) => panic!("packet socket: {e}"),
+    };
+    // Past rmem_max (root may), and read as it comes: other tests' packets
+    // pass here too.
+    nix::sys::socket::setsockopt(
+        &capture,
+        nix::sys::socket::sockopt::RcvBufForce,
+        &(32 << 20),
     )
     .unwrap();
-    capture.set_recv_buffer_size(32 << 20).unwrap();
+    capture
+        .set_read_timeout(Some(Duration::from_millis(50)))
+        .unwrap();
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let reader = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut frames = Vec::new();
+            let mut frame = vec![0u8; 70_000];
+            let mut read = &capture;
+            loop {
+                match read.read(&mut frame) {
+                    Ok(n) => {
+                        let ip = &frame[..n];
+                        let ours = n >= 28
+                            && ip[0] == 0x45
+                            && ip[9] == 17
+                            && [[127, 0, 0, 97], [127, 0, 0, 98]]
+                                .contains(&[ip[12], ip[13], ip[14], ip[15]])
+                            && [[127, 0, 0, 97], [127, 0, 0, 98]]
+                                .contains(&[ip[16], ip[17], ip[18], ip[19]]);
+                        if ours {
+                            frames.push(ip.to_vec());
+                        }
+                    }
+                    Err(_) if stop.load(Ordering::Acquire) => return frames,
+                    Err(_) => {}
+                }
+            }
+        })
+    };
     let (a, b) = (end("127.0.0.97"), end("127.0.0.98"));
     cm::connect(&a.qp, &a.info, &b.info, &RcOptions::default()).unwrap();
     cm::connect(&b.qp, &b.info, &a.info, &RcOptions::default()).unwrap();
     let data: Vec<u8> = (0..20_000u32).map(|i| (i * 11 + 5) as u8).collect();
     a.mr.write(0, &data).unwrap();
     b.mr.write(0, &data).unwrap();
-    // Small WRITEs posted together (GSO sends of equal packets), a READ, a
-    // SEND each way, and a 12 KiB WRITE (4 KiB segments).
+    // Equal WRITEs posted together (GSO sends of equal packets), a READ, a
+    // SEND, and a 12 KiB WRITE (4 KiB segments).
     for round in 0..20u64 {
         for k in 0..4 {
             a.qp.post_send(SendWr::new(
@@ -1029,7 +1071,7 @@ fn icrcs_hold_over_the_ip_ids_the_kernel_wrote() {
                     remote_addr: b.info.va + 100_000 + 64 * k,
                     rkey: b.info.rkey,
                 },
-                [a.mr.sge(0, 8 + 4 * k as u32)],
+                [a.mr.sge(0, 8)],
             ))
             .unwrap();
         }
@@ -1067,22 +1109,15 @@ fn icrcs_hold_over_the_ip_ids_the_kernel_wrote() {
     let sent = a.ctx.stats().sent + b.ctx.stats().sent;
     let ports = [a.info.addr.port(), b.info.addr.port()];
     drop((a, b));
-    capture.set_nonblocking(true).unwrap();
-    let (mut packets, mut counted_ids, mut gso_sends) = (0u64, 0u64, 0u64);
-    let mut frame = vec![0u8; 70_000];
-    let mut read = &capture;
-    while let Ok(n) = read.read(&mut frame) {
-        let ip = &frame[..n];
-        if n < 28
-            || ip[0] != 0x45
-            || ip[9] != 17
-            || ip[12..15] != [127, 0, 0]
-            || !ports.contains(&u16::from_be_bytes([ip[22], ip[23]]))
-            || ![[97, 98], [98, 97]].contains(&[ip[15], ip[19]])
-        {
-            continue;
-        }
-        let total = usize::from(u16::from_be_bytes([ip[2], ip[3]])).min(n);
+    std::thread::sleep(Duration::from_millis(100));
+    stop.store(true, Ordering::Release);
+    let frames = reader.join().unwrap();
+    let (mut packets, mut counted_ids, mut gso_counted) = (0u64, 0u64, 0u64);
+    for ip in frames
+        .iter()
+        .filter(|ip| ports.contains(&u16::from_be_bytes([ip[22], ip[23]])))
+    {
+        let total = usize::from(u16::from_be_bytes([ip[2], ip[3]])).min(ip.len());
         let payload = &ip[28..total];
         let id = u16::from_be_bytes([ip[4], ip[5]]);
         // The segment size: the split whose every segment verifies.
@@ -1101,9 +1136,8 @@ fn icrcs_hold_over_the_ip_ids_the_kernel_wrote() {
             })
         };
         let segment = std::iter::once(payload.len())
-            .chain((20..=200).step_by(4))
-            .chain([4112, 4116, 4128])
-            .find(|&s| s <= payload.len() && verifies(s));
+            .chain((16..payload.len()).step_by(4))
+            .find(|&s| verifies(s));
         let Some(segment) = segment else {
             panic!(
                 "no split of a {}-byte datagram with IP ID {id:#x} verifies",
@@ -1112,12 +1146,12 @@ fn icrcs_hold_over_the_ip_ids_the_kernel_wrote() {
         };
         packets += payload.len().div_ceil(segment) as u64;
         counted_ids += u64::from(id != 0);
-        gso_sends += u64::from(segment < payload.len());
+        gso_counted += u64::from(segment < payload.len() && id != 0);
     }
     assert!(
         packets >= sent,
         "the capture holds every packet sent ({packets} of {sent})"
     );
     assert!(counted_ids > 0, "sent from connected sockets (IDs not 0)");
-    assert!(gso_sends > 0, "GSO sends: several packets under one header");
+    assert!(gso_counted > 0, "GSO sends from connected sockets");
 }

@@ -689,6 +689,14 @@ impl QpEngine {
         }
     }
 
+    /// The RC requester's retransmission timeouts so far; 0 on UD.
+    pub fn timeouts(&self) -> u64 {
+        match self {
+            QpEngine::Rc(q) => q.timeouts(),
+            QpEngine::Ud(_) => 0,
+        }
+    }
+
     /// Response packets the RC responder has queued (ACKs, READ responses,
     /// atomic ACKs); 0 on UD.
     pub fn responses_queued(&self) -> u32 {

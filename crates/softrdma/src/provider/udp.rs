@@ -35,7 +35,7 @@ use spin::relax::Yield;
 
 use super::pcap::{PacketMeta, PcapWriter};
 
-mod connected;
+pub mod connected;
 use super::timespec;
 use crate::engine::gsi;
 use crate::engine::rc::MAX_HEADER_LEN;
@@ -193,6 +193,10 @@ impl QpSlot {
             1 << 48 | u64::from(u32::from(*a.ip())) << 16 | u64::from(a.port())
         });
         self.peer.store(v, Ordering::Release);
+        if peer.is_none() {
+            // Its connected socket goes back to the device's budget.
+            *self.sender.lock() = connected::SendSocket::Untried;
+        }
     }
 }
 
@@ -281,8 +285,8 @@ pub(crate) struct Shared {
     /// Packets of a QP go out in UDP GSO sends (off after the kernel refuses).
     gso: AtomicBool,
     /// RC QPs send from sockets of their own connected to their peers
-    /// (see [`connected`]); SOFTRDMA_NO_CONNECTED turns it off.
-    connected_sends: bool,
+    /// (see [`connected`]), within this budget.
+    connected: Arc<connected::Budget>,
     /// The sockets report received TTLs and TOSes (see [`report_ip_fields`]).
     ip_fields: AtomicBool,
     /// QP 1's connection-manager bookkeeping (rdma_cm over RoCE).
@@ -821,7 +825,7 @@ impl UdpDevice {
             alarm_pushed: AtomicU64::new(0),
             rx_lock: SpinMutex::new(Receiving::default()),
             gso: AtomicBool::new(offload),
-            connected_sends: std::env::var_os("SOFTRDMA_NO_CONNECTED").is_none(),
+            connected: connected::Budget::new(),
             ip_fields: AtomicBool::new(ip_fields),
             gsi: super::gsi::Gsi::new(
                 std::process::id().wrapping_mul(0x9e37_79b9)
@@ -968,7 +972,7 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
         loop {
             loop {
                 let mut signal = [false; 2];
-                let (n, peer) = {
+                let (n, peer, timeouts) = {
                     let mrs = shared.mrs.read().expect("MR table lock");
                     let mut qp = slot.engine.lock().expect("QP lock");
                     let now = shared.now();
@@ -989,7 +993,7 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
                     }
                     drain_completions(&mut qp, slot, &shared.events, &mut signal);
                     timer = qp.poll_timeout();
-                    (n, slot.peer())
+                    (n, slot.peer(), qp.timeouts())
                 };
                 signal_cqs(slot, signal);
                 // ACKs (the responder's, a PSN space of their own) after
@@ -1035,9 +1039,15 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
                     };
                     let gso = shared.gso.load(Ordering::Relaxed);
                     let k = gso_run(gso, &tx[i..n]);
-                    if tx[i].ah.is_none() && shared.connected_sends {
+                    if tx[i].ah.is_none() && shared.connected.on() {
                         let mut sender = slot.sender.lock();
-                        let via = sender.connected_to(*shared.local.ip(), d, gso);
+                        let via = sender.connected_to(
+                            &shared.connected,
+                            *shared.local.ip(),
+                            d,
+                            gso,
+                            timeouts,
+                        );
                         send_packets(shared, d, &mut tx[i..i + k], slot.qpn, via);
                     } else {
                         send_packets(shared, d, &mut tx[i..i + k], slot.qpn, None);
@@ -1203,7 +1213,15 @@ fn send_packets(
                 id,
                 Some(c),
             ),
-            None => unconnected(shared, qpn),
+            // Lost, as in a full socket buffer: sent from another port, the
+            // packets could overtake those still queued on this one.
+            None => {
+                shared
+                    .stats
+                    .send_errors
+                    .fetch_add(tx.len() as u64, Ordering::Relaxed);
+                return;
+            }
         },
         _ => unconnected(shared, qpn),
     };
@@ -1281,9 +1299,13 @@ fn send_packets(
         }
         // A kernel or device without UDP GSO: one datagram per packet from
         // now on, starting with these.
+        // (A connected socket's ENOPROTOOPT is an ICMP protocol
+        // unreachable from its peer, and it took a GSO send at calibration.)
         Err(
-            nix::errno::Errno::EIO | nix::errno::Errno::EINVAL | nix::errno::Errno::ENOPROTOOPT,
-        ) if gso => {
+            e @ (nix::errno::Errno::EIO
+            | nix::errno::Errno::EINVAL
+            | nix::errno::Errno::ENOPROTOOPT),
+        ) if gso && !(via.is_some() && e == nix::errno::Errno::ENOPROTOOPT) => {
             shared.gso.store(false, Ordering::Relaxed);
             if let Some(c) = via.as_deref_mut() {
                 c.failed();

@@ -189,6 +189,10 @@ impl RcQp {
     pub fn caps(&self) -> QpCaps {
         self.caps
     }
+    /// Retransmission timeouts so far.
+    pub fn timeouts(&self) -> u64 {
+        self.stats.timeouts
+    }
     /// Counters.
     pub fn stats(&self) -> RcStats {
         RcStats {

@@ -1,33 +1,87 @@
 //! A QP's own send socket, connected to its peer.
 //!
 //! An unconnected UDP send looks the route up every time; a connected
-//! socket keeps it, which saves 0.35–0.55 µs of a busy-poll half round trip
-//! here (docs/performance.md, eighteenth session). The catch is the IPv4
-//! ID, which the ICRC covers: an unconnected socket with DF set sends ID 0,
-//! a connected one counts from a random start that no socket option shows.
+//! socket keeps it (docs/performance.md: 0.35–0.55 µs of `roce_ceiling`'s
+//! busy-poll half round trip, eighteenth session; 0.1–0.24 µs of softrdma's,
+//! thirty-sixth). The catch is the IPv4 ID, which the ICRC covers: an
+//! unconnected socket with DF set sends ID 0, a connected one counts from a
+//! random start that no socket option shows.
 //!
 //! The count can be read all the same. A datagram sent with a software
 //! transmit timestamp comes back on the socket's error queue with its
 //! headers (unless `net.core.tstamp_allow_data` is 0). A connected UDP socket
 //! may still name another destination in a send, and the count moves for
-//! that too; so the probe is an empty datagram to the socket's own address,
-//! which no socket takes and the peer never sees. After the probe, each send
-//! moves the count by a step the socket is calibrated for when made. A
-//! datagram and a GSO send moved it by one each on the kernels tried (a GSO
-//! send's segments take the IDs from its own on). A failed send may or may
-//! not have moved it, so the next send probes again.
+//! that too; so the probe is a datagram of a fresh tag to the socket's own
+//! address, which no socket takes and the peer never sees. After the probe,
+//! each send moves the count by a step the socket is calibrated for when
+//! made. A datagram and a GSO send moved it by one each on the kernels tried
+//! (a GSO send's segments take the IDs from its own on). A failed send may
+//! or may not have moved it, so the next send probes again; so does the
+//! first send after a retransmission timeout, in case anything else moved
+//! the count (a strict peer drops a packet under a wrong ID without a word).
 //!
-//! Where any of this fails, the QP sends from the device's unconnected
-//! sockets as before.
+//! Where making or calibrating a socket fails, the device's RC QPs send from
+//! its unconnected sockets as before; past a quarter of the process's file
+//! descriptors (at most 1024), so do further QPs. SOFTRDMA_NO_CONNECTED (any
+//! value) turns connected sockets off.
 
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket};
 use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use nix::sys::socket::{
     ControlMessage, MsgFlags, SockaddrIn, TimestampingFlag, recvmsg, sendmsg, sendto, setsockopt,
     sockopt,
 };
+
+/// A device's connected send sockets: whether they work at all, and how
+/// many more it may open.
+#[derive(Debug)]
+pub(crate) struct Budget {
+    /// Off with SOFTRDMA_NO_CONNECTED, or once one failed to calibrate
+    /// (the next would fail the same way, each after a wait).
+    on: AtomicBool,
+    /// Sockets it may still open: a socket each is a file descriptor each,
+    /// which the application's own limit counts too.
+    left: AtomicUsize,
+}
+
+impl Budget {
+    pub(crate) fn new() -> Arc<Budget> {
+        let off = std::env::var_os("SOFTRDMA_NO_CONNECTED").is_some();
+        // A quarter of the descriptors the process may open, at most 1024.
+        let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+            .current
+            .unwrap_or(4096);
+        Arc::new(Budget {
+            on: AtomicBool::new(!off),
+            left: AtomicUsize::new((limit / 4).min(1024) as usize),
+        })
+    }
+
+    pub(crate) fn on(&self) -> bool {
+        self.on.load(Ordering::Relaxed)
+    }
+
+    fn take(self: &Arc<Budget>) -> Option<Taken> {
+        self.left
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .ok()
+            .map(|_| Taken(self.clone()))
+    }
+}
+
+/// One socket of the budget, given back when dropped.
+#[derive(Debug)]
+struct Taken(Arc<Budget>);
+
+impl Drop for Taken {
+    fn drop(&mut self) {
+        self.0.left.fetch_add(1, Ordering::AcqRel);
+    }
+}
 
 /// A QP's connected send socket, once tried.
 #[derive(Debug, Default)]
@@ -36,40 +90,65 @@ pub(crate) enum SendSocket {
     #[default]
     Untried,
     Ready(ConnectedSend),
-    /// Making or calibrating it failed: the device's sockets send.
+    /// Making it failed, or its probes did: the device's sockets send.
     Unusable,
 }
 
 impl SendSocket {
     /// The socket connected to `peer`, made (or made again, for a new
-    /// peer) from `local_ip`; `None` if it cannot be, for good.
+    /// peer) from `local_ip`; `None` if it cannot be, for good. `timeouts`:
+    /// the QP's retransmission timeouts so far (a new one has the socket
+    /// read its ID count again: a strict peer drops packets under a wrong
+    /// ID, silently).
     pub(crate) fn connected_to(
         &mut self,
+        budget: &Arc<Budget>,
         local_ip: Ipv4Addr,
         peer: SocketAddrV4,
         gso: bool,
+        timeouts: u64,
     ) -> Option<&mut ConnectedSend> {
-        if let SendSocket::Ready(c) = self
-            && c.peer != peer
-        {
-            *self = SendSocket::Untried;
+        match self {
+            SendSocket::Ready(c) if c.peer != peer => *self = SendSocket::Untried,
+            SendSocket::Ready(c) if c.probe_failures >= PROBE_FAILURES_TO_GIVE_UP => {
+                *self = SendSocket::Unusable
+            }
+            _ => {}
         }
         if let SendSocket::Untried = self {
-            *self = match ConnectedSend::open(local_ip, peer, gso) {
-                Ok(c) => SendSocket::Ready(c),
-                Err(_) => SendSocket::Unusable,
-            };
+            *self = SendSocket::Unusable;
+            if budget.on()
+                && let Some(taken) = budget.take()
+            {
+                match ConnectedSend::open_taking(local_ip, peer, gso, Some(taken)) {
+                    Ok(c) => *self = SendSocket::Ready(c),
+                    Err(_) => budget.on.store(false, Ordering::Relaxed),
+                }
+            }
         }
         match self {
-            SendSocket::Ready(c) => Some(c),
+            SendSocket::Ready(c) => {
+                if c.timeouts_seen != timeouts {
+                    c.timeouts_seen = timeouts;
+                    c.next_ident = None;
+                }
+                Some(c)
+            }
             _ => None,
         }
     }
 }
 
-/// A send socket connected to one peer, with the IPv4 ID of its next send.
+/// Probes that fail in a row before a QP gives its connected socket up.
+const PROBE_FAILURES_TO_GIVE_UP: u8 = 3;
+
+/// How long a probe waits for its copy.
+const PROBE_WAIT: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// A UDP socket connected to one RoCEv2 peer, with the IPv4 ID its next
+/// datagram goes out with (for the ICRC).
 #[derive(Debug)]
-pub(crate) struct ConnectedSend {
+pub struct ConnectedSend {
     socket: UdpSocket,
     /// Its own address (the source port goes into the ICRC).
     local: SocketAddrV4,
@@ -77,13 +156,32 @@ pub(crate) struct ConnectedSend {
     /// The ID the next datagram (a GSO send's first segment) goes out with;
     /// `None` after a failed send, until a probe reads it again.
     next_ident: Option<u16>,
-    /// How far a datagram and a GSO send move the count.
+    /// How far a datagram moves the count.
     plain_step: u16,
+    /// How far a GSO send moves it: `Some(0)` a step per segment, `None`
+    /// when GSO sends do not go out here.
     gso_step: Option<u16>,
+    /// Probes failed since the last that worked.
+    probe_failures: u8,
+    /// The QP's retransmission timeouts when the count was last read.
+    timeouts_seen: u64,
+    _taken: Option<Taken>,
 }
 
 impl ConnectedSend {
-    fn open(local_ip: Ipv4Addr, peer: SocketAddrV4, gso: bool) -> io::Result<ConnectedSend> {
+    /// A socket bound to `local_ip` (an ephemeral port), connected to
+    /// `peer`, its ID count read and its steps calibrated (`gso`: GSO sends
+    /// too). Errors where the count cannot be read.
+    pub fn open(local_ip: Ipv4Addr, peer: SocketAddrV4, gso: bool) -> io::Result<ConnectedSend> {
+        ConnectedSend::open_taking(local_ip, peer, gso, None)
+    }
+
+    fn open_taking(
+        local_ip: Ipv4Addr,
+        peer: SocketAddrV4,
+        gso: bool,
+        taken: Option<Taken>,
+    ) -> io::Result<ConnectedSend> {
         if local_ip.is_unspecified() {
             return Err(io::Error::other("the device has no address of its own"));
         }
@@ -100,49 +198,54 @@ impl ConnectedSend {
             next_ident: None,
             plain_step: 0,
             gso_step: None,
+            probe_failures: 0,
+            timeouts_seen: 0,
+            _taken: taken,
         };
         c.calibrate(gso)?;
         Ok(c)
     }
 
-    /// Reads the count three times: twice in a row (a datagram's step),
-    /// then after a GSO send of three segments (a GSO send's step).
+    /// Reads the count four times: twice in a row (a datagram's step), then
+    /// after a GSO send of three segments (a GSO send's step), then once more
+    /// to start from.
     fn calibrate(&mut self, gso: bool) -> io::Result<()> {
         self.timestamping(true)?;
         let steps = (|| {
             let first = self.probe()?;
             let second = self.probe()?;
             let plain_step = second.wrapping_sub(first);
-            let gso_step = if gso {
-                let own = SockaddrIn::from(self.local);
-                let segment = 1u16;
-                sendmsg(
+            let own = SockaddrIn::from(self.local);
+            let segment = 1u16;
+            let gso_sent = gso
+                && sendmsg(
                     self.socket.as_raw_fd(),
                     &[IoSlice::new(&[0u8; 3])],
                     &[ControlMessage::UdpGsoSegments(&segment)],
                     MsgFlags::empty(),
                     Some(&own),
-                )?;
-                let third = self.probe()?;
-                Some(third.wrapping_sub(second).wrapping_sub(plain_step))
-            } else {
-                None
-            };
-            Ok::<_, io::Error>((plain_step, gso_step, self.probe()?))
+                )
+                .is_ok();
+            let third = self.probe()?;
+            // A GSO send that failed moved nothing (no datagram was made).
+            let gso_step = gso_sent.then(|| third.wrapping_sub(second).wrapping_sub(plain_step));
+            Ok::<_, io::Error>((plain_step, gso_step, third))
         })();
         self.timestamping(false)?;
         let (plain_step, gso_step, last) = steps?;
         // One per datagram, and per GSO send one or one per segment: what
         // Linux does. Anything else is a counter this code does not know.
-        if plain_step != 1 || gso_step.is_some_and(|s| s != 1 && s != 3) {
+        if plain_step != 1 {
             return Err(io::Error::other(format!(
-                "the IPv4 ID moved by {plain_step} a datagram and {gso_step:?} a GSO send of 3"
+                "the IPv4 ID moved by {plain_step} a datagram"
             )));
         }
         self.plain_step = plain_step;
-        // A step per segment is one the sender must count: kept as 0, "per
-        // segment".
-        self.gso_step = gso_step.map(|s| if s == 1 { 1 } else { 0 });
+        self.gso_step = match gso_step {
+            Some(1) => Some(1),
+            Some(3) => Some(0),
+            _ => None,
+        };
         self.next_ident = Some(last.wrapping_add(plain_step));
         Ok(())
     }
@@ -157,73 +260,95 @@ impl ConnectedSend {
         setsockopt(&self.socket, sockopt::Timestamping, &flags).map_err(io::Error::from)
     }
 
-    /// Sends an empty datagram to the socket's own address (timestamping
-    /// on) and reads the ID it went out with from its looped-back headers.
+    /// Sends a datagram of a fresh 8-byte tag to the socket's own address
+    /// (timestamping on) and reads the ID it went out with from its
+    /// looped-back copy: that copy alone, not an older probe's.
     fn probe(&self) -> io::Result<u16> {
+        static TAGS: AtomicU64 = AtomicU64::new(0);
+        let tag = (u64::from(std::process::id()) << 32 | TAGS.fetch_add(1, Ordering::Relaxed))
+            .to_be_bytes();
         let fd = self.socket.as_raw_fd();
-        sendto(fd, &[], &SockaddrIn::from(self.local), MsgFlags::empty())?;
-        let mut found = None;
-        // The copy is queued as the packet leaves (within the send on
-        // loopback); a queue on the device could take a little longer.
-        for _ in 0..1000 {
-            let mut buf = [0u8; 96];
-            match recvmsg::<()>(
+        let mut buf = [0u8; 96];
+        let read_copy = |buf: &mut [u8]| {
+            recvmsg::<()>(
                 fd,
-                &mut [IoSliceMut::new(&mut buf)],
+                &mut [IoSliceMut::new(buf)],
                 None,
                 MsgFlags::MSG_ERRQUEUE | MsgFlags::MSG_DONTWAIT,
-            ) {
-                Ok(m) => {
-                    let n = m.bytes.min(buf.len());
-                    if let Some(id) = looped_ident(&buf[..n], self.local) {
-                        found = Some(id);
+            )
+            .map(|m| m.bytes)
+        };
+        // Copies of earlier probes (one that timed out, say) go first.
+        while read_copy(&mut buf).is_ok() {}
+        sendto(fd, &tag, &SockaddrIn::from(self.local), MsgFlags::empty())?;
+        // The copy is queued as the packet leaves (within the send on
+        // loopback); a queue on the device could take a little longer.
+        let deadline = std::time::Instant::now() + PROBE_WAIT;
+        loop {
+            match read_copy(&mut buf) {
+                Ok(n) => {
+                    if let Some(id) = looped_ident(&buf[..n.min(buf.len())], self.local, &tag) {
+                        return Ok(id);
                     }
                 }
-                Err(nix::errno::Errno::EAGAIN) if found.is_some() => break,
                 Err(nix::errno::Errno::EAGAIN) => {
-                    std::thread::sleep(std::time::Duration::from_micros(1))
+                    if std::time::Instant::now() >= deadline {
+                        return Err(io::Error::other(
+                            "no copy of the probe came back (net.core.tstamp_allow_data = 0?)",
+                        ));
+                    }
+                    let mut waiting = [rustix::event::PollFd::new(
+                        &self.socket,
+                        rustix::event::PollFlags::ERR,
+                    )];
+                    let wait = rustix::event::Timespec::try_from(PROBE_WAIT)
+                        .map_err(|_| io::Error::other("a probe's wait"))?;
+                    rustix::event::poll(&mut waiting, Some(&wait))?;
                 }
                 Err(e) => return Err(e.into()),
             }
         }
-        found.ok_or_else(|| {
-            io::Error::other("no copy of the probe came back (net.core.tstamp_allow_data = 0?)")
-        })
     }
 
-    /// Its own address.
-    pub(crate) fn local(&self) -> SocketAddrV4 {
+    /// Its own address (its port is the UDP source port the ICRC covers).
+    pub fn local(&self) -> SocketAddrV4 {
         self.local
     }
 
-    pub(crate) fn socket(&self) -> &UdpSocket {
+    /// The socket: its sends name no address.
+    pub fn socket(&self) -> &UdpSocket {
         &self.socket
     }
 
     /// The ID the next send's first datagram goes out with, probed again
-    /// after a failed send; `None` if the probe fails (send unconnected).
-    pub(crate) fn next_ident(&mut self) -> Option<u16> {
+    /// after a failed send; `None` if the probe fails (the send is then
+    /// lost, as in a full socket buffer, rather than sent from another
+    /// port, which could put it ahead of packets still queued here).
+    pub fn next_ident(&mut self) -> Option<u16> {
         if self.next_ident.is_none() {
             let probed = self.timestamping(true).and_then(|()| {
                 let id = self.probe();
                 self.timestamping(false).and(id)
             });
-            // A failed probe sends this one unconnected and probes again
-            // at the next.
-            if let Ok(id) = probed {
-                self.next_ident = Some(id.wrapping_add(self.plain_step));
+            match probed {
+                Ok(id) => {
+                    self.next_ident = Some(id.wrapping_add(self.plain_step));
+                    self.probe_failures = 0;
+                }
+                Err(_) => self.probe_failures = self.probe_failures.saturating_add(1),
             }
         }
         self.next_ident
     }
 
     /// Whether a GSO send can go out here.
-    pub(crate) fn takes_gso(&self) -> bool {
+    pub fn takes_gso(&self) -> bool {
         self.gso_step.is_some()
     }
 
-    /// A send of `segments` datagrams (GSO if more than one) went out.
-    pub(crate) fn sent(&mut self, segments: usize) {
+    /// A send of `segments` datagrams (GSO if more than one) went out: its
+    /// segment k had ID [`next_ident`](ConnectedSend::next_ident) + k.
+    pub fn sent(&mut self, segments: usize) {
         let step = match self.gso_step {
             Some(0) if segments > 1 => segments as u16,
             Some(s) if segments > 1 => s,
@@ -233,24 +358,25 @@ impl ConnectedSend {
     }
 
     /// A send failed: the count may or may not have moved.
-    pub(crate) fn failed(&mut self) {
+    pub fn failed(&mut self) {
         self.next_ident = None;
     }
 }
 
 /// The IPv4 ID of the probe in `data`, a looped-back copy from the link
-/// header (Ethernet's 14 bytes, or none) on: an empty UDP datagram from
+/// header (Ethernet's 14 bytes, or none) on: a UDP datagram of `tag` from
 /// `own` to `own`.
-fn looped_ident(data: &[u8], own: SocketAddrV4) -> Option<u16> {
+fn looped_ident(data: &[u8], own: SocketAddrV4, tag: &[u8; 8]) -> Option<u16> {
     [0, 14].into_iter().find_map(|at| {
-        let ip = data.get(at..at + 28)?;
+        let ip = data.get(at..at + 36)?;
         let ours = ip[0] == 0x45
             && ip[9] == 17
             && ip[12..16] == own.ip().octets()
             && ip[16..20] == own.ip().octets()
             && ip[20..22] == own.port().to_be_bytes()
             && ip[22..24] == own.port().to_be_bytes()
-            && ip[24..26] == 8u16.to_be_bytes();
+            && ip[24..26] == 16u16.to_be_bytes()
+            && ip[28..36] == tag[..];
         ours.then(|| u16::from_be_bytes([ip[4], ip[5]]))
     })
 }
@@ -259,14 +385,19 @@ fn looped_ident(data: &[u8], own: SocketAddrV4) -> Option<u16> {
 mod tests {
     use super::*;
 
+    fn open(local: Ipv4Addr, to: SocketAddrV4) -> ConnectedSend {
+        ConnectedSend::open(local, to, true).unwrap()
+    }
+
     #[test]
     fn a_probe_reads_the_count_and_sends_move_it_by_the_steps() {
         let peer = UdpSocket::bind("127.0.0.95:0").unwrap();
         let SocketAddr::V4(to) = peer.local_addr().unwrap() else {
             unreachable!()
         };
-        let mut c = ConnectedSend::open(Ipv4Addr::new(127, 0, 0, 96), to, true).unwrap();
+        let mut c = open(Ipv4Addr::new(127, 0, 0, 96), to);
         assert_eq!(c.plain_step, 1);
+        assert!(c.takes_gso());
         let before = c.next_ident().unwrap();
         let fd = c.socket.as_raw_fd();
         nix::sys::socket::send(fd, &[1, 2, 3], MsgFlags::empty()).unwrap();
@@ -283,9 +414,15 @@ mod tests {
         c.sent(3);
         let predicted = c.next_ident().unwrap();
         assert_ne!(predicted, before);
+        // A stale copy waiting on the error queue is not taken for the
+        // next probe's.
+        c.timestamping(true).unwrap();
+        nix::sys::socket::sendto(fd, &[9; 8], &SockaddrIn::from(c.local), MsgFlags::empty())
+            .unwrap();
+        c.timestamping(false).unwrap();
         c.failed();
-        // A fresh probe goes out under the predicted ID.
-        assert_eq!(c.next_ident(), Some(predicted.wrapping_add(1)));
+        // The fresh probe goes out after that datagram: two up.
+        assert_eq!(c.next_ident(), Some(predicted.wrapping_add(2)));
         // The peer got the two sends and no probe.
         let mut buf = [0u8; 16];
         peer.set_nonblocking(true).unwrap();
@@ -297,9 +434,56 @@ mod tests {
     }
 
     #[test]
+    fn a_new_peer_or_a_timeout_reads_the_count_again() {
+        let budget = Budget::new();
+        let left = budget.left.load(Ordering::Relaxed);
+        let peers: Vec<UdpSocket> = (0..2)
+            .map(|_| UdpSocket::bind("127.0.0.95:0").unwrap())
+            .collect();
+        let addr = |s: &UdpSocket| match s.local_addr().unwrap() {
+            SocketAddr::V4(a) => a,
+            SocketAddr::V6(_) => unreachable!(),
+        };
+        let local = Ipv4Addr::new(127, 0, 0, 96);
+        let mut s = SendSocket::Untried;
+        let c = s
+            .connected_to(&budget, local, addr(&peers[0]), true, 0)
+            .unwrap();
+        let first_port = c.local().port();
+        assert!(c.next_ident.is_some());
+        assert_eq!(budget.left.load(Ordering::Relaxed), left - 1);
+        let c = s
+            .connected_to(&budget, local, addr(&peers[0]), true, 1)
+            .unwrap();
+        assert_eq!(c.next_ident, None, "a timeout: probe again");
+        assert!(c.next_ident().is_some());
+        let c = s
+            .connected_to(&budget, local, addr(&peers[1]), true, 1)
+            .unwrap();
+        assert_eq!(c.peer, addr(&peers[1]));
+        assert_ne!(c.local().port(), first_port, "a new socket");
+        assert_eq!(
+            budget.left.load(Ordering::Relaxed),
+            left - 1,
+            "the old one given back"
+        );
+        drop(s);
+        assert_eq!(budget.left.load(Ordering::Relaxed), left);
+        // Out of budget: the device's sockets send.
+        budget.left.store(0, Ordering::Relaxed);
+        let mut s = SendSocket::Untried;
+        assert!(
+            s.connected_to(&budget, local, addr(&peers[0]), true, 0)
+                .is_none()
+        );
+        assert!(matches!(s, SendSocket::Unusable));
+    }
+
+    #[test]
     fn only_the_probe_is_taken_for_one() {
         let own: SocketAddrV4 = "127.0.0.96:40000".parse().unwrap();
-        let mut frame = [0u8; 42];
+        let tag = [1, 2, 3, 4, 5, 6, 7, 8];
+        let mut frame = [0u8; 50];
         frame[12..14].copy_from_slice(&[8, 0]);
         let ip = &mut frame[14..];
         ip[0] = 0x45;
@@ -309,15 +493,16 @@ mod tests {
         ip[16..20].copy_from_slice(&own.ip().octets());
         ip[20..22].copy_from_slice(&own.port().to_be_bytes());
         ip[22..24].copy_from_slice(&own.port().to_be_bytes());
-        ip[24..26].copy_from_slice(&8u16.to_be_bytes());
-        assert_eq!(looped_ident(&frame, own), Some(0x1234));
-        assert_eq!(looped_ident(&frame[14..], own), Some(0x1234));
-        assert_eq!(looped_ident(&frame[..41], own), None);
+        ip[24..26].copy_from_slice(&16u16.to_be_bytes());
+        ip[28..36].copy_from_slice(&tag);
+        assert_eq!(looped_ident(&frame, own, &tag), Some(0x1234));
+        assert_eq!(looped_ident(&frame[14..], own, &tag), Some(0x1234));
+        assert_eq!(looped_ident(&frame[..49], own, &tag), None);
         let mut other = frame;
         other[14 + 22] ^= 1;
-        assert_eq!(looped_ident(&other, own), None, "another port");
-        let mut long = frame;
-        long[14 + 25] = 9;
-        assert_eq!(looped_ident(&long, own), None, "not empty");
+        assert_eq!(looped_ident(&other, own, &tag), None, "another port");
+        let mut older = frame;
+        older[14 + 35] ^= 1;
+        assert_eq!(looped_ident(&older, own, &tag), None, "another probe's");
     }
 }
