@@ -4,7 +4,7 @@
 //! `cargo bench -p softrdma-wire --bench packets`
 
 use divan::{Bencher, black_box};
-use softrdma_wire::icrc::{self, Ipv4Flow, Ipv4Pseudo};
+use softrdma_wire::icrc::{self, IdentificationMap, Ipv4Flow, Ipv4Pseudo};
 use softrdma_wire::packet::{Packet, Repr};
 use softrdma_wire::{Opcode, Psn, reth};
 
@@ -81,6 +81,34 @@ fn verify_icrc_of_a_known_flow(b: Bencher, len: usize) {
     let flow = Ipv4Flow::new(PSEUDO, sport, dport);
     b.counter(divan::counter::BytesCount::new(len))
         .bench_local(|| flow.verify(0, black_box(&pkt)).unwrap());
+}
+
+/// What a receiver does with a packet from a connected socket (a counting
+/// IP ID): one ICRC pass under ID 0, the ID solved from the difference.
+#[divan::bench(args = [8, 1024, 4096])]
+fn solve_the_ip_id_of_a_known_flow(b: Bencher, len: usize) {
+    let mut pkt = write_packet(len);
+    let (sport, dport) = (0xc000, 4791);
+    let n = pkt.len();
+    let udp = icrc::udp_header(sport, dport, (8 + n) as u16);
+    let id = 0xb3a7;
+    icrc::fill(&Ipv4Pseudo { identification: id, ..PSEUDO }.header((8 + n) as u16), &udp, &mut pkt)
+        .unwrap();
+    let flow = Ipv4Flow::new(PSEUDO, sport, dport);
+    let map = IdentificationMap::new(n);
+    b.counter(divan::counter::BytesCount::new(len))
+        .bench_local(|| {
+            let syndrome = flow.syndrome(black_box(&pkt)).unwrap();
+            assert_eq!(map.solve(syndrome), Some(id));
+        });
+}
+
+/// The solving alone.
+#[divan::bench]
+fn solve_an_ip_id(b: Bencher) {
+    let map = IdentificationMap::new(40);
+    let syndrome = map.delta(0xb3a7);
+    b.bench_local(|| map.solve(black_box(syndrome)));
 }
 
 #[divan::bench(args = [8, 1024, 4096])]
