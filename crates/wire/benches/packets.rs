@@ -92,8 +92,16 @@ fn solve_the_ip_id_of_a_known_flow(b: Bencher, len: usize) {
     let n = pkt.len();
     let udp = icrc::udp_header(sport, dport, (8 + n) as u16);
     let id = 0xb3a7;
-    icrc::fill(&Ipv4Pseudo { identification: id, ..PSEUDO }.header((8 + n) as u16), &udp, &mut pkt)
-        .unwrap();
+    icrc::fill(
+        &Ipv4Pseudo {
+            identification: id,
+            ..PSEUDO
+        }
+        .header((8 + n) as u16),
+        &udp,
+        &mut pkt,
+    )
+    .unwrap();
     let flow = Ipv4Flow::new(PSEUDO, sport, dport);
     let map = IdentificationMap::new(n);
     b.counter(divan::counter::BytesCount::new(len))

@@ -2,8 +2,8 @@
 //!
 //! An unconnected UDP send looks the route up every time; a connected
 //! socket keeps it (docs/performance.md: 0.35–0.55 µs of `roce_ceiling`'s
-//! busy-poll half round trip, eighteenth session; 0.1–0.24 µs of softrdma's,
-//! thirty-sixth). The catch is the IPv4 ID, which the ICRC covers: an
+//! busy-poll half round trip, eighteenth session; a median 0.17 µs of
+//! softrdma's, thirty-sixth). The catch is the IPv4 ID, which the ICRC covers: an
 //! unconnected socket with DF set sends ID 0, a connected one counts from a
 //! random start that no socket option shows.
 //!
