@@ -213,10 +213,12 @@ pub fn solve_ipv4_identification(
 #[derive(Debug, Clone)]
 pub struct IdentificationMap {
     packet_len: usize,
-    /// What flipping ID bit b XORs into the ICRC.
-    columns: [u32; 16],
-    /// The columns in echelon form by pivot bit, with the ID bits making each.
-    basis: [(u32, u16); 32],
+    /// What each byte of an ID (low, high) XORs into the ICRC.
+    delta_of_byte: [[u32; 256]; 2],
+    /// What each byte of a difference (least significant first) gives of
+    /// its ID: the columns in reduced echelon form, each pivot bit in one
+    /// of them only, so that only pivot bits count.
+    id_of_byte: [[u16; 256]; 4],
 }
 
 /// One bit of the reflected CRC-32 register with a zero input bit: the
@@ -256,6 +258,7 @@ impl IdentificationMap {
             columns[b] = d;
             d = crc_bit_step(d);
         }
+        // Echelon form by highest bit, with the ID bits making each vector.
         let mut basis = [(0u32, 0u16); 32];
         for (b, &col) in columns.iter().enumerate() {
             let (mut v, mut m) = (col, 1u16 << b);
@@ -269,10 +272,37 @@ impl IdentificationMap {
                 m ^= basis[p].1;
             }
         }
+        // Reduced: each pivot bit cleared from the vectors above it (from
+        // the highest pivot down, which sets only lower bits).
+        for p in (0..32).rev() {
+            let (v, m) = basis[p];
+            if v == 0 {
+                continue;
+            }
+            for above in basis.iter_mut().skip(p + 1) {
+                if above.0 >> p & 1 != 0 {
+                    above.0 ^= v;
+                    above.1 ^= m;
+                }
+            }
+        }
+        let mut delta_of_byte = [[0u32; 256]; 2];
+        let mut id_of_byte = [[0u16; 256]; 4];
+        for b in 0..256usize {
+            for bit in 0..8 {
+                if b >> bit & 1 != 0 {
+                    delta_of_byte[0][b] ^= columns[bit];
+                    delta_of_byte[1][b] ^= columns[8 + bit];
+                    for (j, ids) in id_of_byte.iter_mut().enumerate() {
+                        ids[b] ^= basis[8 * j + bit].1;
+                    }
+                }
+            }
+        }
         IdentificationMap {
             packet_len,
-            columns,
-            basis,
+            delta_of_byte,
+            id_of_byte,
         }
     }
 
@@ -283,27 +313,17 @@ impl IdentificationMap {
 
     /// What ID `id` XORs into the ICRC, against ID 0.
     pub fn delta(&self, id: u16) -> u32 {
-        let mut d = 0;
-        for (b, col) in self.columns.iter().enumerate() {
-            if id >> b & 1 != 0 {
-                d ^= col;
-            }
-        }
-        d
+        self.delta_of_byte[0][usize::from(id as u8)] ^ self.delta_of_byte[1][usize::from(id >> 8)]
     }
 
     /// The ID whose [`delta`](IdentificationMap::delta) is `delta`, if any.
     pub fn solve(&self, delta: u32) -> Option<u16> {
-        let (mut v, mut id) = (delta, 0u16);
-        while v != 0 {
-            let p = 31 - v.leading_zeros() as usize;
-            if self.basis[p].0 == 0 {
-                return None;
-            }
-            v ^= self.basis[p].0;
-            id ^= self.basis[p].1;
-        }
-        Some(id)
+        let b = delta.to_le_bytes();
+        let id = self.id_of_byte[0][usize::from(b[0])]
+            ^ self.id_of_byte[1][usize::from(b[1])]
+            ^ self.id_of_byte[2][usize::from(b[2])]
+            ^ self.id_of_byte[3][usize::from(b[3])];
+        (self.delta(id) == delta).then_some(id)
     }
 }
 
@@ -827,6 +847,12 @@ mod tests {
             );
         }
         assert!(flow.syndrome(&[0u8; 15]).is_err());
+        // Every ID, one way and back; and a difference outside the map.
+        let map = IdentificationMap::new(40);
+        for id in 0..=u16::MAX {
+            assert_eq!(map.solve(map.delta(id)), Some(id));
+        }
+        assert_eq!(map.solve(map.delta(0x1234) ^ 1 << 31), None);
     }
 
     #[test]
