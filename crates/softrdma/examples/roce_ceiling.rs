@@ -242,8 +242,11 @@ fn send_gso(
 
 /// The ID `out`'s next send goes out with.
 fn next_ident(out: &mut ConnectedSend) -> io::Result<u16> {
-    out.next_ident()
-        .ok_or_else(|| io::Error::other("the send socket's IP ID count cannot be read"))
+    out.next_ident().map_err(|e| {
+        io::Error::other(format!(
+            "the send socket's IP ID count cannot be read: {e:?}"
+        ))
+    })
 }
 
 /// Receives one datagram: its length, where from, its GRO segment size.

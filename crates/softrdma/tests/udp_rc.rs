@@ -1016,14 +1016,12 @@ fn icrcs_hold_over_the_ip_ids_the_kernel_wrote() {
         }
         Err(e) => panic!("packet socket: {e}"),
     };
-    // Past rmem_max (root may), and read as it comes: other tests' packets
-    // pass here too.
-    nix::sys::socket::setsockopt(
-        &capture,
-        nix::sys::socket::sockopt::RcvBufForce,
-        &(32 << 20),
-    )
-    .unwrap();
+    // Past rmem_max where allowed (CAP_NET_ADMIN), and read as it comes:
+    // other tests' packets pass here too.
+    let force = nix::sys::socket::sockopt::RcvBufForce;
+    if nix::sys::socket::setsockopt(&capture, force, &(32 << 20)).is_err() {
+        capture.set_recv_buffer_size(32 << 20).unwrap();
+    }
     capture
         .set_read_timeout(Some(Duration::from_millis(50)))
         .unwrap();
@@ -1152,6 +1150,15 @@ fn icrcs_hold_over_the_ip_ids_the_kernel_wrote() {
         packets >= sent,
         "the capture holds every packet sent ({packets} of {sent})"
     );
-    assert!(counted_ids > 0, "sent from connected sockets (IDs not 0)");
-    assert!(gso_counted > 0, "GSO sends from connected sockets");
+    // (Unless the environment turns them off.)
+    let connected = std::env::var_os("SOFTRDMA_NO_CONNECTED").is_none();
+    let gso = std::env::var_os("SOFTRDMA_NO_GSO").is_none();
+    assert!(
+        counted_ids > 0 || !connected,
+        "sent from connected sockets (IDs not 0)"
+    );
+    assert!(
+        gso_counted > 0 || !(connected && gso),
+        "GSO sends from connected sockets"
+    );
 }

@@ -111,6 +111,12 @@ fn solve_the_ip_id_of_a_known_flow(b: Bencher, len: usize) {
         });
 }
 
+/// A map for a packet length not seen before (a receiver keeps a few).
+#[divan::bench(args = [40, 4128])]
+fn map_an_ip_id_for_a_length(b: Bencher, len: usize) {
+    b.bench_local(|| IdentificationMap::new(black_box(len)));
+}
+
 /// The solving alone.
 #[divan::bench]
 fn solve_an_ip_id(b: Bencher) {

@@ -213,12 +213,13 @@ pub fn solve_ipv4_identification(
 #[derive(Debug, Clone)]
 pub struct IdentificationMap {
     packet_len: usize,
-    /// What each byte of an ID (low, high) XORs into the ICRC.
-    delta_of_byte: [[u32; 256]; 2],
-    /// What each byte of a difference (least significant first) gives of
-    /// its ID: the columns in reduced echelon form, each pivot bit in one
-    /// of them only, so that only pivot bits count.
-    id_of_byte: [[u16; 256]; 4],
+    /// What flipping ID bit b XORs into the ICRC.
+    columns: [u32; 16],
+    /// The columns in reduced echelon form: the vector with pivot bit p
+    /// (its highest; no other vector has it) and the ID bits making it.
+    basis: [(u32, u16); 32],
+    /// The pivot bits.
+    pivots: u32,
 }
 
 /// One bit of the reflected CRC-32 register with a zero input bit: the
@@ -286,23 +287,14 @@ impl IdentificationMap {
                 }
             }
         }
-        let mut delta_of_byte = [[0u32; 256]; 2];
-        let mut id_of_byte = [[0u16; 256]; 4];
-        for b in 0..256usize {
-            for bit in 0..8 {
-                if b >> bit & 1 != 0 {
-                    delta_of_byte[0][b] ^= columns[bit];
-                    delta_of_byte[1][b] ^= columns[8 + bit];
-                    for (j, ids) in id_of_byte.iter_mut().enumerate() {
-                        ids[b] ^= basis[8 * j + bit].1;
-                    }
-                }
-            }
-        }
+        let pivots = (0..32)
+            .filter(|&p| basis[p].0 != 0)
+            .fold(0u32, |bits, p| bits | 1 << p);
         IdentificationMap {
             packet_len,
-            delta_of_byte,
-            id_of_byte,
+            columns,
+            basis,
+            pivots,
         }
     }
 
@@ -313,17 +305,28 @@ impl IdentificationMap {
 
     /// What ID `id` XORs into the ICRC, against ID 0.
     pub fn delta(&self, id: u16) -> u32 {
-        self.delta_of_byte[0][usize::from(id as u8)] ^ self.delta_of_byte[1][usize::from(id >> 8)]
+        let mut d = 0;
+        let mut bits = id;
+        while bits != 0 {
+            d ^= self.columns[bits.trailing_zeros() as usize];
+            bits &= bits - 1;
+        }
+        d
     }
 
-    /// The ID whose [`delta`](IdentificationMap::delta) is `delta`, if any.
+    /// The ID whose [`delta`](IdentificationMap::delta) is `delta`, if any:
+    /// in the reduced form a difference in the map is the sum of the
+    /// vectors of its pivot bits.
     pub fn solve(&self, delta: u32) -> Option<u16> {
-        let b = delta.to_le_bytes();
-        let id = self.id_of_byte[0][usize::from(b[0])]
-            ^ self.id_of_byte[1][usize::from(b[1])]
-            ^ self.id_of_byte[2][usize::from(b[2])]
-            ^ self.id_of_byte[3][usize::from(b[3])];
-        (self.delta(id) == delta).then_some(id)
+        let (mut id, mut sum) = (0u16, 0u32);
+        let mut bits = delta & self.pivots;
+        while bits != 0 {
+            let (v, m) = self.basis[bits.trailing_zeros() as usize];
+            sum ^= v;
+            id ^= m;
+            bits &= bits - 1;
+        }
+        (sum == delta).then_some(id)
     }
 }
 

@@ -689,10 +689,11 @@ impl QpEngine {
         }
     }
 
-    /// The RC requester's retransmission timeouts so far; 0 on UD.
-    pub fn timeouts(&self) -> u64 {
+    /// Signs that either end of an RC QP sent something again (its
+    /// timeouts, duplicate requests it received); 0 on UD.
+    pub fn resend_signs(&self) -> u64 {
         match self {
-            QpEngine::Rc(q) => q.timeouts(),
+            QpEngine::Rc(q) => q.resend_signs(),
             QpEngine::Ud(_) => 0,
         }
     }

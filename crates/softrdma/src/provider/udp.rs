@@ -90,7 +90,7 @@ pub(crate) struct QpSlot {
     /// Which thread transmits for the QP.
     tx: TransmitTurn,
     /// Its own send socket, connected to its peer: taken in the transmit
-    /// turn, so never contended.
+    /// turn (and by a QP reset, to give it back).
     sender: SpinMutex<connected::SendSocket, Yield>,
     /// Whether packets were handled since a transmit last found nothing to
     /// send: a deferred transmit (see [`poll_now`]) is skipped when a post's
@@ -972,7 +972,7 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
         loop {
             loop {
                 let mut signal = [false; 2];
-                let (n, peer, timeouts) = {
+                let (n, peer, resends) = {
                     let mrs = shared.mrs.read().expect("MR table lock");
                     let mut qp = slot.engine.lock().expect("QP lock");
                     let now = shared.now();
@@ -993,7 +993,7 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
                     }
                     drain_completions(&mut qp, slot, &shared.events, &mut signal);
                     timer = qp.poll_timeout();
-                    (n, slot.peer(), qp.timeouts())
+                    (n, slot.peer(), qp.resend_signs())
                 };
                 signal_cqs(slot, signal);
                 // ACKs (the responder's, a PSN space of their own) after
@@ -1038,20 +1038,32 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
                         continue;
                     };
                     let gso = shared.gso.load(Ordering::Relaxed);
-                    let k = gso_run(gso, &tx[i..n]);
-                    if tx[i].ah.is_none() && shared.connected.on() {
+                    let k = if tx[i].ah.is_none() {
                         let mut sender = slot.sender.lock();
-                        let via = sender.connected_to(
-                            &shared.connected,
-                            *shared.local.ip(),
-                            d,
-                            gso,
-                            timeouts,
-                        );
+                        // Checked under the lock: a QP reset since has no
+                        // peer, and must not make a socket for the old one.
+                        let via = (slot.peer() == Some(d))
+                            .then(|| {
+                                sender.connected_to(
+                                    &shared.connected,
+                                    *shared.local.ip(),
+                                    d,
+                                    gso,
+                                    resends,
+                                )
+                            })
+                            .flatten();
+                        // All of a QP's packets from one port: a GSO run
+                        // only where its socket takes one.
+                        let gso = gso && via.as_ref().is_none_or(|c| c.takes_gso());
+                        let k = gso_run(gso, &tx[i..n]);
                         send_packets(shared, d, &mut tx[i..i + k], slot.qpn, via);
+                        k
                     } else {
+                        let k = gso_run(gso, &tx[i..n]);
                         send_packets(shared, d, &mut tx[i..i + k], slot.qpn, None);
-                    }
+                        k
+                    };
                     i += k;
                 }
                 // UD send completions wait for their datagrams to be in the
@@ -1165,12 +1177,8 @@ fn cached_flow(
     })
 }
 
-/// Sends packets as one datagram each: with more than one, in one GSO send
-/// (UDP_SEGMENT), which the kernel cuts into datagrams numbered from IP ID
-/// 0 (each ICRC covers its ID). Zero copy here: headers, region memory and
-/// ICRCs go to the kernel as one gather list.
-/// The socket a QP sends from: rxe's hash_32 of the QPN (WIRE-NOTES 1.1)
-/// picks it.
+/// The device socket a QP sends from unconnected: rxe's hash_32 of the
+/// QPN (WIRE-NOTES 1.1) picks it.
 fn socket_for(shared: &Shared, qpn: u32) -> usize {
     (qpn.wrapping_mul(0x61C8_8647) >> 18) as usize % shared.sockets.len()
 }
@@ -1195,6 +1203,11 @@ fn unconnected<'a>(
     )
 }
 
+/// Sends packets as one datagram each: with more than one, in one GSO send
+/// (UDP_SEGMENT), which the kernel cuts into datagrams numbered from the
+/// send's IP ID on (each ICRC covers its ID): from the QP's connected socket
+/// `via` if given and able, else from the device's. Zero copy here:
+/// headers, region memory and ICRCs go to the kernel as one gather list.
 fn send_packets(
     shared: &Shared,
     peer: SocketAddrV4,
@@ -1207,7 +1220,7 @@ fn send_packets(
     // ID it goes out with; else from the device's, unconnected (ID 0).
     let (fd, src_port, base, mut via) = match via {
         Some(c) if !gso || c.takes_gso() => match c.next_ident() {
-            Some(id) => (
+            Ok(id) => (
                 std::os::fd::AsRawFd::as_raw_fd(c.socket()),
                 c.local().port(),
                 id,
@@ -1215,13 +1228,14 @@ fn send_packets(
             ),
             // Lost, as in a full socket buffer: sent from another port, the
             // packets could overtake those still queued on this one.
-            None => {
+            Err(connected::NoIdent::Busy) => {
                 shared
                     .stats
                     .send_errors
                     .fetch_add(tx.len() as u64, Ordering::Relaxed);
                 return;
             }
+            Err(connected::NoIdent::GaveUp) => unconnected(shared, qpn),
         },
         _ => unconnected(shared, qpn),
     };

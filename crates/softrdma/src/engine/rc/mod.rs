@@ -189,9 +189,10 @@ impl RcQp {
     pub fn caps(&self) -> QpCaps {
         self.caps
     }
-    /// Retransmission timeouts so far.
-    pub fn timeouts(&self) -> u64 {
-        self.stats.timeouts
+    /// Signs that either end sent something again: retransmission
+    /// timeouts plus duplicate requests received.
+    pub fn resend_signs(&self) -> u64 {
+        self.stats.timeouts + self.stats.duplicates
     }
     /// Counters.
     pub fn stats(&self) -> RcStats {

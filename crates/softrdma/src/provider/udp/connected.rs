@@ -17,13 +17,17 @@
 //! made. A datagram and a GSO send moved it by one each on the kernels tried
 //! (a GSO send's segments take the IDs from its own on). A failed send may
 //! or may not have moved it, so the next send probes again; so does the
-//! first send after a retransmission timeout, in case anything else moved
-//! the count (a strict peer drops a packet under a wrong ID without a word).
+//! first send after a sign that either end sent something again (a
+//! retransmission timeout, a duplicate request), in case anything else
+//! moved the count: a strict peer drops a packet under a wrong ID without a
+//! word.
 //!
-//! Where making or calibrating a socket fails, the device's RC QPs send from
-//! its unconnected sockets as before; past a quarter of the process's file
-//! descriptors (at most 1024), so do further QPs. SOFTRDMA_NO_CONNECTED (any
-//! value) turns connected sockets off.
+//! Where calibrating a socket fails, the device makes no more (its QPs send
+//! from its unconnected sockets, as before); where opening one fails, or a
+//! probe fails other than for a full socket buffer, that QP does so. A probe
+//! that meets a full buffer loses its send, as the buffer would have. Each
+//! device opens at most a quarter of the process's file descriptors (at
+//! most 1024) of them. SOFTRDMA_NO_CONNECTED (any value) turns them off.
 
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket};
@@ -40,8 +44,9 @@ use nix::sys::socket::{
 /// many more it may open.
 #[derive(Debug)]
 pub(crate) struct Budget {
-    /// Off with SOFTRDMA_NO_CONNECTED, or once one failed to calibrate
-    /// (the next would fail the same way, each after a wait).
+    /// Whether new sockets are made: off with SOFTRDMA_NO_CONNECTED, or
+    /// once one failed to calibrate (the next would fail the same way,
+    /// each after a wait). Sockets made before stay.
     on: AtomicBool,
     /// Sockets it may still open: a socket each is a file descriptor each,
     /// which the application's own limit counts too.
@@ -55,14 +60,14 @@ impl Budget {
         let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile)
             .current
             .unwrap_or(4096);
-        Arc::new(Budget {
-            on: AtomicBool::new(!off),
-            left: AtomicUsize::new((limit / 4).min(1024) as usize),
-        })
+        Budget::with(!off, (limit / 4).min(1024) as usize)
     }
 
-    pub(crate) fn on(&self) -> bool {
-        self.on.load(Ordering::Relaxed)
+    fn with(on: bool, sockets: usize) -> Arc<Budget> {
+        Arc::new(Budget {
+            on: AtomicBool::new(on),
+            left: AtomicUsize::new(sockets),
+        })
     }
 
     fn take(self: &Arc<Budget>) -> Option<Taken> {
@@ -96,40 +101,46 @@ pub(crate) enum SendSocket {
 
 impl SendSocket {
     /// The socket connected to `peer`, made (or made again, for a new
-    /// peer) from `local_ip`; `None` if it cannot be, for good. `timeouts`:
-    /// the QP's retransmission timeouts so far (a new one has the socket
-    /// read its ID count again: a strict peer drops packets under a wrong
-    /// ID, silently).
+    /// peer) from `local_ip`; `None` if there is none, for good. `resends`:
+    /// the QP's signs of packets sent again so far (see
+    /// `QpEngine::resend_signs`): a new one has the socket read its ID
+    /// count again, since a strict peer drops a packet under a wrong ID
+    /// without a word.
     pub(crate) fn connected_to(
         &mut self,
         budget: &Arc<Budget>,
         local_ip: Ipv4Addr,
         peer: SocketAddrV4,
         gso: bool,
-        timeouts: u64,
+        resends: u64,
     ) -> Option<&mut ConnectedSend> {
         match self {
             SendSocket::Ready(c) if c.peer != peer => *self = SendSocket::Untried,
-            SendSocket::Ready(c) if c.probe_failures >= PROBE_FAILURES_TO_GIVE_UP => {
-                *self = SendSocket::Unusable
-            }
+            SendSocket::Ready(c) if c.gave_up => *self = SendSocket::Unusable,
             _ => {}
         }
         if let SendSocket::Untried = self {
             *self = SendSocket::Unusable;
-            if budget.on()
+            if budget.on.load(Ordering::Relaxed)
                 && let Some(taken) = budget.take()
             {
                 match ConnectedSend::open_taking(local_ip, peer, gso, Some(taken)) {
-                    Ok(c) => *self = SendSocket::Ready(c),
-                    Err(_) => budget.on.store(false, Ordering::Relaxed),
+                    Ok(mut c) => {
+                        c.resends_seen = resends;
+                        *self = SendSocket::Ready(c);
+                    }
+                    // The host's way with IDs or timestamps: the next
+                    // socket would fail the same way.
+                    Err(Failed::Calibrating(_)) => budget.on.store(false, Ordering::Relaxed),
+                    // Out of descriptors, a peer unreachable: this QP alone.
+                    Err(Failed::Opening(_)) => {}
                 }
             }
         }
         match self {
             SendSocket::Ready(c) => {
-                if c.timeouts_seen != timeouts {
-                    c.timeouts_seen = timeouts;
+                if c.resends_seen != resends {
+                    c.resends_seen = resends;
                     c.next_ident = None;
                 }
                 Some(c)
@@ -139,8 +150,31 @@ impl SendSocket {
     }
 }
 
-/// Probes that fail in a row before a QP gives its connected socket up.
-const PROBE_FAILURES_TO_GIVE_UP: u8 = 3;
+/// Why a socket could not be made.
+#[derive(Debug)]
+enum Failed {
+    Opening(io::Error),
+    Calibrating(io::Error),
+}
+
+impl From<Failed> for io::Error {
+    fn from(f: Failed) -> io::Error {
+        match f {
+            Failed::Opening(e) | Failed::Calibrating(e) => e,
+        }
+    }
+}
+
+/// Why a send has no ID to go out with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoIdent {
+    /// The probe could not be sent now (a full socket buffer): lose the
+    /// send, as that buffer would, and probe again at the next.
+    Busy,
+    /// The probe failed otherwise: this socket is given up, and the QP
+    /// sends from the device's sockets.
+    GaveUp,
+}
 
 /// How long a probe waits for its copy.
 const PROBE_WAIT: std::time::Duration = std::time::Duration::from_millis(20);
@@ -161,10 +195,10 @@ pub struct ConnectedSend {
     /// How far a GSO send moves it: `Some(0)` a step per segment, `None`
     /// when GSO sends do not go out here.
     gso_step: Option<u16>,
-    /// Probes failed since the last that worked.
-    probe_failures: u8,
-    /// The QP's retransmission timeouts when the count was last read.
-    timeouts_seen: u64,
+    /// A probe failed other than for a full buffer: not used again.
+    gave_up: bool,
+    /// The QP's signs of resends when the count was last read.
+    resends_seen: u64,
     _taken: Option<Taken>,
 }
 
@@ -173,7 +207,7 @@ impl ConnectedSend {
     /// `peer`, its ID count read and its steps calibrated (`gso`: GSO sends
     /// too). Errors where the count cannot be read.
     pub fn open(local_ip: Ipv4Addr, peer: SocketAddrV4, gso: bool) -> io::Result<ConnectedSend> {
-        ConnectedSend::open_taking(local_ip, peer, gso, None)
+        Ok(ConnectedSend::open_taking(local_ip, peer, gso, None)?)
     }
 
     fn open_taking(
@@ -181,16 +215,20 @@ impl ConnectedSend {
         peer: SocketAddrV4,
         gso: bool,
         taken: Option<Taken>,
-    ) -> io::Result<ConnectedSend> {
+    ) -> Result<ConnectedSend, Failed> {
         if local_ip.is_unspecified() {
-            return Err(io::Error::other("the device has no address of its own"));
+            return Err(Failed::Opening(io::Error::other(
+                "the device has no address of its own",
+            )));
         }
-        let socket = super::roce_socket(SocketAddrV4::new(local_ip, 0), false)?;
-        socket.connect(peer)?;
-        let local = match socket.local_addr()? {
-            SocketAddr::V4(a) => a,
-            SocketAddr::V6(_) => return Err(io::Error::other("an IPv6 address")),
-        };
+        let opened = super::roce_socket(SocketAddrV4::new(local_ip, 0), false).and_then(|s| {
+            s.connect(peer)?;
+            match s.local_addr()? {
+                SocketAddr::V4(a) => Ok((s, a)),
+                SocketAddr::V6(_) => Err(io::Error::other("an IPv6 address")),
+            }
+        });
+        let (socket, local) = opened.map_err(Failed::Opening)?;
         let mut c = ConnectedSend {
             socket,
             local,
@@ -198,17 +236,17 @@ impl ConnectedSend {
             next_ident: None,
             plain_step: 0,
             gso_step: None,
-            probe_failures: 0,
-            timeouts_seen: 0,
+            gave_up: false,
+            resends_seen: 0,
             _taken: taken,
         };
-        c.calibrate(gso)?;
+        c.calibrate(gso).map_err(Failed::Calibrating)?;
         Ok(c)
     }
 
-    /// Reads the count four times: twice in a row (a datagram's step), then
-    /// after a GSO send of three segments (a GSO send's step), then once more
-    /// to start from.
+    /// Reads the count three times: twice in a row (a datagram's step),
+    /// then after a GSO send of three segments (a GSO send's step, and the
+    /// count to start from).
     fn calibrate(&mut self, gso: bool) -> io::Result<()> {
         self.timestamping(true)?;
         let steps = (|| {
@@ -321,24 +359,37 @@ impl ConnectedSend {
     }
 
     /// The ID the next send's first datagram goes out with, probed again
-    /// after a failed send; `None` if the probe fails (the send is then
-    /// lost, as in a full socket buffer, rather than sent from another
-    /// port, which could put it ahead of packets still queued here).
-    pub fn next_ident(&mut self) -> Option<u16> {
-        if self.next_ident.is_none() {
-            let probed = self.timestamping(true).and_then(|()| {
-                let id = self.probe();
-                self.timestamping(false).and(id)
-            });
-            match probed {
-                Ok(id) => {
-                    self.next_ident = Some(id.wrapping_add(self.plain_step));
-                    self.probe_failures = 0;
-                }
-                Err(_) => self.probe_failures = self.probe_failures.saturating_add(1),
+    /// after a failed send.
+    pub fn next_ident(&mut self) -> Result<u16, NoIdent> {
+        if self.gave_up {
+            return Err(NoIdent::GaveUp);
+        }
+        if let Some(id) = self.next_ident {
+            return Ok(id);
+        }
+        let probed = self.timestamping(true).and_then(|()| {
+            let id = self.probe();
+            self.timestamping(false).and(id)
+        });
+        match probed {
+            Ok(id) => {
+                let next = id.wrapping_add(self.plain_step);
+                self.next_ident = Some(next);
+                Ok(next)
+            }
+            Err(e)
+                if matches!(
+                    e.raw_os_error().map(nix::errno::Errno::from_raw),
+                    Some(nix::errno::Errno::EAGAIN | nix::errno::Errno::ENOBUFS)
+                ) =>
+            {
+                Err(NoIdent::Busy)
+            }
+            Err(_) => {
+                self.gave_up = true;
+                Err(NoIdent::GaveUp)
             }
         }
-        self.next_ident
     }
 
     /// Whether a GSO send can go out here.
@@ -422,7 +473,7 @@ mod tests {
         c.timestamping(false).unwrap();
         c.failed();
         // The fresh probe goes out after that datagram: two up.
-        assert_eq!(c.next_ident(), Some(predicted.wrapping_add(2)));
+        assert_eq!(c.next_ident(), Ok(predicted.wrapping_add(2)));
         // The peer got the two sends and no probe.
         let mut buf = [0u8; 16];
         peer.set_nonblocking(true).unwrap();
@@ -434,8 +485,8 @@ mod tests {
     }
 
     #[test]
-    fn a_new_peer_or_a_timeout_reads_the_count_again() {
-        let budget = Budget::new();
+    fn a_new_peer_or_a_resend_reads_the_count_again() {
+        let budget = Budget::with(true, 4);
         let left = budget.left.load(Ordering::Relaxed);
         let peers: Vec<UdpSocket> = (0..2)
             .map(|_| UdpSocket::bind("127.0.0.95:0").unwrap())
@@ -447,18 +498,18 @@ mod tests {
         let local = Ipv4Addr::new(127, 0, 0, 96);
         let mut s = SendSocket::Untried;
         let c = s
-            .connected_to(&budget, local, addr(&peers[0]), true, 0)
+            .connected_to(&budget, local, addr(&peers[0]), true, 5)
             .unwrap();
         let first_port = c.local().port();
-        assert!(c.next_ident.is_some());
+        assert!(c.next_ident.is_some(), "the count from calibrating");
         assert_eq!(budget.left.load(Ordering::Relaxed), left - 1);
         let c = s
-            .connected_to(&budget, local, addr(&peers[0]), true, 1)
+            .connected_to(&budget, local, addr(&peers[0]), true, 6)
             .unwrap();
-        assert_eq!(c.next_ident, None, "a timeout: probe again");
-        assert!(c.next_ident().is_some());
+        assert_eq!(c.next_ident, None, "a resend: probe again");
+        assert!(c.next_ident().is_ok());
         let c = s
-            .connected_to(&budget, local, addr(&peers[1]), true, 1)
+            .connected_to(&budget, local, addr(&peers[1]), true, 6)
             .unwrap();
         assert_eq!(c.peer, addr(&peers[1]));
         assert_ne!(c.local().port(), first_port, "a new socket");
@@ -467,7 +518,14 @@ mod tests {
             left - 1,
             "the old one given back"
         );
-        drop(s);
+        // Given up: the device's sockets send, and the socket goes back.
+        c.gave_up = true;
+        assert_eq!(c.next_ident(), Err(NoIdent::GaveUp));
+        assert!(
+            s.connected_to(&budget, local, addr(&peers[1]), true, 6)
+                .is_none()
+        );
+        assert!(matches!(s, SendSocket::Unusable));
         assert_eq!(budget.left.load(Ordering::Relaxed), left);
         // Out of budget: the device's sockets send.
         budget.left.store(0, Ordering::Relaxed);
@@ -477,6 +535,15 @@ mod tests {
                 .is_none()
         );
         assert!(matches!(s, SendSocket::Unusable));
+        // A socket that cannot be opened (no address) leaves the others on.
+        budget.left.store(4, Ordering::Relaxed);
+        let mut s = SendSocket::Untried;
+        let nowhere = Ipv4Addr::UNSPECIFIED;
+        assert!(
+            s.connected_to(&budget, nowhere, addr(&peers[0]), true, 0)
+                .is_none()
+        );
+        assert!(budget.on.load(Ordering::Relaxed));
     }
 
     #[test]
