@@ -22,10 +22,11 @@
 //! moved the count: a strict peer drops a packet under a wrong ID without a
 //! word.
 //!
-//! Where calibrating a socket fails, the device makes no more (its QPs send
-//! from its unconnected sockets, as before); where opening one fails, or a
-//! probe fails other than for a full socket buffer, that QP does so. A probe
-//! that meets a full buffer loses its send, as the buffer would have. Each
+//! Where calibrating a socket fails, the device makes no more (QPs without
+//! one send from its unconnected sockets, as before; those with one keep
+//! it); where opening one fails, or a probe fails for good, that QP does so.
+//! A probe that meets a full socket buffer or a pending ICMP error loses its
+//! send, as the buffer or the network would have. Each
 //! device opens at most a quarter of the process's file descriptors (at
 //! most 1024) of them. SOFTRDMA_NO_CONNECTED (any value) turns them off.
 
@@ -168,8 +169,9 @@ impl From<Failed> for io::Error {
 /// Why a send has no ID to go out with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NoIdent {
-    /// The probe could not be sent now (a full socket buffer): lose the
-    /// send, as that buffer would, and probe again at the next.
+    /// The probe could not be sent now (a full socket buffer, an ICMP
+    /// error pending): lose the send, as that buffer or the network would,
+    /// and probe again at the next.
     Busy,
     /// The probe failed otherwise: this socket is given up, and the QP
     /// sends from the device's sockets.
@@ -377,10 +379,20 @@ impl ConnectedSend {
                 self.next_ident = Some(next);
                 Ok(next)
             }
+            // A full buffer, a signal, or an ICMP error the socket held
+            // for its next call (the peer's port closed, say): the next
+            // probe may well work.
             Err(e)
                 if matches!(
                     e.raw_os_error().map(nix::errno::Errno::from_raw),
-                    Some(nix::errno::Errno::EAGAIN | nix::errno::Errno::ENOBUFS)
+                    Some(
+                        nix::errno::Errno::EAGAIN
+                            | nix::errno::Errno::ENOBUFS
+                            | nix::errno::Errno::EINTR
+                            | nix::errno::Errno::ECONNREFUSED
+                            | nix::errno::Errno::EHOSTUNREACH
+                            | nix::errno::Errno::ENETUNREACH
+                    )
                 ) =>
             {
                 Err(NoIdent::Busy)
