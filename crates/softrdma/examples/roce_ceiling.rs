@@ -51,7 +51,7 @@ use nix::sys::socket::{
     setsockopt, sockopt,
 };
 use softrdma::provider::udp::connected::ConnectedSend;
-use softrdma_wire::icrc::{self, Icrc, IdentificationMap, Ipv4Flow, Ipv4Pseudo};
+use softrdma_wire::icrc::{self, Icrc, IdentificationMaps, Ipv4Flow, Ipv4Pseudo};
 
 const A: [u8; 4] = [127, 0, 0, 93];
 const B: [u8; 4] = [127, 0, 0, 94];
@@ -155,7 +155,7 @@ fn icrc_of(from: SocketAddrV4, to: SocketAddrV4, ident: u16, head: &[u8], payloa
 #[derive(Default)]
 struct Checker {
     flow: Option<Ipv4Flow>,
-    maps: Vec<IdentificationMap>,
+    maps: IdentificationMaps,
 }
 
 impl Checker {
@@ -171,24 +171,7 @@ impl Checker {
             Some(f) if f.is(&ip, from.port(), to.port()) => f,
             _ => *self.flow.insert(Ipv4Flow::new(ip, from.port(), to.port())),
         };
-        match flow.syndrome(packet) {
-            Ok(0) => true,
-            Ok(syndrome) => {
-                let map = match self
-                    .maps
-                    .iter()
-                    .position(|m| m.packet_len() == packet.len())
-                {
-                    Some(i) => &self.maps[i],
-                    None => {
-                        self.maps.push(IdentificationMap::new(packet.len()));
-                        &self.maps[self.maps.len() - 1]
-                    }
-                };
-                map.solve(syndrome).is_some()
-            }
-            Err(_) => false,
-        }
+        self.maps.identify(&flow, packet).is_some()
     }
 }
 

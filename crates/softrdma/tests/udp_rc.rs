@@ -1058,7 +1058,6 @@ fn icrcs_hold_over_the_ip_ids_the_kernel_wrote() {
     cm::connect(&b.qp, &b.info, &a.info, &RcOptions::default()).unwrap();
     let data: Vec<u8> = (0..20_000u32).map(|i| (i * 11 + 5) as u8).collect();
     a.mr.write(0, &data).unwrap();
-    b.mr.write(0, &data).unwrap();
     // Equal WRITEs posted together (GSO sends of equal packets), a READ, a
     // SEND, and a 12 KiB WRITE (4 KiB segments).
     for round in 0..20u64 {

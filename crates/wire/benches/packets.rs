@@ -71,14 +71,24 @@ fn parse_and_verify_rc_write(b: Bencher, len: usize) {
         });
 }
 
-#[divan::bench(args = [8, 1024, 4096])]
-fn verify_icrc_of_a_known_flow(b: Bencher, len: usize) {
-    let mut pkt = write_packet(len);
+/// A WRITE of `payload_len` bytes sent with IP ID `id` on a flow between
+/// two ports, and that flow.
+fn flow_packet(payload_len: usize, id: u16) -> (Ipv4Flow, Vec<u8>) {
+    let mut pkt = write_packet(payload_len);
     let (sport, dport) = (0xc000, 4791);
     let n = pkt.len();
     let udp = icrc::udp_header(sport, dport, (8 + n) as u16);
-    icrc::fill(&ip(n), &udp, &mut pkt).unwrap();
-    let flow = Ipv4Flow::new(PSEUDO, sport, dport);
+    let ip = Ipv4Pseudo {
+        identification: id,
+        ..PSEUDO
+    };
+    icrc::fill(&ip.header((8 + n) as u16), &udp, &mut pkt).unwrap();
+    (Ipv4Flow::new(PSEUDO, sport, dport), pkt)
+}
+
+#[divan::bench(args = [8, 1024, 4096])]
+fn verify_icrc_of_a_known_flow(b: Bencher, len: usize) {
+    let (flow, pkt) = flow_packet(len, 0);
     b.counter(divan::counter::BytesCount::new(len))
         .bench_local(|| flow.verify(0, black_box(&pkt)).unwrap());
 }
@@ -87,22 +97,9 @@ fn verify_icrc_of_a_known_flow(b: Bencher, len: usize) {
 /// IP ID): one ICRC pass under ID 0, the ID solved from the difference.
 #[divan::bench(args = [8, 1024, 4096])]
 fn solve_the_ip_id_of_a_known_flow(b: Bencher, len: usize) {
-    let mut pkt = write_packet(len);
-    let (sport, dport) = (0xc000, 4791);
-    let n = pkt.len();
-    let udp = icrc::udp_header(sport, dport, (8 + n) as u16);
     let id = 0xb3a7;
-    icrc::fill(
-        &Ipv4Pseudo {
-            identification: id,
-            ..PSEUDO
-        }
-        .header((8 + n) as u16),
-        &udp,
-        &mut pkt,
-    )
-    .unwrap();
-    let flow = Ipv4Flow::new(PSEUDO, sport, dport);
+    let (flow, pkt) = flow_packet(len, id);
+    let n = pkt.len();
     let map = IdentificationMap::new(n);
     b.counter(divan::counter::BytesCount::new(len))
         .bench_local(|| {

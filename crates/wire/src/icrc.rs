@@ -330,6 +330,55 @@ impl IdentificationMap {
     }
 }
 
+/// The [`IdentificationMap`]s of the packet lengths a receiver last met (a
+/// stream has a few: full packets, a message's last, ACKs), and the ID of a
+/// packet found with them.
+#[derive(Debug, Clone, Default)]
+pub struct IdentificationMaps {
+    maps: Vec<IdentificationMap>,
+    next: usize,
+}
+
+impl IdentificationMaps {
+    const KEPT: usize = 8;
+
+    /// None yet.
+    pub const fn new() -> IdentificationMaps {
+        IdentificationMaps {
+            maps: Vec::new(),
+            next: 0,
+        }
+    }
+
+    /// The map for `packet_len`, made if it is not kept.
+    pub fn of(&mut self, packet_len: usize) -> &IdentificationMap {
+        if let Some(i) = self.maps.iter().position(|m| m.packet_len() == packet_len) {
+            return &self.maps[i];
+        }
+        let map = IdentificationMap::new(packet_len);
+        let i = if self.maps.len() < Self::KEPT {
+            self.maps.push(map);
+            self.maps.len() - 1
+        } else {
+            self.next = (self.next + 1) % Self::KEPT;
+            self.maps[self.next] = map;
+            self.next
+        };
+        &self.maps[i]
+    }
+
+    /// The IP ID `ib_with_icrc` (BTH through ICRC), a packet of `flow`,
+    /// came under: `None` if no ID makes its ICRC right. One pass over the
+    /// packet.
+    pub fn identify(&mut self, flow: &Ipv4Flow, ib_with_icrc: &[u8]) -> Option<u16> {
+        match flow.syndrome(ib_with_icrc) {
+            Ok(0) => Some(0),
+            Ok(syndrome) => self.of(ib_with_icrc.len()).solve(syndrome),
+            Err(_) => None,
+        }
+    }
+}
+
 /// The IPv4 header a kernel will put in front of a RoCEv2 datagram, as far as
 /// the ICRC sees it (the masked fields are left zero).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -637,18 +686,20 @@ mod tests {
         assert_eq!(udp_len(&udp).unwrap(), 28);
     }
 
+    /// A flow with DF set from `src`, port `src_port`, to `dst`'s port 4791.
+    fn flow_to_4791(src: [u8; 4], dst: [u8; 4], src_port: u16) -> Ipv4Flow {
+        let ip = Ipv4Pseudo {
+            src,
+            dst,
+            identification: 0,
+            dont_fragment: true,
+        };
+        Ipv4Flow::new(ip, src_port, 4791)
+    }
+
     #[test]
     fn a_flow_verifies_a_captured_packet_and_catches_a_flipped_bit() {
-        let flow = Ipv4Flow::new(
-            Ipv4Pseudo {
-                src: [10, 99, 0, 2],
-                dst: [10, 99, 0, 3],
-                identification: 0,
-                dont_fragment: true,
-            },
-            49441,
-            4791,
-        );
+        let flow = flow_to_4791([10, 99, 0, 2], [10, 99, 0, 3], 49441);
         let ib = &ACK_FRAME[28..];
         flow.verify(0x4c36, ib).unwrap();
         assert!(flow.verify(0x4c37, ib).is_err(), "the ID is covered");
@@ -815,16 +866,7 @@ mod tests {
 
     #[test]
     fn an_identification_map_finds_any_id_from_one_pass() {
-        let flow = Ipv4Flow::new(
-            Ipv4Pseudo {
-                src: [10, 0, 0, 1],
-                dst: [10, 0, 0, 2],
-                identification: 0,
-                dont_fragment: true,
-            },
-            49152,
-            4791,
-        );
+        let flow = flow_to_4791([10, 0, 0, 1], [10, 0, 0, 2], 49152);
         for len in [bth::HEADER_LEN + LEN, 40, 301, 4096 + 28 + LEN, 9000] {
             let map = IdentificationMap::new(len);
             assert_eq!(map.packet_len(), len);

@@ -27,7 +27,7 @@ use nix::sys::socket::{ControlMessage, MsgFlags, MultiHeaders, SockaddrIn, sendm
 use rustix::event::{EventfdFlags, PollFd, PollFlags, eventfd};
 use rustix::net::sockopt;
 use softrdma_wire::bth;
-use softrdma_wire::icrc::{self, IdentificationMap, Ipv4Flow, Ipv4Pseudo};
+use softrdma_wire::icrc::{self, IdentificationMaps, Ipv4Flow, Ipv4Pseudo};
 use softrdma_wire::mad::MAD_LEN;
 use softrdma_wire::opcode::Opcode;
 use spin::mutex::SpinMutex;
@@ -715,7 +715,7 @@ thread_local! {
     // prefixes: consecutive packets mostly share them.
     static SEND_FLOW: Cell<Option<Ipv4Flow>> = const { Cell::new(None) };
     static RECV_FLOW: Cell<Option<Ipv4Flow>> = const { Cell::new(None) };
-    static ID_MAPS: RefCell<IdMaps> = const { RefCell::new(IdMaps { maps: Vec::new(), next: 0 }) };
+    static ID_MAPS: RefCell<IdentificationMaps> = const { RefCell::new(IdentificationMaps::new()) };
     static TX: RefCell<Vec<TxSlot>> = RefCell::new(
         (0..BATCH)
             .map(|_| TxSlot {
@@ -1183,26 +1183,6 @@ fn socket_for(shared: &Shared, qpn: u32) -> usize {
     (qpn.wrapping_mul(0x61C8_8647) >> 18) as usize % shared.sockets.len()
 }
 
-/// The device socket a QP sends from unconnected, its port, and the IP ID
-/// its datagrams go out with.
-fn unconnected<'a>(
-    shared: &Shared,
-    qpn: u32,
-) -> (
-    std::os::fd::RawFd,
-    u16,
-    u16,
-    Option<&'a mut connected::ConnectedSend>,
-) {
-    let sock = socket_for(shared, qpn);
-    (
-        std::os::fd::AsRawFd::as_raw_fd(&shared.sockets[sock]),
-        shared.ports[sock],
-        0,
-        None,
-    )
-}
-
 /// Sends packets as one datagram each: with more than one, in one GSO send
 /// (UDP_SEGMENT), which the kernel cuts into datagrams numbered from the
 /// send's IP ID on (each ICRC covers its ID): from the QP's connected socket
@@ -1218,14 +1198,9 @@ fn send_packets(
     let gso = tx.len() > 1;
     // From the QP's connected socket if it takes this send and knows the
     // ID it goes out with; else from the device's, unconnected (ID 0).
-    let (fd, src_port, base, mut via) = match via {
+    let connected = match via {
         Some(c) if !gso || c.takes_gso() => match c.next_ident() {
-            Ok(id) => (
-                std::os::fd::AsRawFd::as_raw_fd(c.socket()),
-                c.local().port(),
-                id,
-                Some(c),
-            ),
+            Ok(id) => Some((c, id)),
             // Lost, as in a full socket buffer: sent from another port, the
             // packets could overtake those still queued on this one.
             Err(connected::NoIdent::Busy) => {
@@ -1235,10 +1210,25 @@ fn send_packets(
                     .fetch_add(tx.len() as u64, Ordering::Relaxed);
                 return;
             }
-            Err(connected::NoIdent::GaveUp) => unconnected(shared, qpn),
+            Err(connected::NoIdent::GaveUp) => None,
         },
-        _ => unconnected(shared, qpn),
+        _ => None,
     };
+    // The socket, its port, and the IP ID of the send: unconnected, the
+    // device socket the QPN picks, and ID 0.
+    let (fd, src_port, base) = match &connected {
+        Some((c, id)) => (
+            std::os::fd::AsRawFd::as_raw_fd(c.socket()),
+            c.local().port(),
+            *id,
+        ),
+        None => {
+            let sock = socket_for(shared, qpn);
+            let fd = std::os::fd::AsRawFd::as_raw_fd(&shared.sockets[sock]);
+            (fd, shared.ports[sock], 0)
+        }
+    };
+    let mut via = connected.map(|(c, _)| c);
     let ident = |k: usize| {
         if gso {
             base.wrapping_add(k as u16)
@@ -1759,33 +1749,6 @@ fn receive_datagram(
     holding
 }
 
-/// The [`IdentificationMap`]s of the packet lengths a thread last received:
-/// a stream has a few (full packets, a message's last, ACKs).
-struct IdMaps {
-    maps: Vec<IdentificationMap>,
-    next: usize,
-}
-
-impl IdMaps {
-    const KEPT: usize = 8;
-
-    fn of(&mut self, packet_len: usize) -> &IdentificationMap {
-        if let Some(i) = self.maps.iter().position(|m| m.packet_len() == packet_len) {
-            return &self.maps[i];
-        }
-        let map = IdentificationMap::new(packet_len);
-        let i = if self.maps.len() < Self::KEPT {
-            self.maps.push(map);
-            self.maps.len() - 1
-        } else {
-            self.next = (self.next + 1) % Self::KEPT;
-            self.maps[self.next] = map;
-            self.next
-        };
-        &self.maps[i]
-    }
-}
-
 /// Checked packets for one QP, each with the IP ID it came under.
 type Run<'a> = smallvec::SmallVec<[(&'a [u8], u16); GSO_MAX_SEGMENTS_BULK]>;
 
@@ -1804,11 +1767,7 @@ fn check_packet(shared: &Shared, packet: &[u8], rx: &RxMeta, dst_port: u16) -> O
     // (the kth segment of a GSO send) from an unconnected softrdma socket,
     // a count from a connected one or from rxe. One pass over the packet
     // gives the ICRC's difference from ID 0's, which gives the ID.
-    let ident = match flow.syndrome(packet) {
-        Ok(0) => Some(0),
-        Ok(syndrome) => ID_MAPS.with_borrow_mut(|maps| maps.of(packet.len()).solve(syndrome)),
-        Err(_) => None,
-    };
+    let ident = ID_MAPS.with_borrow_mut(|maps| maps.identify(&flow, packet));
     if let Some(pcap) = &shared.pcap {
         let m = PacketMeta {
             src: from,

@@ -250,8 +250,7 @@ impl ConnectedSend {
     /// then after a GSO send of three segments (a GSO send's step, and the
     /// count to start from).
     fn calibrate(&mut self, gso: bool) -> io::Result<()> {
-        self.timestamping(true)?;
-        let steps = (|| {
+        let (plain_step, gso_step, last) = self.timestamped(|| {
             let first = self.probe()?;
             let second = self.probe()?;
             let plain_step = second.wrapping_sub(first);
@@ -269,10 +268,8 @@ impl ConnectedSend {
             let third = self.probe()?;
             // A GSO send that failed moved nothing (no datagram was made).
             let gso_step = gso_sent.then(|| third.wrapping_sub(second).wrapping_sub(plain_step));
-            Ok::<_, io::Error>((plain_step, gso_step, third))
-        })();
-        self.timestamping(false)?;
-        let (plain_step, gso_step, last) = steps?;
+            Ok((plain_step, gso_step, third))
+        })?;
         // One per datagram, and per GSO send one or one per segment: what
         // Linux does. Anything else is a counter this code does not know.
         if plain_step != 1 {
@@ -288,6 +285,14 @@ impl ConnectedSend {
         };
         self.next_ident = Some(last.wrapping_add(plain_step));
         Ok(())
+    }
+
+    /// `probing` with software transmit timestamps on (each probe's copy
+    /// comes back), and off again after, whatever it returned.
+    fn timestamped<T>(&self, probing: impl FnOnce() -> io::Result<T>) -> io::Result<T> {
+        self.timestamping(true)?;
+        let result = probing();
+        self.timestamping(false).and(result)
     }
 
     fn timestamping(&self, on: bool) -> io::Result<()> {
@@ -369,10 +374,7 @@ impl ConnectedSend {
         if let Some(id) = self.next_ident {
             return Ok(id);
         }
-        let probed = self.timestamping(true).and_then(|()| {
-            let id = self.probe();
-            self.timestamping(false).and(id)
-        });
+        let probed = self.timestamped(|| self.probe());
         match probed {
             Ok(id) => {
                 let next = id.wrapping_add(self.plain_step);
