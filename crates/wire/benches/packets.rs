@@ -122,6 +122,29 @@ fn solve_an_ip_id(b: Bencher) {
     b.bench_local(|| map.solve(black_box(syndrome)));
 }
 
+/// A receiver's ID solving for packets of many lengths (messages of many
+/// sizes), sixteen in turn, more than it keeps maps for: per packet, one
+/// ICRC pass and the solve.
+#[divan::bench]
+fn identify_packets_of_sixteen_lengths_in_turn(b: Bencher) {
+    let packets: Vec<(Ipv4Flow, Vec<u8>)> =
+        (0..16).map(|k| flow_packet(100 + 8 * k, 0xb3a7)).collect();
+    let mut maps = icrc::IdentificationMaps::new();
+    let mut next = 0;
+    b.bench_local(|| {
+        let (flow, pkt) = &packets[next % packets.len()];
+        next += 1;
+        assert_eq!(maps.identify(flow, black_box(pkt)), Some(0xb3a7));
+    });
+}
+
+/// The solving for a length without a map: one multiplication mod P.
+#[divan::bench(args = [40, 4128])]
+fn solve_an_ip_id_without_a_map(b: Bencher, len: usize) {
+    let syndrome = IdentificationMap::new(len).delta(0xb3a7);
+    b.bench_local(|| icrc::solve_identification(black_box(len), black_box(syndrome)));
+}
+
 #[divan::bench(args = [8, 1024, 4096])]
 fn verify_icrc_from_the_headers(b: Bencher, len: usize) {
     let pkt = write_packet(len);

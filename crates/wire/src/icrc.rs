@@ -177,9 +177,9 @@ pub fn fill(ip_header: &[u8], udp_header: &[u8], ib_with_icrc: &mut [u8]) -> Res
 ///
 /// The CRC is affine over GF(2), so the carried ICRC differs from the one
 /// computed with ID 0 by a linear function of the 16 ID bits; since CRC-32
-/// detects every burst of up to 32 bits, that function is one-to-one and
-/// the ID follows by elimination. A corrupted packet still gets through with
-/// probability 2^-16 (against 2^-32 when the ID is known).
+/// detects every burst of up to 32 bits, that function is one-to-one, and
+/// [`solve_identification`] inverts it. A corrupted packet still gets
+/// through with probability 2^-16 (against 2^-32 when the ID is known).
 pub fn solve_ipv4_identification(
     ip_header: &[u8],
     udp_header: &[u8],
@@ -199,7 +199,98 @@ pub fn solve_ipv4_identification(
     ip[5] = 0;
     let body = &ib_with_icrc[..ib_with_icrc.len() - LEN];
     let delta = carried(ib_with_icrc)? ^ compute(&ip, udp_header, body)?;
-    Ok(IdentificationMap::new(ib_with_icrc.len()).solve(delta))
+    Ok(solve_identification(ib_with_icrc.len(), delta))
+}
+
+/// The IP ID behind `syndrome` ([`Ipv4Flow::syndrome`]) of a packet of
+/// `packet_len` bytes (BTH through ICRC), without a per-length map: `None`
+/// when no ID explains it (the packet is corrupt). Lengths past the table
+/// below (beyond any path MTU) take an [`IdentificationMap`].
+///
+/// The ID bits, read as a polynomial m(x) of degree below 16, leave the
+/// CRC register differing by m(x)·x^32 mod P when hashed, and each of the
+/// `t` bytes after them multiplies that by x^8. So the syndrome times
+/// x^-(8t + 32) mod P is m(x) itself: one multiplication by a tabled
+/// constant, where a map for a new length is some 300 steps.
+pub fn solve_identification(packet_len: usize, syndrome: u32) -> Option<u16> {
+    let trailing = id_trailing_bytes(packet_len);
+    let Some(&unshift) = UNSHIFT.get(trailing) else {
+        return IdentificationMap::new(packet_len).solve(syndrome);
+    };
+    let m = mul_mod(unshift, syndrome);
+    // In the reflected register x^k is bit 31 - k: the ID's low byte (the
+    // last hashed) lands in bits 24..32, its high byte in 16..24, and
+    // nothing may be left below.
+    (m & 0xffff == 0).then_some(((m >> 24) | (m >> 8 & 0xff00)) as u16)
+}
+
+/// Bytes hashed after the IPv4 ID for a packet of `packet_len` bytes (BTH
+/// through ICRC): the rest of the prefix and the packet without its ICRC.
+const fn id_trailing_bytes(packet_len: usize) -> usize {
+    IPV4_PREFIX_LEN - IP_ID_AT - 2 + packet_len.saturating_sub(LEN)
+}
+
+/// a(x)·b(x) mod P, both reflected (bit 31 is x^0): b times x (a bit step)
+/// for each bit of a, as zlib's crc32_combine multiplies, in four chains
+/// of eight that run side by side (b, b·x^8, b·x^16, b·x^24).
+fn mul_mod(a: u32, b: u32) -> u32 {
+    let byte_step = |c: u32| CRC_TABLE[(c & 0xff) as usize] ^ (c >> 8);
+    let b8 = byte_step(b);
+    let b16 = byte_step(b8);
+    let b24 = byte_step(b16);
+    // `bits`: eight coefficients of a, x^0's at bit 7.
+    let times = |bits: u32, mut c: u32| {
+        let mut p = 0;
+        for i in (0..8).rev() {
+            p ^= c & 0u32.wrapping_sub(bits >> i & 1);
+            c = crc_bit_step(c);
+        }
+        p
+    };
+    times(a >> 24, b) ^ times(a >> 16 & 0xff, b8) ^ times(a >> 8 & 0xff, b16) ^ times(a & 0xff, b24)
+}
+
+/// The reflected CRC-32 table, for run-time use.
+static CRC_TABLE: [u32; 256] = crc_table();
+
+/// One zero byte backwards: the register `e` came from, so that
+/// `unshift_byte(table step of d) == d`. The table's top bytes are all
+/// different, so `e`'s top byte names the entry that was XORed in.
+const fn unshift_byte(e: u32, table: &[u32; 256], entry_of_top: &[u8; 256]) -> u32 {
+    let i = entry_of_top[(e >> 24) as usize];
+    ((e ^ table[i as usize]) << 8) | i as u32
+}
+
+/// Packets up to this many bytes (BTH through ICRC) solve by [`UNSHIFT`]:
+/// a 4096-byte path MTU's largest with room to spare.
+const UNSHIFT_PACKET_MAX: usize = 4096 + 256;
+
+/// x^-(8t + 32) mod P, reflected, for `t` bytes hashed after the ID.
+static UNSHIFT: [u32; id_trailing_bytes(UNSHIFT_PACKET_MAX) + 1] = unshift_table();
+
+const fn unshift_table<const N: usize>() -> [u32; N] {
+    let table = crc_table();
+    let mut entry_of_top = [0u8; 256];
+    let mut i = 0;
+    while i < 256 {
+        entry_of_top[(table[i] >> 24) as usize] = i as u8;
+        i += 1;
+    }
+    // x^0, then x^-32: four bytes back.
+    let mut c = 1u32 << 31;
+    let mut k = 0;
+    while k < 4 {
+        c = unshift_byte(c, &table, &entry_of_top);
+        k += 1;
+    }
+    let mut out = [0u32; N];
+    let mut t = 0;
+    while t < N {
+        out[t] = c;
+        c = unshift_byte(c, &table, &entry_of_top);
+        t += 1;
+    }
+    out
 }
 
 /// What the IPv4 Identification does to the ICRC of packets of one length
@@ -238,7 +329,7 @@ impl IdentificationMap {
         // A difference in the last bit of the ID's low byte leaves the
         // register differing by the polynomial; then the bytes after the ID
         // (the rest of the prefix, the packet without its ICRC) carry it on.
-        let trailing = IPV4_PREFIX_LEN - IP_ID_AT - 2 + packet_len.saturating_sub(LEN);
+        let trailing = id_trailing_bytes(packet_len);
         let mut d = 0xEDB8_8320u32;
         let zeros = [0u8; 256];
         let mut left = trailing;
@@ -330,41 +421,54 @@ impl IdentificationMap {
     }
 }
 
-/// The [`IdentificationMap`]s of the packet lengths a receiver last met (a
-/// stream has a few: full packets, a message's last, ACKs), and the ID of a
-/// packet found with them.
+/// The [`IdentificationMap`]s of the packet lengths a receiver met most
+/// (a stream has a few: full packets, a message's last, ACKs), and the ID
+/// of a packet found with them. A length without a map solves by
+/// [`solve_identification`] (about three times a map's solve); a map is
+/// made (some 50 such solves) for the first few lengths met, and later at
+/// most once in [`IdentificationMaps::MISSES_PER_MAP`] misses, so that
+/// packets of many lengths cost no map each.
 #[derive(Debug, Clone, Default)]
 pub struct IdentificationMaps {
     maps: Vec<IdentificationMap>,
     next: usize,
+    misses: u32,
 }
 
 impl IdentificationMaps {
     const KEPT: usize = 8;
+    /// Misses between two maps made once all are kept.
+    pub const MISSES_PER_MAP: u32 = 64;
 
     /// None yet.
     pub const fn new() -> IdentificationMaps {
         IdentificationMaps {
             maps: Vec::new(),
             next: 0,
+            misses: 0,
         }
     }
 
-    /// The map for `packet_len`, made if it is not kept.
-    pub fn of(&mut self, packet_len: usize) -> &IdentificationMap {
-        if let Some(i) = self.maps.iter().position(|m| m.packet_len() == packet_len) {
-            return &self.maps[i];
+    /// The lengths with a map, in no order.
+    pub fn lengths(&self) -> impl Iterator<Item = usize> + '_ {
+        self.maps.iter().map(IdentificationMap::packet_len)
+    }
+
+    /// The ID behind `syndrome` of a packet of `packet_len` bytes (BTH
+    /// through ICRC), by its length's map if kept.
+    pub fn solve(&mut self, packet_len: usize, syndrome: u32) -> Option<u16> {
+        if let Some(m) = self.maps.iter().find(|m| m.packet_len() == packet_len) {
+            return m.solve(syndrome);
         }
-        let map = IdentificationMap::new(packet_len);
-        let i = if self.maps.len() < Self::KEPT {
-            self.maps.push(map);
-            self.maps.len() - 1
-        } else {
+        self.misses += 1;
+        if self.maps.len() < Self::KEPT {
+            self.maps.push(IdentificationMap::new(packet_len));
+        } else if self.misses >= Self::MISSES_PER_MAP {
+            self.misses = 0;
             self.next = (self.next + 1) % Self::KEPT;
-            self.maps[self.next] = map;
-            self.next
-        };
-        &self.maps[i]
+            self.maps[self.next] = IdentificationMap::new(packet_len);
+        }
+        solve_identification(packet_len, syndrome)
     }
 
     /// The IP ID `ib_with_icrc` (BTH through ICRC), a packet of `flow`,
@@ -373,7 +477,7 @@ impl IdentificationMaps {
     pub fn identify(&mut self, flow: &Ipv4Flow, ib_with_icrc: &[u8]) -> Option<u16> {
         match flow.syndrome(ib_with_icrc) {
             Ok(0) => Some(0),
-            Ok(syndrome) => self.of(ib_with_icrc.len()).solve(syndrome),
+            Ok(syndrome) => self.solve(ib_with_icrc.len(), syndrome),
             Err(_) => None,
         }
     }
@@ -898,6 +1002,79 @@ mod tests {
             assert_eq!(map.solve(map.delta(id)), Some(id));
         }
         assert_eq!(map.solve(map.delta(0x1234) ^ 1 << 31), None);
+    }
+
+    #[test]
+    fn the_unshifted_syndrome_is_the_id() {
+        // Against the maps: every ID at three lengths, a spread of IDs at
+        // every length up to the table's end and past it (the map's path).
+        for len in [bth::HEADER_LEN + LEN, 40, 4096 + 28 + LEN] {
+            let map = IdentificationMap::new(len);
+            for id in 0..=u16::MAX {
+                assert_eq!(solve_identification(len, map.delta(id)), Some(id));
+            }
+        }
+        let past = UNSHIFT_PACKET_MAX + 1;
+        assert!(id_trailing_bytes(past) >= UNSHIFT.len());
+        assert!(id_trailing_bytes(UNSHIFT_PACKET_MAX) < UNSHIFT.len());
+        for len in (bth::HEADER_LEN + LEN..=past).chain([9000, 65535]) {
+            let map = IdentificationMap::new(len);
+            for id in [1u16, 0x80, 0x100, 0x4c36, 0xffff, len as u16] {
+                assert_eq!(
+                    solve_identification(len, map.delta(id)),
+                    Some(id),
+                    "len {len}"
+                );
+            }
+            // What no ID explains, neither finds; a stray bit anywhere.
+            for bit in [0, 7, 15, 16, 23, 31] {
+                let bad = map.delta(0x4c36) ^ 1 << bit;
+                assert_eq!(solve_identification(len, bad), map.solve(bad), "len {len}");
+            }
+        }
+        // A real packet: its syndrome from one pass, solved.
+        let flow = flow_to_4791([10, 0, 0, 1], [10, 0, 0, 2], 49152);
+        let len = 301;
+        let mut packet: Vec<u8> = (0..len).map(|i| (i * 5) as u8).collect();
+        let crc = flow
+            .icrc(0xbeef, (UDP_HEADER_LEN + len) as u16, &packet[..len - LEN])
+            .unwrap()
+            .finish();
+        packet[len - LEN..].copy_from_slice(&crc.to_le_bytes());
+        let syndrome = flow.syndrome(&packet).unwrap();
+        assert_eq!(solve_identification(len, syndrome), Some(0xbeef));
+        packet[40] ^= 1;
+        assert_eq!(
+            solve_identification(len, flow.syndrome(&packet).unwrap()),
+            None
+        );
+    }
+
+    #[test]
+    fn maps_are_kept_for_the_lengths_met_most() {
+        let mut maps = IdentificationMaps::new();
+        let delta = |len| IdentificationMap::new(len).delta(0x1234);
+        // The first lengths met get maps.
+        for len in 20..28 {
+            assert_eq!(maps.solve(len, delta(len)), Some(0x1234));
+        }
+        let kept: Vec<usize> = maps.lengths().collect();
+        assert_eq!(kept, (20..28).collect::<Vec<_>>());
+        // Lengths met once after that do not (the misses so far: eight)...
+        for len in 100..100 + IdentificationMaps::MISSES_PER_MAP as usize - 9 {
+            if len % 2 == 0 {
+                assert_eq!(maps.solve(len, delta(len)), Some(0x1234));
+            } else {
+                assert_eq!(maps.solve(len, delta(len) ^ 1 << 3), None);
+            }
+        }
+        assert!(maps.lengths().all(|l| l < 28));
+        // ...and a length met often gets one in time.
+        for _ in 0..IdentificationMaps::MISSES_PER_MAP {
+            assert_eq!(maps.solve(4128, delta(4128)), Some(0x1234));
+        }
+        assert!(maps.lengths().any(|l| l == 4128));
+        assert_eq!(maps.lengths().count(), 8);
     }
 
     #[test]
