@@ -927,13 +927,15 @@ fn turning_busy_poll_off_sends_a_standing_by_receiver_back_to_its_socket() {
         assert_eq!((wc.wr_id, wc.status), (round, WcStatus::Success));
         assert_eq!(one(&a.scq).status, WcStatus::Success);
     }
-    // One slow round is forgiven (a busy machine).
+    // A few slow rounds are forgiven (a busy machine: the whole suite on
+    // two CPUs once had more than one); a receiver left standing by makes
+    // every round wait out the standby.
     let slow = took
         .iter()
         .filter(|t| **t >= Duration::from_millis(4))
         .count();
     assert!(
-        slow <= 1,
+        slow <= 3,
         "receives completed this long after the SEND: {took:?}"
     );
 }
