@@ -1448,9 +1448,15 @@ fn progress(shared: &Arc<Shared>) {
             continue;
         }
         if !fds[WAKE].revents().is_empty() {
-            shared.woken.store(false, Ordering::SeqCst);
+            // Read, then clear: a wake-up between the two leaves the flag
+            // clear and its count in the eventfd (the next poll returns at
+            // once). Cleared first, a wake-up in between had its count read
+            // here and the flag left set, and wakers that see the flag set
+            // (a polling thread's new timer) stayed silent while this
+            // thread slept to its old deadline.
             let mut b = [0u8; 8];
             let _ = rustix::io::read(&shared.wake, &mut b);
+            shared.woken.store(false, Ordering::SeqCst);
         }
         if !fds[ALARM].revents().is_empty() {
             let mut b = [0u8; 8];
