@@ -39,6 +39,7 @@
 //! `provider::udp::connected`; receivers check each ICRC as the provider
 //! does, in one pass with the ID solved.
 
+use std::cell::Cell;
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::{SocketAddrV4, UdpSocket};
 use std::os::fd::AsRawFd;
@@ -51,7 +52,7 @@ use nix::sys::socket::{
     setsockopt, sockopt,
 };
 use softrdma::provider::udp::connected::ConnectedSend;
-use softrdma_wire::icrc::{self, Icrc, IdentificationMaps, Ipv4Flow, Ipv4Pseudo};
+use softrdma_wire::icrc::{self, IdentificationMaps, Ipv4Flow, Ipv4Pseudo};
 
 const A: [u8; 4] = [127, 0, 0, 93];
 const B: [u8; 4] = [127, 0, 0, 94];
@@ -122,30 +123,30 @@ fn addr(s: &UdpSocket) -> io::Result<SocketAddrV4> {
     }
 }
 
-/// The IPv4 and UDP headers the ICRC covers for a datagram (a GSO send's
-/// segment) of `udp_len` bytes from `from` to `to` with IP ID `ident`.
-fn pseudo_headers(
-    from: SocketAddrV4,
-    to: SocketAddrV4,
-    ident: u16,
-    udp_len: usize,
-) -> ([u8; 20], [u8; 8]) {
-    let udp_len = udp_len as u16;
+/// The ICRC of a packet (`head` then `payload`) sent with IP ID `ident`
+/// from `from` to `to`, made as the provider makes it: from the flow's
+/// pseudo-header CRC, kept per thread, and six table lookups for the
+/// packet's lengths and ID.
+fn icrc_of(from: SocketAddrV4, to: SocketAddrV4, ident: u16, head: &[u8], payload: &[u8]) -> u32 {
+    thread_local! {
+        static FLOW: Cell<Option<Ipv4Flow>> = const { Cell::new(None) };
+    }
     let ip = Ipv4Pseudo {
         src: from.ip().octets(),
         dst: to.ip().octets(),
-        identification: ident,
+        identification: 0,
         dont_fragment: true,
-    }
-    .header(udp_len);
-    (ip, icrc::udp_header(from.port(), to.port(), udp_len))
-}
-
-/// The ICRC of a packet (`head` then `payload`) sent with IP ID `ident`
-/// from `from` to `to`.
-fn icrc_of(from: SocketAddrV4, to: SocketAddrV4, ident: u16, head: &[u8], payload: &[u8]) -> u32 {
-    let (ip, udp) = pseudo_headers(from, to, ident, 8 + head.len() + payload.len() + icrc::LEN);
-    let mut crc = Icrc::with_ib_headers(&ip, &udp, head).expect("a BTH");
+    };
+    let flow = FLOW.with(|c| match c.get() {
+        Some(f) if f.is(&ip, from.port(), to.port()) => f,
+        _ => {
+            let f = Ipv4Flow::new(ip, from.port(), to.port());
+            c.set(Some(f));
+            f
+        }
+    });
+    let udp_len = (8 + head.len() + payload.len() + icrc::LEN) as u16;
+    let mut crc = flow.icrc(ident, udp_len, head).expect("a BTH");
     crc.update(payload);
     crc.finish()
 }
