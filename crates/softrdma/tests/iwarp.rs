@@ -902,8 +902,14 @@ fn turning_busy_poll_off_sends_a_standing_by_receiver_back_to_its_socket() {
         b.ctx.set_busy_poll(true);
         b.qp.post_recv(RecvWr::new(round, [b.mr.sge(0, 64)]))
             .unwrap();
-        // b's thread polls while a WRITE comes: its connection's receive
-        // thread, back from the socket, stands by for the polling thread.
+        // b's thread polls before and after a WRITE comes: its connection's
+        // receive thread, back from the socket with the WRITE, finds a poll
+        // that recent and stands by for the polling thread (each round: the
+        // poll before it is what the last round's wait would have made stale).
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_millis(1) {
+            assert!(b.rcq.poll_one().unwrap().is_none());
+        }
         a.qp.post_send(SendWr::new(
             100 + round,
             SendOp::Write {
@@ -929,7 +935,8 @@ fn turning_busy_poll_off_sends_a_standing_by_receiver_back_to_its_socket() {
     }
     // A few slow rounds are forgiven (a busy machine: the whole suite on
     // two CPUs once had more than one); a receiver left standing by makes
-    // every round wait out the standby.
+    // every round wait out the standby (nine or ten of ten took 8-10 ms in
+    // three runs with the fault put back).
     let slow = took
         .iter()
         .filter(|t| **t >= Duration::from_millis(4))
