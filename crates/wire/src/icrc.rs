@@ -234,10 +234,9 @@ const fn id_trailing_bytes(packet_len: usize) -> usize {
 /// for each bit of a, as zlib's crc32_combine multiplies, in four chains
 /// of eight that run side by side (b, b·x^8, b·x^16, b·x^24).
 fn mul_mod(a: u32, b: u32) -> u32 {
-    let byte_step = |c: u32| CRC_TABLE[(c & 0xff) as usize] ^ (c >> 8);
-    let b8 = byte_step(b);
-    let b16 = byte_step(b8);
-    let b24 = byte_step(b16);
+    let b8 = crc_byte_step(b, &CRC_TABLE);
+    let b16 = crc_byte_step(b8, &CRC_TABLE);
+    let b24 = crc_byte_step(b16, &CRC_TABLE);
     // `bits`: eight coefficients of a, x^0's at bit 7.
     let times = |bits: u32, mut c: u32| {
         let mut p = 0;
@@ -254,7 +253,7 @@ fn mul_mod(a: u32, b: u32) -> u32 {
 static CRC_TABLE: [u32; 256] = crc_table();
 
 /// One zero byte backwards: the register `e` came from, so that
-/// `unshift_byte(table step of d) == d`. The table's top bytes are all
+/// `unshift_byte(crc_byte_step(d)) == d`. The table's top bytes are all
 /// different, so `e`'s top byte names the entry that was XORed in.
 const fn unshift_byte(e: u32, table: &[u32; 256], entry_of_top: &[u8; 256]) -> u32 {
     let i = entry_of_top[(e >> 24) as usize];
@@ -321,6 +320,12 @@ const fn crc_bit_step(d: u32) -> u32 {
     } else {
         d >> 1
     }
+}
+
+/// One zero byte through the reflected CRC-32 register (`table` from
+/// [`crc_table`]): the register times x^8 mod P.
+const fn crc_byte_step(c: u32, table: &[u32; 256]) -> u32 {
+    table[(c & 0xff) as usize] ^ (c >> 8)
 }
 
 impl IdentificationMap {
@@ -426,9 +431,8 @@ impl IdentificationMap {
 /// a packet found with them. A length without a map solves by
 /// [`solve_identification`] (about three times a map's solve); maps are
 /// made (each costing some 10–20 such solves) for the first eight lengths
-/// met, and after that, in turn, for the length of every
-/// [`IdentificationMaps::MISSES_PER_MAP`]th miss, so that packets of many
-/// lengths cost no map each.
+/// met, and after that, in turn, for the length of every 64th miss, so
+/// that packets of many lengths cost no map each.
 #[derive(Debug, Clone, Default)]
 pub struct IdentificationMaps {
     maps: Vec<IdentificationMap>,
@@ -439,7 +443,7 @@ pub struct IdentificationMaps {
 impl IdentificationMaps {
     const KEPT: usize = 8;
     /// Misses, once all maps are made, per map made again.
-    pub const MISSES_PER_MAP: u32 = 64;
+    const MISSES_PER_MAP: u32 = 64;
 
     /// None yet.
     pub const fn new() -> IdentificationMaps {
@@ -451,7 +455,8 @@ impl IdentificationMaps {
     }
 
     /// The lengths with a map, in no order.
-    pub fn lengths(&self) -> impl Iterator<Item = usize> + '_ {
+    #[cfg(test)]
+    fn lengths(&self) -> impl Iterator<Item = usize> + '_ {
         self.maps.iter().map(IdentificationMap::packet_len)
     }
 
@@ -526,11 +531,7 @@ const fn crc_table() -> [u32; 256] {
         let mut c = b as u32;
         let mut k = 0;
         while k < 8 {
-            c = if c & 1 != 0 {
-                (c >> 1) ^ 0xEDB8_8320
-            } else {
-                c >> 1
-            };
+            c = crc_bit_step(c);
             k += 1;
         }
         t[b] = c;
@@ -554,7 +555,7 @@ const fn prefix_byte_table(offset: usize) -> [u32; 256] {
         let mut c = base[b];
         let mut zeros = IPV4_PREFIX_LEN - 1 - offset;
         while zeros > 0 {
-            c = base[(c & 0xff) as usize] ^ (c >> 8);
+            c = crc_byte_step(c, &base);
             zeros -= 1;
         }
         t[b] = c;

@@ -1196,10 +1196,12 @@ fn send_packets(
     via: Option<&mut connected::ConnectedSend>,
 ) {
     let gso = tx.len() > 1;
+    // The caller makes a GSO run only where the QP's socket takes one.
+    debug_assert!(!gso || via.as_ref().is_none_or(|c| c.takes_gso()));
     // From the QP's connected socket if it takes this send and knows the
     // ID it goes out with; else from the device's, unconnected (ID 0).
     let connected = match via {
-        Some(c) if !gso || c.takes_gso() => match c.next_ident() {
+        Some(c) => match c.next_ident() {
             Ok(id) => Some((c, id)),
             // Lost, as in a full socket buffer: sent from another port, the
             // packets could overtake those still queued on this one.

@@ -346,9 +346,9 @@ impl ConnectedSend {
                         &self.socket,
                         rustix::event::PollFlags::ERR,
                     )];
-                    let wait = rustix::event::Timespec::try_from(PROBE_WAIT)
-                        .map_err(|_| io::Error::other("a probe's wait"))?;
-                    rustix::event::poll(&mut waiting, Some(&wait))?;
+                    // The time left, not a whole PROBE_WAIT each round.
+                    let left = deadline.saturating_duration_since(std::time::Instant::now());
+                    rustix::event::poll(&mut waiting, Some(&crate::provider::timespec(left)))?;
                 }
                 Err(e) => return Err(e.into()),
             }
