@@ -24,7 +24,8 @@ const UDP_HEADER_LEN: usize = 8;
 /// headers and payload from different buffers without copying them together).
 #[derive(Debug, Clone)]
 pub struct Icrc {
-    hasher: crc32fast::Hasher,
+    /// The reflected CRC-32 register (the complement of the running CRC).
+    register: u32,
 }
 
 /// Room for the masked headers hashed in one piece: the LRH stand-in, an IPv6
@@ -100,10 +101,10 @@ impl Icrc {
         if inline > 0 {
             buf[bth_at + 4] = 0xff; // BTH byte 4: FECN, BECN, reserved
         }
-        let mut hasher = crc32fast::Hasher::new();
-        hasher.update(&buf[..at]);
-        let mut icrc = Icrc { hasher };
-        icrc.hasher.update(&ib_headers[inline..]);
+        let mut icrc = Icrc {
+            register: crc_register_update(!0, &buf[..at]),
+        };
+        icrc.update(&ib_headers[inline..]);
         Ok(icrc)
     }
 
@@ -111,18 +112,90 @@ impl Icrc {
     pub fn update_bth(&mut self, bth_bytes: &[u8; bth::HEADER_LEN]) {
         let mut b = *bth_bytes;
         b[4] = 0xff;
-        self.hasher.update(&b);
+        self.update(&b);
     }
 
     /// Adds bytes after the BTH: extension headers, payload, pad.
     pub fn update(&mut self, bytes: &[u8]) {
-        self.hasher.update(bytes);
+        self.register = crc_register_update(self.register, bytes);
     }
 
     /// The ICRC value; put it on the wire with `to_le_bytes`.
     pub fn finish(self) -> u32 {
-        self.hasher.finalize()
+        !self.register
     }
+}
+
+/// From this many bytes on, crc32fast's carry-less multiplication folds
+/// them faster than tables do; below it, its table path costs more than
+/// [`crc_register_update`]'s (and a feature check on every call).
+const FOLDING_FROM: usize = 128;
+
+/// The reflected CRC-32 register `register` after `bytes`: eight bytes a
+/// step through [`CRC_SLICES`], the rest one at a time.
+fn crc_register_update(register: u32, bytes: &[u8]) -> u32 {
+    if bytes.len() >= FOLDING_FROM {
+        // crc32fast keeps the CRC, the complement of the register.
+        let mut h = crc32fast::Hasher::new_with_initial(!register);
+        h.update(bytes);
+        return !h.finalize();
+    }
+    let mut r = register;
+    let mut words = bytes.chunks_exact(8);
+    for w in &mut words {
+        let mut word = [0u8; 8];
+        word.copy_from_slice(w);
+        r = crc_word_step(u64::from_le_bytes(word) ^ u64::from(r));
+    }
+    let mut rest = words.remainder();
+    // Packets are whole 4-byte words: their last one in one step.
+    if let Some((half, tail)) = rest.split_first_chunk::<4>() {
+        let x = u32::from_le_bytes(*half) ^ r;
+        let t = &CRC_SLICES;
+        r = t[3][usize::from(x as u8)]
+            ^ t[2][usize::from((x >> 8) as u8)]
+            ^ t[1][usize::from((x >> 16) as u8)]
+            ^ t[0][usize::from((x >> 24) as u8)];
+        rest = tail;
+    }
+    for &b in rest {
+        r = CRC_SLICES[0][usize::from(r as u8 ^ b)] ^ (r >> 8);
+    }
+    r
+}
+
+/// The register after eight bytes, given as a little-endian word already
+/// XORed with the register before them.
+fn crc_word_step(w: u64) -> u32 {
+    let t = &CRC_SLICES;
+    let byte = |k: u32| usize::from((w >> (8 * k)) as u8);
+    t[7][byte(0)]
+        ^ t[6][byte(1)]
+        ^ t[5][byte(2)]
+        ^ t[4][byte(3)]
+        ^ t[3][byte(4)]
+        ^ t[2][byte(5)]
+        ^ t[1][byte(6)]
+        ^ t[0][byte(7)]
+}
+
+/// Slice-by-8 tables: row k holds what a byte followed by k zero bytes
+/// leaves in the register.
+static CRC_SLICES: [[u32; 256]; 8] = crc_slices();
+
+const fn crc_slices() -> [[u32; 256]; 8] {
+    let mut t = [[0u32; 256]; 8];
+    t[0] = crc_table();
+    let mut k = 1;
+    while k < 8 {
+        let mut b = 0;
+        while b < 256 {
+            t[k][b] = crc_byte_step(t[k - 1][b], &t[0]);
+            b += 1;
+        }
+        k += 1;
+    }
+    t
 }
 
 /// The ICRC of `ib`, an InfiniBand packet from the BTH to the end of the pad
@@ -644,24 +717,21 @@ impl Ipv4Flow {
 
     /// [`Icrc::with_ib_headers`] for a datagram of this flow of `udp_len`
     /// bytes with IP ID `identification`: `ib_headers` is a whole BTH and
-    /// what follows it. Up to 72 bytes are hashed in one piece; of more,
-    /// the BTH alone and then the rest (crc32fast's byte-wise path for small
-    /// inputs costs about 1 ns a byte, its folding path much less).
+    /// what follows it. The prefix comes from six table lookups and the
+    /// BTH's first word is masked in a register: no bytes are copied.
     pub fn icrc(&self, identification: u16, udp_len: u16, ib_headers: &[u8]) -> Result<Icrc> {
         check("BTH", ib_headers, bth::HEADER_LEN)?;
-        let mut buf = [0u8; 72];
-        let inline = if ib_headers.len() <= buf.len() {
-            ib_headers.len()
-        } else {
-            bth::HEADER_LEN
+        let (first, rest) = ib_headers.split_at(8);
+        let mut word = [0u8; 8];
+        word.copy_from_slice(first);
+        // BTH byte 4 (FECN, BECN, reserved) masked.
+        let word = u64::from_le_bytes(word) | 0xff << 32;
+        let register = !self.prefix_crc(identification, udp_len);
+        let mut icrc = Icrc {
+            register: crc_word_step(word ^ u64::from(register)),
         };
-        buf[..inline].copy_from_slice(&ib_headers[..inline]);
-        buf[4] = 0xff; // BTH byte 4: FECN, BECN, reserved
-        let mut hasher =
-            crc32fast::Hasher::new_with_initial(self.prefix_crc(identification, udp_len));
-        hasher.update(&buf[..inline]);
-        hasher.update(&ib_headers[inline..]);
-        Ok(Icrc { hasher })
+        icrc.update(rest);
+        Ok(icrc)
     }
 
     /// [`verify`] for a packet of this flow (BTH through ICRC) that came in
@@ -925,6 +995,21 @@ mod tests {
                     crc32fast::hash(&whole),
                     "{n} bytes of IB headers"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn the_register_update_is_crc32_at_every_length() {
+        let bytes: Vec<u8> = (0..300u32).map(|i| (i * 151 + 7) as u8).collect();
+        for start in [0u32, 0x1234_5678, !0] {
+            for n in 0..bytes.len() {
+                // Split so that words start off the input's alignment too.
+                let (a, b) = bytes[..n].split_at(n / 3);
+                let r = crc_register_update(crc_register_update(!start, a), b);
+                let mut h = crc32fast::Hasher::new_with_initial(start);
+                h.update(&bytes[..n]);
+                assert_eq!(!r, h.finalize(), "{n} bytes from {start:#x}");
             }
         }
     }
