@@ -1020,6 +1020,8 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
                         }
                     }
                 }
+                // Taken at the pass's first RC packet, held to its end.
+                let mut sender = None;
                 let mut i = 0;
                 while i < n {
                     let dest = match tx[i].ah {
@@ -1038,11 +1040,11 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
                         continue;
                     };
                     let gso = shared.gso.load(Ordering::Relaxed);
-                    let k = if tx[i].ah.is_none() {
-                        let mut sender = slot.sender.lock();
-                        // Checked under the lock: a QP reset since has no
-                        // peer, and must not make a socket for the old one.
-                        let via = (slot.peer() == Some(d))
+                    // Checked under the lock: a QP reset since has no peer,
+                    // and must not make a socket for the old one.
+                    let via = if tx[i].ah.is_none() {
+                        let sender = sender.get_or_insert_with(|| slot.sender.lock());
+                        (slot.peer() == Some(d))
                             .then(|| {
                                 sender.connected_to(
                                     &shared.connected,
@@ -1052,20 +1054,18 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
                                     resends,
                                 )
                             })
-                            .flatten();
-                        // All of a QP's packets from one port: a GSO run
-                        // only where its socket takes one.
-                        let gso = gso && via.as_ref().is_none_or(|c| c.takes_gso());
-                        let k = gso_run(gso, &tx[i..n]);
-                        send_packets(shared, d, &mut tx[i..i + k], slot.qpn, via);
-                        k
+                            .flatten()
                     } else {
-                        let k = gso_run(gso, &tx[i..n]);
-                        send_packets(shared, d, &mut tx[i..i + k], slot.qpn, None);
-                        k
+                        None
                     };
+                    // All of a QP's packets from one port: a GSO run only
+                    // where its socket takes one.
+                    let gso = gso && via.as_ref().is_none_or(|c| c.takes_gso());
+                    let k = gso_run(gso, &tx[i..n]);
+                    send_packets(shared, d, &mut tx[i..i + k], slot.qpn, via);
                     i += k;
                 }
+                drop(sender);
                 // UD send completions wait for their datagrams to be in the
                 // socket (the application may reuse a buffer once it sees
                 // its completion).
@@ -1216,20 +1216,24 @@ fn send_packets(
         },
         _ => None,
     };
-    // The socket, its port, and the IP ID of the send: unconnected, the
-    // device socket the QPN picks, and ID 0.
-    let (fd, src_port, base) = match &connected {
-        Some((c, id)) => (
-            std::os::fd::AsRawFd::as_raw_fd(c.socket()),
-            c.local().port(),
-            *id,
-        ),
+    // The socket, its flow (the source port), and the IP ID of the send:
+    // unconnected, the device socket the QPN picks, and ID 0.
+    let (fd, flow, base) = match &connected {
+        Some((c, id)) => (std::os::fd::AsRawFd::as_raw_fd(c.socket()), c.flow(), *id),
         None => {
             let sock = socket_for(shared, qpn);
             let fd = std::os::fd::AsRawFd::as_raw_fd(&shared.sockets[sock]);
-            (fd, shared.ports[sock], 0)
+            let ip = Ipv4Pseudo {
+                src: shared.local.ip().octets(),
+                dst: peer.ip().octets(),
+                identification: 0,
+                dont_fragment: true,
+            };
+            let flow = cached_flow(&SEND_FLOW, ip, shared.ports[sock], peer.port());
+            (fd, flow, 0)
         }
     };
+    let src_port = flow.src_port;
     let mut via = connected.map(|(c, _)| c);
     let ident = |k: usize| {
         if gso {
@@ -1238,13 +1242,6 @@ fn send_packets(
             base
         }
     };
-    let ip = Ipv4Pseudo {
-        src: shared.local.ip().octets(),
-        dst: peer.ip().octets(),
-        identification: 0,
-        dont_fragment: true,
-    };
-    let flow = cached_flow(&SEND_FLOW, ip, src_port, peer.port());
     for (k, s) in tx.iter_mut().enumerate() {
         seal(&flow, s, ident(k));
     }
@@ -1311,7 +1308,7 @@ fn send_packets(
             e @ (nix::errno::Errno::EIO
             | nix::errno::Errno::EINVAL
             | nix::errno::Errno::ENOPROTOOPT),
-        ) if gso && !(via.is_some() && e == nix::errno::Errno::ENOPROTOOPT) => {
+        ) if gso && !(via.is_some() && connected::pending_icmp(e)) => {
             shared.gso.store(false, Ordering::Relaxed);
             if let Some(c) = via.as_deref_mut() {
                 c.failed();

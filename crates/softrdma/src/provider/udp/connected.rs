@@ -40,6 +40,7 @@ use nix::sys::socket::{
     ControlMessage, MsgFlags, SockaddrIn, TimestampingFlag, recvmsg, sendmsg, sendto, setsockopt,
     sockopt,
 };
+use softrdma_wire::icrc::{Ipv4Flow, Ipv4Pseudo};
 
 /// A device's connected send sockets: whether they work at all, and how
 /// many more it may open.
@@ -178,6 +179,10 @@ pub enum NoIdent {
     GaveUp,
 }
 
+/// How far a datagram moves a socket's ID count: the only step calibration
+/// accepts (Linux's).
+const DATAGRAM_STEP: u16 = 1;
+
 /// How long a probe waits for its copy.
 const PROBE_WAIT: std::time::Duration = std::time::Duration::from_millis(20);
 
@@ -189,11 +194,11 @@ pub struct ConnectedSend {
     /// Its own address (the source port goes into the ICRC).
     local: SocketAddrV4,
     peer: SocketAddrV4,
+    /// Its datagrams' flow, for their ICRCs.
+    flow: Ipv4Flow,
     /// The ID the next datagram (a GSO send's first segment) goes out with;
     /// `None` after a failed send, until a probe reads it again.
     next_ident: Option<u16>,
-    /// How far a datagram moves the count.
-    plain_step: u16,
     /// How far a GSO send moves it: `Some(0)` a step per segment, `None`
     /// when GSO sends do not go out here.
     gso_step: Option<u16>,
@@ -231,12 +236,18 @@ impl ConnectedSend {
             }
         });
         let (socket, local) = opened.map_err(Failed::Opening)?;
+        let ip = Ipv4Pseudo {
+            src: local.ip().octets(),
+            dst: peer.ip().octets(),
+            identification: 0,
+            dont_fragment: true,
+        };
         let mut c = ConnectedSend {
             socket,
             local,
             peer,
+            flow: Ipv4Flow::new(ip, local.port(), peer.port()),
             next_ident: None,
-            plain_step: 0,
             gso_step: None,
             gave_up: false,
             resends_seen: 0,
@@ -250,10 +261,14 @@ impl ConnectedSend {
     /// then after a GSO send of three segments (a GSO send's step, and the
     /// count to start from).
     fn calibrate(&mut self, gso: bool) -> io::Result<()> {
-        let (plain_step, gso_step, last) = self.timestamped(|| {
+        #[cfg(test)]
+        if tests::FAIL_CALIBRATION.get() {
+            return Err(io::Error::other("calibration fails, as a test asked"));
+        }
+        let (datagram_step, gso_step, last) = self.timestamped(|| {
             let first = self.probe()?;
             let second = self.probe()?;
-            let plain_step = second.wrapping_sub(first);
+            let datagram_step = second.wrapping_sub(first);
             let own = SockaddrIn::from(self.local);
             let segment = 1u16;
             let gso_sent = gso
@@ -267,23 +282,22 @@ impl ConnectedSend {
                 .is_ok();
             let third = self.probe()?;
             // A GSO send that failed moved nothing (no datagram was made).
-            let gso_step = gso_sent.then(|| third.wrapping_sub(second).wrapping_sub(plain_step));
-            Ok((plain_step, gso_step, third))
+            let gso_step = gso_sent.then(|| third.wrapping_sub(second).wrapping_sub(datagram_step));
+            Ok((datagram_step, gso_step, third))
         })?;
         // One per datagram, and per GSO send one or one per segment: what
         // Linux does. Anything else is a counter this code does not know.
-        if plain_step != 1 {
+        if datagram_step != DATAGRAM_STEP {
             return Err(io::Error::other(format!(
-                "the IPv4 ID moved by {plain_step} a datagram"
+                "the IPv4 ID moved by {datagram_step} a datagram"
             )));
         }
-        self.plain_step = plain_step;
         self.gso_step = match gso_step {
             Some(1) => Some(1),
             Some(3) => Some(0),
             _ => None,
         };
-        self.next_ident = Some(last.wrapping_add(plain_step));
+        self.next_ident = Some(last.wrapping_add(DATAGRAM_STEP));
         Ok(())
     }
 
@@ -360,6 +374,12 @@ impl ConnectedSend {
         self.local
     }
 
+    /// The flow its datagrams go out in (sent with DF set, as the
+    /// device's sockets are).
+    pub fn flow(&self) -> Ipv4Flow {
+        self.flow
+    }
+
     /// The socket: its sends name no address.
     pub fn socket(&self) -> &UdpSocket {
         &self.socket
@@ -377,7 +397,7 @@ impl ConnectedSend {
         let probed = self.timestamped(|| self.probe());
         match probed {
             Ok(id) => {
-                let next = id.wrapping_add(self.plain_step);
+                let next = id.wrapping_add(DATAGRAM_STEP);
                 self.next_ident = Some(next);
                 Ok(next)
             }
@@ -385,17 +405,16 @@ impl ConnectedSend {
             // for its next call (the peer's port closed, say): the next
             // probe may well work.
             Err(e)
-                if matches!(
-                    e.raw_os_error().map(nix::errno::Errno::from_raw),
-                    Some(
-                        nix::errno::Errno::EAGAIN
-                            | nix::errno::Errno::ENOBUFS
-                            | nix::errno::Errno::EINTR
-                            | nix::errno::Errno::ECONNREFUSED
-                            | nix::errno::Errno::EHOSTUNREACH
-                            | nix::errno::Errno::ENETUNREACH
-                    )
-                ) =>
+                if e.raw_os_error()
+                    .map(nix::errno::Errno::from_raw)
+                    .is_some_and(|e| {
+                        matches!(
+                            e,
+                            nix::errno::Errno::EAGAIN
+                                | nix::errno::Errno::ENOBUFS
+                                | nix::errno::Errno::EINTR
+                        ) || pending_icmp(e)
+                    }) =>
             {
                 Err(NoIdent::Busy)
             }
@@ -417,7 +436,7 @@ impl ConnectedSend {
         let step = match self.gso_step {
             Some(0) if segments > 1 => segments as u16,
             Some(s) if segments > 1 => s,
-            _ => self.plain_step,
+            _ => DATAGRAM_STEP,
         };
         self.next_ident = self.next_ident.map(|id| id.wrapping_add(step));
     }
@@ -426,6 +445,25 @@ impl ConnectedSend {
     pub fn failed(&mut self) {
         self.next_ident = None;
     }
+}
+
+/// Whether `e`, from a send or a probe on a connected socket, is an ICMP
+/// error the socket held for its next call: the hard ones Linux reports
+/// there (port, protocol, network or host unreachable, a host down or
+/// isolated, a parameter problem). The peer's or the network's trouble,
+/// which may pass; not the socket's.
+pub(crate) fn pending_icmp(e: nix::errno::Errno) -> bool {
+    use nix::errno::Errno as E;
+    matches!(
+        e,
+        E::ECONNREFUSED
+            | E::ENOPROTOOPT
+            | E::ENETUNREACH
+            | E::EHOSTUNREACH
+            | E::EHOSTDOWN
+            | E::ENONET
+            | E::EPROTO
+    )
 }
 
 /// The IPv4 ID of the probe in `data`, a looped-back copy from the link
@@ -450,6 +488,12 @@ fn looped_ident(data: &[u8], own: SocketAddrV4, tag: &[u8; 8]) -> Option<u16> {
 mod tests {
     use super::*;
 
+    thread_local! {
+        /// Makes this thread's calibrations fail.
+        pub(super) static FAIL_CALIBRATION: std::cell::Cell<bool> =
+            const { std::cell::Cell::new(false) };
+    }
+
     fn open(local: Ipv4Addr, to: SocketAddrV4) -> ConnectedSend {
         ConnectedSend::open(local, to, true).unwrap()
     }
@@ -461,7 +505,6 @@ mod tests {
             unreachable!()
         };
         let mut c = open(Ipv4Addr::new(127, 0, 0, 96), to);
-        assert_eq!(c.plain_step, 1);
         assert!(c.takes_gso());
         let before = c.next_ident().unwrap();
         let fd = c.socket.as_raw_fd();
@@ -496,6 +539,23 @@ mod tests {
             got.push(n);
         }
         assert_eq!(got, [3, 2, 2, 1]);
+    }
+
+    #[test]
+    fn a_probe_that_meets_a_pending_icmp_error_is_busy_not_given_up() {
+        let peer = UdpSocket::bind("127.0.0.95:0").unwrap();
+        let SocketAddr::V4(to) = peer.local_addr().unwrap() else {
+            unreachable!()
+        };
+        let mut c = open(Ipv4Addr::new(127, 0, 0, 96), to);
+        drop(peer);
+        // The port is closed now: the ICMP port unreachable that answers
+        // this is held for the socket's next call, the probe's send.
+        nix::sys::socket::send(c.socket.as_raw_fd(), &[1, 2, 3], MsgFlags::empty()).unwrap();
+        c.failed();
+        assert_eq!(c.next_ident(), Err(NoIdent::Busy));
+        assert!(!c.gave_up);
+        assert!(c.next_ident().is_ok(), "the error was the last one's alone");
     }
 
     #[test]
@@ -561,6 +621,36 @@ mod tests {
     }
 
     #[test]
+    fn a_failed_calibration_turns_the_device_s_new_sockets_off() {
+        let budget = Budget::with(true, 4);
+        let peer = UdpSocket::bind("127.0.0.95:0").unwrap();
+        let SocketAddr::V4(to) = peer.local_addr().unwrap() else {
+            unreachable!()
+        };
+        let local = Ipv4Addr::new(127, 0, 0, 96);
+        let mut kept = SendSocket::Untried;
+        assert!(kept.connected_to(&budget, local, to, true, 0).is_some());
+        FAIL_CALIBRATION.set(true);
+        let mut s = SendSocket::Untried;
+        let made = s.connected_to(&budget, local, to, true, 0).is_some();
+        FAIL_CALIBRATION.set(false);
+        assert!(!made);
+        assert!(matches!(s, SendSocket::Unusable));
+        assert!(!budget.on.load(Ordering::Relaxed), "no more are made");
+        assert_eq!(
+            budget.left.load(Ordering::Relaxed),
+            3,
+            "its share given back"
+        );
+        // Calibrating would work again now, but none is tried.
+        let mut s = SendSocket::Untried;
+        assert!(s.connected_to(&budget, local, to, true, 0).is_none());
+        assert_eq!(budget.left.load(Ordering::Relaxed), 3);
+        // The socket made before stays.
+        assert!(kept.connected_to(&budget, local, to, true, 0).is_some());
+    }
+
+    #[test]
     fn only_the_probe_is_taken_for_one() {
         let own: SocketAddrV4 = "127.0.0.96:40000".parse().unwrap();
         let tag = [1, 2, 3, 4, 5, 6, 7, 8];
@@ -585,5 +675,8 @@ mod tests {
         let mut older = frame;
         older[14 + 35] ^= 1;
         assert_eq!(looped_ident(&older, own, &tag), None, "another probe's");
+        let mut longer = frame;
+        longer[14 + 25] = 17;
+        assert_eq!(looped_ident(&longer, own, &tag), None, "another length");
     }
 }
