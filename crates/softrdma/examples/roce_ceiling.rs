@@ -39,7 +39,6 @@
 //! `provider::udp::connected`; receivers check each ICRC as the provider
 //! does, in one pass with the ID solved.
 
-use std::cell::Cell;
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::{SocketAddrV4, UdpSocket};
 use std::os::fd::AsRawFd;
@@ -123,28 +122,11 @@ fn addr(s: &UdpSocket) -> io::Result<SocketAddrV4> {
     }
 }
 
-/// The ICRC of a packet (`head` then `payload`) sent with IP ID `ident`
-/// from `from` to `to`, made as the provider makes it: from the flow's
-/// pseudo-header CRC, kept per thread, and six table lookups for the
-/// packet's lengths and ID.
-fn icrc_of(from: SocketAddrV4, to: SocketAddrV4, ident: u16, head: &[u8], payload: &[u8]) -> u32 {
-    thread_local! {
-        static FLOW: Cell<Option<Ipv4Flow>> = const { Cell::new(None) };
-    }
-    let ip = Ipv4Pseudo {
-        src: from.ip().octets(),
-        dst: to.ip().octets(),
-        identification: 0,
-        dont_fragment: true,
-    };
-    let flow = FLOW.with(|c| match c.get() {
-        Some(f) if f.is(&ip, from.port(), to.port()) => f,
-        _ => {
-            let f = Ipv4Flow::new(ip, from.port(), to.port());
-            c.set(Some(f));
-            f
-        }
-    });
+/// The ICRC of a packet (`head` then `payload`) of `flow` sent with IP ID
+/// `ident`, made as the provider makes it: from the flow's pseudo-header
+/// CRC (kept by its send socket) and six table lookups for the packet's
+/// lengths and ID.
+fn icrc_of(flow: &Ipv4Flow, ident: u16, head: &[u8], payload: &[u8]) -> u32 {
     let udp_len = (8 + head.len() + payload.len() + icrc::LEN) as u16;
     let mut crc = flow.icrc(ident, udp_len, head).expect("a BTH");
     crc.update(payload);
@@ -211,17 +193,20 @@ fn send_gso(
         cmsg,
         MsgFlags::empty(),
     )
-    .map(drop);
-    match sent {
-        Ok(_) => {
-            out.sent(segments);
-            Ok(())
-        }
-        Err(e) => {
-            out.failed();
-            Err(e.into())
-        }
+    .map(drop)
+    .map_err(io::Error::from);
+    counted(out, sent, segments)
+}
+
+/// Moves `out`'s ID count past a send of `segments` datagrams, or has the
+/// next send read it again if the send failed (it may or may not have
+/// moved it), as the provider does.
+fn counted(out: &mut ConnectedSend, sent: io::Result<()>, segments: usize) -> io::Result<()> {
+    match &sent {
+        Ok(()) => out.sent(segments),
+        Err(_) => out.failed(),
     }
+    sent
 }
 
 /// The ID `out`'s next send goes out with.
@@ -262,15 +247,15 @@ fn recv(
 
 fn stream(secs: u64, busy: bool, bare: bool) -> io::Result<f64> {
     let rx = socket(B, busy)?;
-    let tx = socket(A, false)?;
-    let (to, from) = (addr(&rx)?, addr(&tx)?);
+    let to = addr(&rx)?;
+    let from = SocketAddrV4::new(A.into(), 0);
     let taken = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let sender = {
         let (taken, stop) = (taken.clone(), stop.clone());
         // The send headers are not Send: the sender is made on its thread.
         std::thread::spawn(move || -> io::Result<()> {
-            let mut out = Sender::new(tx, from, to, &taken, &stop, bare, busy)?;
+            let mut out = Sender::new(from, to, &taken, &stop, bare, busy)?;
             let mut psn = 0u32;
             while !stop.load(Ordering::Relaxed) {
                 let packets: [(u8, u32); PER_SEND] =
@@ -362,19 +347,12 @@ const OUTSTANDING_READS: u32 = 16;
 
 /// A READ request for the `packets` responses from `psn` on: BTH, RETH
 /// (its length field is what the responder reads), ICRC.
-fn read_request(
-    from: SocketAddrV4,
-    to: SocketAddrV4,
-    ident: u16,
-    psn: u32,
-    len: u32,
-    bare: bool,
-) -> [u8; 32] {
+fn read_request(flow: &Ipv4Flow, ident: u16, psn: u32, len: u32, bare: bool) -> [u8; 32] {
     let mut r = [0u8; 32];
     r[..BTH].copy_from_slice(&bth(READ_REQUEST, psn));
     r[BTH + 12..BTH + 16].copy_from_slice(&len.to_be_bytes());
     if !bare {
-        let crc = icrc_of(from, to, ident, &r[..BTH + 16], &[]);
+        let crc = icrc_of(flow, ident, &r[..BTH + 16], &[]);
         r[28..].copy_from_slice(&crc.to_le_bytes());
     }
     r
@@ -383,10 +361,6 @@ fn read_request(
 /// A stream's sends: packets of one size in GSO sends of at most 15 (as the
 /// provider makes them), each after the flow-control window has room.
 struct Sender {
-    /// Where it receives (READ requests).
-    sock: UdpSocket,
-    me: SocketAddrV4,
-    peer: SocketAddrV4,
     out: ConnectedSend,
     headers: MultiHeaders<SockaddrIn>,
     region: Vec<u8>,
@@ -399,8 +373,8 @@ struct Sender {
 }
 
 impl Sender {
+    /// Sends from `me`'s address (an ephemeral port) to `peer`.
     fn new(
-        sock: UdpSocket,
         me: SocketAddrV4,
         peer: SocketAddrV4,
         taken: &Arc<AtomicU64>,
@@ -409,9 +383,6 @@ impl Sender {
         busy: bool,
     ) -> io::Result<Sender> {
         Ok(Sender {
-            sock,
-            me,
-            peer,
             out: sender(me, peer)?,
             headers: MultiHeaders::preallocate(1, Some(nix::cmsg_space!(u16))),
             region: (0..REGION).map(|i| (i * 7 + 1) as u8).collect(),
@@ -444,12 +415,12 @@ impl Sender {
         let mut heads = [[0u8; BTH + AETH]; PER_SEND];
         let mut trailers = [[0u8; icrc::LEN]; PER_SEND];
         let base = next_ident(&mut self.out)?;
+        let flow = self.out.flow();
         for (k, &(opcode, psn)) in packets.iter().enumerate() {
             heads[k][..BTH].copy_from_slice(&bth(opcode, psn));
             if !self.bare {
                 let crc = icrc_of(
-                    self.out.local(),
-                    self.peer,
+                    &flow,
                     base.wrapping_add(k as u16),
                     &heads[k][..head_len],
                     &self.region[region_at(psn)],
@@ -513,14 +484,14 @@ fn read_stream(secs: u64, size: usize, busy: bool, bare: bool) -> io::Result<f64
     let answering = {
         let (taken, stop) = (taken.clone(), stop.clone());
         std::thread::spawn(move || -> io::Result<()> {
-            let mut r = Sender::new(responder, resp_addr, req_addr, &taken, &stop, bare, busy)?;
+            let mut r = Sender::new(resp_addr, req_addr, &taken, &stop, bare, busy)?;
             let mut checker = Checker::default();
             let mut buf = vec![0u8; 65536];
             let mut cmsg = nix::cmsg_space!(i32);
             let mut last = None;
             while !stop.load(Ordering::Relaxed) {
                 // A request waiting, else the LAST held for it goes alone.
-                let got = recv(&r.sock, &mut buf, &mut cmsg, MsgFlags::MSG_DONTWAIT);
+                let got = recv(&responder, &mut buf, &mut cmsg, MsgFlags::MSG_DONTWAIT);
                 let (n, from) = match got {
                     Ok((n, from, _)) => (n, from),
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
@@ -532,7 +503,7 @@ fn read_stream(secs: u64, size: usize, busy: bool, bare: bool) -> io::Result<f64
                         } else {
                             MsgFlags::empty()
                         };
-                        match recv(&r.sock, &mut buf, &mut cmsg, flags) {
+                        match recv(&responder, &mut buf, &mut cmsg, flags) {
                             Ok((n, from, _)) => (n, from),
                             Err(e)
                                 if matches!(
@@ -550,7 +521,7 @@ fn read_stream(secs: u64, size: usize, busy: bool, bare: bool) -> io::Result<f64
                 let request = &buf[..n];
                 if n != 32
                     || request[0] != READ_REQUEST
-                    || (!bare && !checker.ok(from, r.me, request))
+                    || (!bare && !checker.ok(from, resp_addr, request))
                 {
                     return Err(io::Error::other("a bad READ request"));
                 }
@@ -569,25 +540,10 @@ fn read_stream(secs: u64, size: usize, busy: bool, bare: bool) -> io::Result<f64
     let mut asking = sender(req_addr, resp_addr)?;
     let mut ask = |next_psn: &mut u32| -> io::Result<()> {
         let ident = next_ident(&mut asking)?;
-        let r = read_request(
-            asking.local(),
-            resp_addr,
-            ident,
-            *next_psn,
-            size as u32,
-            bare,
-        );
+        let r = read_request(&asking.flow(), ident, *next_psn, size as u32, bare);
         *next_psn = next_psn.wrapping_add(packets);
-        match asking.socket().send(&r) {
-            Ok(_) => {
-                asking.sent(1);
-                Ok(())
-            }
-            Err(e) => {
-                asking.failed();
-                Err(e)
-            }
-        }
+        let sent = asking.socket().send(&r).map(drop);
+        counted(&mut asking, sent, 1)
     };
     for _ in 0..OUTSTANDING_READS {
         ask(&mut next_psn)?;
@@ -681,9 +637,9 @@ impl Side {
         self.psn = self.psn.wrapping_add(1);
         let (mut wcrc, mut acrc) = ([0u8; 4], [0u8; 4]);
         if !self.bare && !self.plain {
-            let (from, base) = (self.out.local(), next_ident(&mut self.out)?);
-            wcrc = icrc_of(from, self.peer, base, &write, &payload).to_le_bytes();
-            acrc = icrc_of(from, self.peer, base.wrapping_add(1), &ack, &[]).to_le_bytes();
+            let (flow, base) = (self.out.flow(), next_ident(&mut self.out)?);
+            wcrc = icrc_of(&flow, base, &write, &payload).to_le_bytes();
+            acrc = icrc_of(&flow, base.wrapping_add(1), &ack, &[]).to_le_bytes();
         }
         if self.plain {
             // sockperf's shape: one 64-byte datagram.
