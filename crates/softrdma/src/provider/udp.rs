@@ -23,7 +23,6 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
-use nix::sys::socket::{ControlMessage, MsgFlags, MultiHeaders, SockaddrIn, sendmmsg};
 use rustix::event::{EventfdFlags, PollFd, PollFlags, eventfd};
 use rustix::net::sockopt;
 use softrdma_wire::bth;
@@ -702,14 +701,6 @@ pub(crate) fn app_sleeps(shared: &Shared) {
 }
 
 thread_local! {
-    // One datagram's send headers, without and with room for the GSO
-    // segment size: built once per thread, since nix's `sendmsg` allocates
-    // its control-message buffer on every call.
-    static SEND_HEADERS: RefCell<(MultiHeaders<SockaddrIn>, MultiHeaders<SockaddrIn>)> =
-        RefCell::new((
-            MultiHeaders::preallocate(1, None),
-            MultiHeaders::preallocate(1, Some(nix::cmsg_space!(u16))),
-        ));
     static APP_RX: RefCell<RxBuffers> = RefCell::new(RxBuffers::new());
     // The flows this thread last sent on and received from, with their ICRC
     // prefixes: consecutive packets mostly share them.
@@ -1268,19 +1259,9 @@ fn send_packets(
         }
     }
     // A connected socket's sends name no address.
-    let to = [via.is_none().then(|| SockaddrIn::from(peer))];
-    let segment = (udp_len(&tx[0].t) - 8) as u16;
-    let slices: &[IoSlice<'_>] = &iov;
-    let sent = SEND_HEADERS.with_borrow_mut(|(plain, gso)| {
-        let one = [slices];
-        if tx.len() > 1 {
-            let cmsg = [ControlMessage::UdpGsoSegments(&segment)];
-            sendmmsg(fd, gso, &one, to, cmsg, MsgFlags::empty()).map(drop)
-        } else {
-            let none: [ControlMessage<'_>; 0] = [];
-            sendmmsg(fd, plain, &one, to, none, MsgFlags::empty()).map(drop)
-        }
-    });
+    let to = via.is_none().then_some(peer);
+    let segment = gso.then(|| (udp_len(&tx[0].t) - 8) as u16);
+    let sent = send_datagram(fd, &iov, to, segment);
     // The gather list borrows `tx`, which the fallback below seals again.
     drop(iov);
     match sent {
@@ -1594,6 +1575,75 @@ pub(crate) struct RxMeta {
     /// UDP GRO: the datagram is several, each this long (the last may be
     /// shorter).
     pub gro_segment: Option<usize>,
+}
+
+/// The control message of a GSO send: the segment size (`UDP_SEGMENT`).
+#[repr(C)]
+struct GsoSegment {
+    header: libc::cmsghdr,
+    size: u16,
+}
+
+// SAFETY: CMSG_SPACE and CMSG_LEN are arithmetic on their argument.
+const _: () = unsafe {
+    assert!(size_of::<GsoSegment>() == libc::CMSG_SPACE(2) as usize);
+    assert!(size_of::<libc::cmsghdr>() + size_of::<u16>() == libc::CMSG_LEN(2) as usize);
+};
+
+/// Sends the gather list `iov` from socket `fd` as one datagram (to `to`,
+/// or the socket's peer), or with `gso_segment` as a GSO send the kernel
+/// cuts into datagrams of that many bytes.
+///
+/// The system call is made directly, as [`recv_datagram`]'s is: nix's
+/// `sendmsg` allocates its control-message buffer on every call, its
+/// `sendmmsg` builds a message vector for the one datagram, and libc's
+/// wrappers are thread-cancellation points.
+fn send_datagram(
+    fd: std::os::fd::RawFd,
+    iov: &[IoSlice<'_>],
+    to: Option<SocketAddrV4>,
+    gso_segment: Option<u16>,
+) -> Result<(), nix::errno::Errno> {
+    // SAFETY: all-zero bytes are a valid `sockaddr_in`, `msghdr` and
+    // `cmsghdr` (plain C structs of integers and pointers).
+    let (mut addr, mut hdr, mut control): (libc::sockaddr_in, libc::msghdr, GsoSegment) = unsafe {
+        (
+            std::mem::zeroed(),
+            std::mem::zeroed(),
+            GsoSegment {
+                header: std::mem::zeroed(),
+                size: 0,
+            },
+        )
+    };
+    if let Some(to) = to {
+        addr.sin_family = libc::AF_INET as libc::sa_family_t;
+        addr.sin_port = to.port().to_be();
+        addr.sin_addr.s_addr = u32::from(*to.ip()).to_be();
+        hdr.msg_name = (&raw mut addr).cast();
+        hdr.msg_namelen = size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    }
+    // `IoSlice` is ABI-compatible with `iovec` (std guarantees it on Unix).
+    hdr.msg_iov = iov.as_ptr().cast_mut().cast();
+    hdr.msg_iovlen = iov.len();
+    if let Some(size) = gso_segment {
+        control.header.cmsg_len = size_of::<libc::cmsghdr>() + size_of::<u16>();
+        control.header.cmsg_level = libc::SOL_UDP;
+        control.header.cmsg_type = libc::UDP_SEGMENT;
+        control.size = size;
+        hdr.msg_control = (&raw mut control).cast();
+        // CMSG_SPACE(2): the header and the value, padded to `size_t`.
+        hdr.msg_controllen = size_of::<GsoSegment>();
+    }
+    // SAFETY: `hdr` points at `addr`, at the `iov.len()` iovecs of `iov`
+    // and at `control`, each live and as long as `hdr` says; the kernel only
+    // reads them, and keeps no pointer past the call.
+    let n = unsafe { libc::syscall(libc::SYS_sendmsg, fd, &raw const hdr, 0) };
+    if n < 0 {
+        Err(nix::errno::Errno::last())
+    } else {
+        Ok(())
+    }
 }
 
 /// Receives one datagram from a socket made by [`roce_socket`]; `None` when
