@@ -355,7 +355,16 @@ impl RcQp {
 
     /// Moves finished WQEs at the head of the send queue to the completions,
     /// in posting order: successes only when signaled, errors always.
+    #[inline]
     pub(super) fn report_completions(&mut self) {
+        // Mostly nothing is finished: checked here, the work out of line.
+        if self.req.sq.front().is_some_and(|w| w.status.is_some()) {
+            self.report_finished();
+        }
+    }
+
+    #[inline(never)]
+    fn report_finished(&mut self) {
         while let Some(w) = self.req.sq.front() {
             let Some(status) = w.status else { break };
             let w = self.req.sq.pop_front().expect("front exists");
