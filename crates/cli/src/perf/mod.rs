@@ -1683,6 +1683,27 @@ fn send_op(s: &Setup, i: usize, size: u64, k: u64, signaled: bool) -> SendWr {
     }
 }
 
+/// A latency test's work request (always the same address, no stepping):
+/// built once and copied for each post, as perftest posts the one WR it
+/// built; built for each post only inline, whose bytes are read then.
+struct LatencyWr(Option<SendWr>);
+
+impl LatencyWr {
+    fn new(s: &Setup, size: u64) -> LatencyWr {
+        let wr = send_op(s, 0, size, 0, true);
+        LatencyWr((!wr.flags.inline).then_some(wr))
+    }
+
+    fn post(&self, s: &Setup, size: u64, wr_id: u64) -> Result<(), String> {
+        let mut wr = match &self.0 {
+            Some(wr) => wr.clone(),
+            None => send_op(s, 0, size, 0, true),
+        };
+        wr.wr_id = wr_id;
+        s.qps[0].post_send(wr).map_err(|e| e.to_string())
+    }
+}
+
 /// The client's side of a BW test: `iters` messages per QP (or until the
 /// duration ends), tx_depth outstanding, one completion in cq_mod signaled.
 fn bw_client(s: &Setup, size: u64) -> Result<Report, String> {
@@ -2013,15 +2034,13 @@ fn lat_one_sided(s: &Setup, size: u64, clock: Option<Window>) -> Result<Vec<Inst
     };
     let end = clock.map(|c| c.end);
     let mut posted = Vec::new();
+    let wr = LatencyWr::new(s, size);
     for k in 0..n {
         if clock.is_some_and(|c| c.over()) {
             break;
         }
         posted.push(Instant::now());
-        // Always the same address (no stepping in latency tests).
-        let mut wr = send_op(s, 0, size, 0, true);
-        wr.wr_id = k;
-        s.qps[0].post_send(wr).map_err(|e| e.to_string())?;
+        wr.post(s, size, k)?;
         if wait_one(&s.scq, end, "client")?.is_none() {
             break;
         }
@@ -2043,6 +2062,7 @@ fn write_lat(s: &Setup, size: u64, clock: Option<Window>) -> Result<Vec<Instant>
     // The byte is polled through a plain load of its aligned word.
     let (word_at, byte) = (watch & !7, watch & 7);
     let mut posted = Vec::new();
+    let wr = LatencyWr::new(s, size);
     let (mut scnt, mut rcnt) = (0u64, 0u64);
     'run: while scnt < n || rcnt < n {
         // The server writes first; the client waits for it.
@@ -2083,9 +2103,7 @@ fn write_lat(s: &Setup, size: u64, clock: Option<Window>) -> Result<Vec<Instant>
             s.mr.write(s.local(0) + last, &[scnt as u8])
                 .map_err(|e| e.to_string())?;
             posted.push(Instant::now());
-            let mut wr = send_op(s, 0, size, 0, true);
-            wr.wr_id = scnt;
-            s.qps[0].post_send(wr).map_err(|e| e.to_string())?;
+            wr.post(s, size, scnt)?;
             // The send completion is spun for too, as perftest does: this
             // thread spins on the target memory anyway, and a blocking
             // wait would put a second wake-up (after the receiving
@@ -2122,6 +2140,7 @@ fn send_lat(s: &Setup, size: u64, clock: Option<Window>) -> Result<Vec<Instant>,
     let end = clock.map(|c| c.end);
     let rx_depth = u64::from(s.cfg.rx_share()).min(n);
     let mut posted = Vec::new();
+    let wr = LatencyWr::new(s, size);
     let (mut scnt, mut rcnt) = (0u64, 0u64);
     while scnt < n || rcnt < n {
         // The client sends first; the server waits for it.
@@ -2143,9 +2162,7 @@ fn send_lat(s: &Setup, size: u64, clock: Option<Window>) -> Result<Vec<Instant>,
                 break;
             }
             posted.push(Instant::now());
-            let mut wr = send_op(s, 0, size, 0, true);
-            wr.wr_id = scnt;
-            s.qps[0].post_send(wr).map_err(|e| e.to_string())?;
+            wr.post(s, size, scnt)?;
             scnt += 1;
             if next_one(s, &s.scq, end)?.is_none() {
                 break;
