@@ -14,9 +14,11 @@ iteration's work in that process (the other runs natively).
 Cases:
   roce-lat     busy-poll 8-byte WRITE ping-pong over RoCEv2: one round trip
                of the client (its half: the peer's WRITE and ACK in, its own
-               WRITE and ACK out), and the two stretches on the critical path:
-               receiving a datagram (`receive_datagram`, inclusive) and
-               posting the next WRITE (`Qp::post_send`, inclusive)
+               WRITE and ACK out), and the stretches on the critical path:
+               receiving a datagram (`receive_datagram`, inclusive), the
+               polling thread's looks that take it (`poll_now`, inclusive,
+               which holds `receive_datagram`) and posting the next WRITE
+               (`Qp::post_send`, inclusive)
   roce-bw-64k  RoCEv2 WRITE 64 KiB (16 packets): the sender's work per WRITE
   shm-write-8  shared-memory 8-byte WRITE: one post (one completion in 100)
   roce-read-64k-server
@@ -55,7 +57,8 @@ SERVER_IP, CLIENT_IP = "127.0.0.91", "127.0.0.92"
 # inclusive, the side counted)
 CASES = {
     "roce-lat": (["write-lat", "--provider", "roce", "--busy-poll", "-s", "8"], (10000, 30000),
-                 ["provider::udp::receive_datagram", "verbs::Qp::post_send"], "client"),
+                 ["provider::udp::receive_datagram", "provider::udp::poll_now",
+                  "verbs::Qp::post_send"], "client"),
     # Above 20 000 iterations perf (as perftest) keeps no peak figure, whose
     # search grows faster than the count and would not cancel out.
     "roce-bw-64k": (["write-bw", "--provider", "roce", "-s", "65536"], (20100, 20700),
