@@ -41,16 +41,14 @@
 
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::{SocketAddrV4, UdpSocket};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use nix::sys::socket::{
-    ControlMessage, ControlMessageOwned, MsgFlags, MultiHeaders, SockaddrIn, recvmsg, sendmmsg,
-    setsockopt, sockopt,
-};
+use nix::sys::socket::{ControlMessageOwned, MsgFlags, SockaddrIn, recvmsg, setsockopt, sockopt};
 use softrdma::provider::udp::connected::ConnectedSend;
+use softrdma::provider::udp::send_datagram;
 use softrdma_wire::icrc::{self, IdentificationMaps, Ipv4Flow, Ipv4Pseudo};
 
 const A: [u8; 4] = [127, 0, 0, 93];
@@ -175,26 +173,15 @@ fn bth(opcode: u8, psn: u32) -> [u8; BTH] {
 }
 
 /// Sends `iov` from `out` as one datagram, cut into segments of `segment`
-/// bytes (`segments` of them).
+/// bytes (`segments` of them), through the provider's own system call.
 fn send_gso(
     out: &mut ConnectedSend,
-    headers: &mut MultiHeaders<SockaddrIn>,
     iov: &[IoSlice<'_>],
     segment: u16,
     segments: usize,
 ) -> io::Result<()> {
-    let cmsg = [ControlMessage::UdpGsoSegments(&segment)];
-    let one = [iov];
-    let sent = sendmmsg(
-        out.socket().as_raw_fd(),
-        headers,
-        &one,
-        [None::<SockaddrIn>],
-        cmsg,
-        MsgFlags::empty(),
-    )
-    .map(drop)
-    .map_err(io::Error::from);
+    let sent =
+        send_datagram(out.socket().as_fd(), iov, None, Some(segment)).map_err(io::Error::from);
     counted(out, sent, segments)
 }
 
@@ -253,7 +240,6 @@ fn stream(secs: u64, busy: bool, bare: bool) -> io::Result<f64> {
     let stop = Arc::new(AtomicBool::new(false));
     let sender = {
         let (taken, stop) = (taken.clone(), stop.clone());
-        // The send headers are not Send: the sender is made on its thread.
         std::thread::spawn(move || -> io::Result<()> {
             let mut out = Sender::new(from, to, &taken, &stop, bare, busy)?;
             let mut psn = 0u32;
@@ -362,7 +348,6 @@ fn read_request(flow: &Ipv4Flow, ident: u16, psn: u32, len: u32, bare: bool) -> 
 /// provider makes them), each after the flow-control window has room.
 struct Sender {
     out: ConnectedSend,
-    headers: MultiHeaders<SockaddrIn>,
     region: Vec<u8>,
     /// Packets the receiver has taken, and the stop flag.
     taken: Arc<AtomicU64>,
@@ -384,7 +369,6 @@ impl Sender {
     ) -> io::Result<Sender> {
         Ok(Sender {
             out: sender(me, peer)?,
-            headers: MultiHeaders::preallocate(1, Some(nix::cmsg_space!(u16))),
             region: (0..REGION).map(|i| (i * 7 + 1) as u8).collect(),
             taken: taken.clone(),
             stop: stop.clone(),
@@ -438,13 +422,7 @@ impl Sender {
         // One packet goes as a plain datagram (no longer than the segment).
         let segment = (head_len + PAYLOAD + icrc::LEN) as u16;
         let iov = &iov[..3 * packets.len()];
-        send_gso(
-            &mut self.out,
-            &mut self.headers,
-            iov,
-            segment,
-            packets.len(),
-        )?;
+        send_gso(&mut self.out, iov, segment, packets.len())?;
         self.sent += packets.len() as u64;
         Ok(())
     }
@@ -614,7 +592,6 @@ struct Side {
     checker: Checker,
     bare: bool,
     plain: bool,
-    headers: MultiHeaders<SockaddrIn>,
     buf: Vec<u8>,
     cmsg: Vec<u8>,
     target: [u8; 8],
@@ -654,7 +631,7 @@ impl Side {
             IoSlice::new(&ack),
             IoSlice::new(&acrc),
         ];
-        send_gso(&mut self.out, &mut self.headers, &iov, WRITE_LEN as u16, 2)
+        send_gso(&mut self.out, &iov, WRITE_LEN as u16, 2)
     }
 
     /// Spins until the peer's datagram for `count` is in.
@@ -710,7 +687,6 @@ fn pingpong(iters: u64, bare: bool, plain: bool) -> io::Result<(f64, f64)> {
             checker: Checker::default(),
             bare,
             plain,
-            headers: MultiHeaders::preallocate(1, Some(nix::cmsg_space!(u16))),
             buf: vec![0u8; 65536],
             cmsg: nix::cmsg_space!(i32),
             target: [0; 8],
@@ -723,7 +699,6 @@ fn pingpong(iters: u64, bare: bool, plain: bool) -> io::Result<(f64, f64)> {
     let failed = Arc::new(AtomicBool::new(false));
     let echo = {
         let failed = failed.clone();
-        // The send headers are not Send: the echoing side is made on its thread.
         std::thread::spawn(move || -> io::Result<()> {
             let mut server = side(sb, b, a)?;
             for i in 1..=total {

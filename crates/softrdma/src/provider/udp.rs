@@ -7,7 +7,7 @@
 //! receive — the engine copies from the datagram buffer into the target region.
 //!
 //! System calls: the packets a QP has ready go out in UDP GSO sends (one
-//! datagram per `sendmmsg` call, holding up to 16 equal-sized packets (64 of
+//! datagram per `sendmsg` call, holding up to 16 equal-sized packets (64 of
 //! 1 KiB payload or more) or as many as fit its 65 507 bytes, each with its
 //! own headers and ICRC), and the
 //! sockets take UDP GRO, so that on loopback one recvmsg returns a whole GSO
@@ -17,7 +17,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::io::{self, IoSlice};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket};
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
@@ -1207,21 +1207,20 @@ fn send_packets(
         },
         _ => None,
     };
-    // The socket, its flow (the source port), and the IP ID of the send:
-    // unconnected, the device socket the QPN picks, and ID 0.
-    let (fd, flow, base) = match &connected {
-        Some((c, id)) => (std::os::fd::AsRawFd::as_raw_fd(c.socket()), c.flow(), *id),
+    // The flow (the source port) and the IP ID of the send: unconnected,
+    // from the device socket the QPN picks, with ID 0.
+    let device_socket = socket_for(shared, qpn);
+    let (flow, base) = match &connected {
+        Some((c, id)) => (c.flow(), *id),
         None => {
-            let sock = socket_for(shared, qpn);
-            let fd = std::os::fd::AsRawFd::as_raw_fd(&shared.sockets[sock]);
             let ip = Ipv4Pseudo {
                 src: shared.local.ip().octets(),
                 dst: peer.ip().octets(),
                 identification: 0,
                 dont_fragment: true,
             };
-            let flow = cached_flow(&SEND_FLOW, ip, shared.ports[sock], peer.port());
-            (fd, flow, 0)
+            let port = shared.ports[device_socket];
+            (cached_flow(&SEND_FLOW, ip, port, peer.port()), 0)
         }
     };
     let src_port = flow.src_port;
@@ -1258,10 +1257,17 @@ fn send_packets(
             let _ = w.record(&m, &parts);
         }
     }
-    // A connected socket's sends name no address.
-    let to = via.is_none().then_some(peer);
     let segment = gso.then(|| (udp_len(&tx[0].t) - 8) as u16);
-    let sent = send_datagram(fd, &iov, to, segment);
+    // A connected socket's sends name no address.
+    let sent = match via.as_deref() {
+        Some(c) => send_datagram(c.socket().as_fd(), &iov, None, segment),
+        None => send_datagram(
+            shared.sockets[device_socket].as_fd(),
+            &iov,
+            Some(peer),
+            segment,
+        ),
+    };
     // The gather list borrows `tx`, which the fallback below seals again.
     drop(iov);
     match sent {
@@ -1590,16 +1596,17 @@ const _: () = unsafe {
     assert!(size_of::<libc::cmsghdr>() + size_of::<u16>() == libc::CMSG_LEN(2) as usize);
 };
 
-/// Sends the gather list `iov` from socket `fd` as one datagram (to `to`,
-/// or the socket's peer), or with `gso_segment` as a GSO send the kernel
-/// cuts into datagrams of that many bytes.
+/// Sends the gather list `iov` from UDP socket `fd` as one datagram (to
+/// `to`, or the socket's peer), or with `gso_segment` as a GSO send the
+/// kernel cuts into datagrams of that many bytes. The provider's RC and UD
+/// sends go through it (and `roce_ceiling`'s, to send as they do).
 ///
-/// The system call is made directly, as [`recv_datagram`]'s is: nix's
+/// The system call is made directly, as the provider's `recvmsg` is: nix's
 /// `sendmsg` allocates its control-message buffer on every call, its
 /// `sendmmsg` builds a message vector for the one datagram, and libc's
 /// wrappers are thread-cancellation points.
-fn send_datagram(
-    fd: std::os::fd::RawFd,
+pub fn send_datagram(
+    fd: std::os::fd::BorrowedFd<'_>,
     iov: &[IoSlice<'_>],
     to: Option<SocketAddrV4>,
     gso_segment: Option<u16>,
@@ -1638,7 +1645,7 @@ fn send_datagram(
     // SAFETY: `hdr` points at `addr`, at the `iov.len()` iovecs of `iov`
     // and at `control`, each live and as long as `hdr` says; the kernel only
     // reads them, and keeps no pointer past the call.
-    let n = unsafe { libc::syscall(libc::SYS_sendmsg, fd, &raw const hdr, 0) };
+    let n = unsafe { libc::syscall(libc::SYS_sendmsg, fd.as_raw_fd(), &raw const hdr, 0) };
     if n < 0 {
         Err(nix::errno::Errno::last())
     } else {
@@ -1658,7 +1665,6 @@ pub(crate) fn recv_datagram(
     rx: &mut [u8],
     cmsg: &mut [u8],
 ) -> Option<(usize, RxMeta)> {
-    use std::os::fd::AsRawFd;
     // SAFETY: all-zero bytes are a valid `sockaddr_in` and `msghdr` (plain C
     // structs of integers and pointers).
     let (mut from, mut hdr): (libc::sockaddr_in, libc::msghdr) =
