@@ -95,16 +95,39 @@ fn verify_icrc_of_a_known_flow(b: Bencher, len: usize) {
 
 /// What a receiver does with a packet from a connected socket (a counting
 /// IP ID): one ICRC pass under ID 0, the ID solved from the difference.
+/// Two packets in turn, so that the ID is never the one guessed next.
 #[divan::bench(args = [8, 1024, 4096])]
 fn solve_the_ip_id_of_a_known_flow(b: Bencher, len: usize) {
-    let id = 0xb3a7;
-    let (flow, pkt) = flow_packet(len, id);
+    let ids = [0xb3a7, 0x1234];
+    let packets = ids.map(|id| flow_packet(len, id).1);
+    let flow = flow_packet(len, 0).0;
     // As the provider keeps them: the length's map made at the first.
     let mut maps = icrc::IdentificationMaps::new();
-    assert_eq!(maps.identify(&flow, &pkt), Some(id));
+    let mut next = 0;
     b.counter(divan::counter::BytesCount::new(len))
         .bench_local(|| {
-            assert_eq!(maps.identify(&flow, black_box(&pkt)), Some(id));
+            let k = next % 2;
+            next += 1;
+            assert_eq!(maps.identify(&flow, black_box(&packets[k])), Some(ids[k]));
+        });
+}
+
+/// The same for IDs that count up (a ping-pong's WRITEs, a stream's
+/// packets): the next ID is guessed and checked, not solved.
+#[divan::bench(args = [8, 1024, 4096])]
+fn identify_ids_counting_up(b: Bencher, len: usize) {
+    let packets: Vec<Vec<u8>> = (0..16).map(|k| flow_packet(len, 0xb3a7 + k).1).collect();
+    let flow = flow_packet(len, 0).0;
+    let mut maps = icrc::IdentificationMaps::new();
+    let mut next = 0;
+    b.counter(divan::counter::BytesCount::new(len))
+        .bench_local(|| {
+            let k = next % packets.len();
+            next += 1;
+            assert_eq!(
+                maps.identify(&flow, black_box(&packets[k])),
+                Some(0xb3a7 + k as u16)
+            );
         });
 }
 
@@ -124,17 +147,24 @@ fn solve_an_ip_id(b: Bencher) {
 
 /// A receiver's ID solving for packets of many lengths (messages of many
 /// sizes), sixteen in turn, more than it keeps maps for: per packet, one
-/// ICRC pass and the solve.
+/// ICRC pass and the solve. Two IDs in turn per length, never guessed.
 #[divan::bench]
 fn identify_packets_of_sixteen_lengths_in_turn(b: Bencher) {
-    let packets: Vec<(Ipv4Flow, Vec<u8>)> =
-        (0..16).map(|k| flow_packet(100 + 8 * k, 0xb3a7)).collect();
+    let ids = [0xb3a7, 0x1234];
+    let packets: Vec<(Ipv4Flow, Vec<u8>, u16)> = ids
+        .iter()
+        .flat_map(|&id| (0..16).map(move |k| (k, id)))
+        .map(|(k, id)| {
+            let (flow, pkt) = flow_packet(100 + 8 * k, id);
+            (flow, pkt, id)
+        })
+        .collect();
     let mut maps = icrc::IdentificationMaps::new();
     let mut next = 0;
     b.bench_local(|| {
-        let (flow, pkt) = &packets[next % packets.len()];
+        let (flow, pkt, id) = &packets[next % packets.len()];
         next += 1;
-        assert_eq!(maps.identify(flow, black_box(pkt)), Some(0xb3a7));
+        assert_eq!(maps.identify(flow, black_box(pkt)), Some(*id));
     });
 }
 

@@ -126,13 +126,16 @@ impl Icrc {
     }
 }
 
-/// From this many bytes on, crc32fast's carry-less multiplication folds
-/// them faster than tables do; below it, its table path costs more than
-/// [`crc_register_update`]'s (and a feature check on every call).
-const FOLDING_FROM: usize = 128;
+/// From this many bytes on crc32fast hashes them; below, [`CRC_SLICES`].
+/// On x86-64 crc32fast folds by carry-less multiplication from 16 bytes
+/// (quicker than the tables: docs/performance.md, thirty-eighth session)
+/// and below that goes byte by byte, where the tables take a word a step
+/// (an ACK's tail after the BTH's first word, a small payload).
+/// Elsewhere (aarch64's CRC instructions) crc32fast takes everything.
+const FOLDING_FROM: usize = if cfg!(target_arch = "x86_64") { 16 } else { 0 };
 
 /// The reflected CRC-32 register `register` after `bytes`: eight bytes a
-/// step through [`CRC_SLICES`], the rest one at a time.
+/// step through [`CRC_SLICES`], then four, then one at a time.
 fn crc_register_update(register: u32, bytes: &[u8]) -> u32 {
     if bytes.len() >= FOLDING_FROM {
         // crc32fast keeps the CRC, the complement of the register.
@@ -307,9 +310,10 @@ const fn id_trailing_bytes(packet_len: usize) -> usize {
 /// for each bit of a, as zlib's crc32_combine multiplies, in four chains
 /// of eight that run side by side (b, b·x^8, b·x^16, b·x^24).
 fn mul_mod(a: u32, b: u32) -> u32 {
-    let b8 = crc_byte_step(b, &CRC_TABLE);
-    let b16 = crc_byte_step(b8, &CRC_TABLE);
-    let b24 = crc_byte_step(b16, &CRC_TABLE);
+    let table = &CRC_SLICES[0];
+    let b8 = crc_byte_step(b, table);
+    let b16 = crc_byte_step(b8, table);
+    let b24 = crc_byte_step(b16, table);
     // `bits`: eight coefficients of a, x^0's at bit 7.
     let times = |bits: u32, mut c: u32| {
         let mut p = 0;
@@ -321,9 +325,6 @@ fn mul_mod(a: u32, b: u32) -> u32 {
     };
     times(a >> 24, b) ^ times(a >> 16 & 0xff, b8) ^ times(a >> 8 & 0xff, b16) ^ times(a & 0xff, b24)
 }
-
-/// The reflected CRC-32 table, for run-time use.
-static CRC_TABLE: [u32; 256] = crc_table();
 
 /// One zero byte backwards: the register `e` came from, so that
 /// `unshift_byte(crc_byte_step(d)) == d`. The table's top bytes are all
@@ -508,9 +509,62 @@ impl IdentificationMap {
 /// that packets of many lengths cost no map each.
 #[derive(Debug, Clone, Default)]
 pub struct IdentificationMaps {
-    maps: Vec<IdentificationMap>,
+    maps: Vec<Kept>,
     next: usize,
     misses: u32,
+}
+
+/// A kept map, with the ID it found last and the step from the one before:
+/// packets of one length from one sender mostly count up by the same step
+/// (a GSO send's segments take consecutive IDs, and a ping-pong's WRITEs
+/// and ACKs alternate), so the next ID is tried first, for a few XORs
+/// instead of a solve. The answer is the solve's either way: an ID's
+/// syndrome is its alone.
+#[derive(Debug, Clone)]
+struct Kept {
+    map: IdentificationMap,
+    /// The ID found last and its syndrome.
+    last: Option<(u16, u32)>,
+    step: u16,
+    /// IDs found by the guess.
+    #[cfg(test)]
+    guessed: u32,
+}
+
+impl Kept {
+    fn new(map: IdentificationMap) -> Kept {
+        Kept {
+            map,
+            last: None,
+            step: 1,
+            #[cfg(test)]
+            guessed: 0,
+        }
+    }
+
+    fn solve(&mut self, syndrome: u32) -> Option<u16> {
+        let id = match self.last {
+            Some((last, last_syndrome)) => {
+                let guess = last.wrapping_add(self.step);
+                // The syndrome is linear in the ID: the guess's differs
+                // from the last's by that of the bits they differ in.
+                if last_syndrome ^ self.map.delta(last ^ guess) == syndrome {
+                    #[cfg(test)]
+                    {
+                        self.guessed += 1;
+                    }
+                    guess
+                } else {
+                    let id = self.map.solve(syndrome)?;
+                    self.step = id.wrapping_sub(last);
+                    id
+                }
+            }
+            None => self.map.solve(syndrome)?,
+        };
+        self.last = Some((id, syndrome));
+        Some(id)
+    }
 }
 
 impl IdentificationMaps {
@@ -530,17 +584,22 @@ impl IdentificationMaps {
     /// The lengths with a map, in no order.
     #[cfg(test)]
     fn lengths(&self) -> impl Iterator<Item = usize> + '_ {
-        self.maps.iter().map(IdentificationMap::packet_len)
+        self.maps.iter().map(|k| k.map.packet_len())
     }
 
     /// The ID behind `syndrome` of a packet of `packet_len` bytes (BTH
     /// through ICRC), by its length's map if kept.
     pub fn solve(&mut self, packet_len: usize, syndrome: u32) -> Option<u16> {
-        if let Some(m) = self.maps.iter().find(|m| m.packet_len() == packet_len) {
-            return m.solve(syndrome);
+        if let Some(k) = self
+            .maps
+            .iter_mut()
+            .find(|k| k.map.packet_len() == packet_len)
+        {
+            return k.solve(syndrome);
         }
         let slot = if self.maps.len() < Self::KEPT {
-            self.maps.push(IdentificationMap::new(packet_len));
+            self.maps
+                .push(Kept::new(IdentificationMap::new(packet_len)));
             self.maps.len() - 1
         } else {
             self.misses += 1;
@@ -549,7 +608,7 @@ impl IdentificationMaps {
             }
             self.misses = 0;
             self.next = (self.next + 1) % Self::KEPT;
-            self.maps[self.next] = IdentificationMap::new(packet_len);
+            self.maps[self.next] = Kept::new(IdentificationMap::new(packet_len));
             self.next
         };
         self.maps[slot].solve(syndrome)
@@ -1148,6 +1207,33 @@ mod tests {
             solve_identification(len, flow.syndrome(&packet).unwrap()),
             None
         );
+    }
+
+    #[test]
+    fn a_kept_map_finds_what_its_solve_finds_guessing_the_next_id_first() {
+        let map = IdentificationMap::new(40);
+        let mut kept = Kept::new(map.clone());
+        // A count by 2 (a ping-pong's WRITEs), a jump, a count by 1 across
+        // the wrap, corrupt syndromes between: each as the map solves it.
+        let ids: Vec<u16> = (0..20u16)
+            .map(|k| 0x4c36 + 2 * k)
+            .chain((0..20).map(|k| 0xfff6u16.wrapping_add(k)))
+            .collect();
+        for (k, &id) in ids.iter().enumerate() {
+            let syndrome = map.delta(id);
+            assert_eq!(kept.solve(syndrome), Some(id), "ID {id:#x}");
+            if k % 7 == 3 {
+                let bad = syndrome ^ 1 << (k % 32);
+                assert_eq!(kept.solve(bad), map.solve(bad), "after {id:#x}");
+            }
+        }
+        // Guessed after each count's second ID: 18 of each count's 20.
+        assert_eq!(kept.guessed, 36);
+        assert_eq!(kept.last, Some((0x0009, map.delta(0x0009))));
+        assert_eq!(kept.step, 1);
+        // Guessed wrong: the solve's answer, and the new step.
+        assert_eq!(kept.solve(map.delta(0x0100)), Some(0x0100));
+        assert_eq!(kept.step, 0x0100 - 0x0009);
     }
 
     #[test]
