@@ -447,11 +447,13 @@ impl ConnectedSend {
     }
 }
 
-/// Whether `e`, from a send or a probe on a connected socket, is an ICMP
-/// error the socket held for its next call: the hard ones Linux reports
-/// there (port, protocol, network or host unreachable, a host down or
-/// isolated, a parameter problem). The peer's or the network's trouble,
-/// which may pass; not the socket's.
+/// Whether `e`, from a send or a probe on a connected socket, can be an
+/// ICMP error the socket held for its next call: the ones Linux reports
+/// there without IP_RECVERR (port, protocol, network or host unreachable,
+/// a host down or isolated, a parameter problem, and, DF being set,
+/// fragmentation needed). The peer's or the network's trouble, which may
+/// pass; not the socket's. (EMSGSIZE can also be a send's own size, which
+/// a probe's 8 bytes never are.)
 pub(crate) fn pending_icmp(e: nix::errno::Errno) -> bool {
     use nix::errno::Errno as E;
     matches!(
@@ -463,6 +465,7 @@ pub(crate) fn pending_icmp(e: nix::errno::Errno) -> bool {
             | E::EHOSTDOWN
             | E::ENONET
             | E::EPROTO
+            | E::EMSGSIZE
     )
 }
 
@@ -552,6 +555,13 @@ mod tests {
         // The port is closed now: the ICMP port unreachable that answers
         // this is held for the socket's next call, the probe's send.
         nix::sys::socket::send(c.socket.as_raw_fd(), &[1, 2, 3], MsgFlags::empty()).unwrap();
+        let mut pending = [rustix::event::PollFd::new(
+            &c.socket,
+            rustix::event::PollFlags::ERR,
+        )];
+        let second = crate::provider::timespec(std::time::Duration::from_secs(1));
+        rustix::event::poll(&mut pending, Some(&second)).unwrap();
+        assert!(pending[0].revents().contains(rustix::event::PollFlags::ERR));
         c.failed();
         assert_eq!(c.next_ident(), Err(NoIdent::Busy));
         assert!(!c.gave_up);
@@ -618,6 +628,26 @@ mod tests {
                 .is_none()
         );
         assert!(budget.on.load(Ordering::Relaxed));
+    }
+
+    #[test]
+    fn the_errors_an_icmp_message_leaves_are_pending_ones() {
+        use nix::errno::Errno as E;
+        for e in [
+            E::ECONNREFUSED,
+            E::ENOPROTOOPT,
+            E::ENETUNREACH,
+            E::EHOSTUNREACH,
+            E::EHOSTDOWN,
+            E::ENONET,
+            E::EPROTO,
+            E::EMSGSIZE,
+        ] {
+            assert!(pending_icmp(e), "{e}");
+        }
+        for e in [E::EBADF, E::EINVAL, E::EIO, E::ENOTCONN, E::EAGAIN] {
+            assert!(!pending_icmp(e), "{e}");
+        }
     }
 
     #[test]
