@@ -520,7 +520,8 @@ fn read_stream(secs: u64, size: usize, busy: bool, bare: bool) -> io::Result<f64
         let ident = next_ident(&mut asking)?;
         let r = read_request(&asking.flow(), ident, *next_psn, size as u32, bare);
         *next_psn = next_psn.wrapping_add(packets);
-        let sent = asking.socket().send(&r).map(drop);
+        let sent = send_datagram(asking.socket().as_fd(), &[IoSlice::new(&r)], None, None)
+            .map_err(io::Error::from);
         counted(&mut asking, sent, 1)
     };
     for _ in 0..OUTSTANDING_READS {

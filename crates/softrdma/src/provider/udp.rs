@@ -702,8 +702,9 @@ pub(crate) fn app_sleeps(shared: &Shared) {
 
 thread_local! {
     static APP_RX: RefCell<RxBuffers> = RefCell::new(RxBuffers::new());
-    // The flows this thread last sent on and received from, with their ICRC
-    // prefixes: consecutive packets mostly share them.
+    // The flows this thread last sent on from a device socket (a connected
+    // socket keeps its own) and received from, with their ICRC prefixes:
+    // consecutive packets mostly share them.
     static SEND_FLOW: Cell<Option<Ipv4Flow>> = const { Cell::new(None) };
     static RECV_FLOW: Cell<Option<Ipv4Flow>> = const { Cell::new(None) };
     static ID_MAPS: RefCell<IdentificationMaps> = const { RefCell::new(IdentificationMaps::new()) };
@@ -1583,8 +1584,9 @@ pub(crate) struct RxMeta {
     pub gro_segment: Option<usize>,
 }
 
-/// The control message of a GSO send: the segment size (`UDP_SEGMENT`).
-#[repr(C)]
+/// The control message of a GSO send: the segment size (`UDP_SEGMENT`),
+/// padded as `CMSG_SPACE` pads it.
+#[repr(C, align(8))]
 struct GsoSegment {
     header: libc::cmsghdr,
     size: u16,
@@ -1593,7 +1595,7 @@ struct GsoSegment {
 // SAFETY: CMSG_SPACE and CMSG_LEN are arithmetic on their argument.
 const _: () = unsafe {
     assert!(size_of::<GsoSegment>() == libc::CMSG_SPACE(2) as usize);
-    assert!(size_of::<libc::cmsghdr>() + size_of::<u16>() == libc::CMSG_LEN(2) as usize);
+    assert!(std::mem::offset_of!(GsoSegment, size) == libc::CMSG_LEN(0) as usize);
 };
 
 /// Sends the gather list `iov` from UDP socket `fd` as one datagram (to
@@ -1605,6 +1607,7 @@ const _: () = unsafe {
 /// `sendmsg` allocates its control-message buffer on every call, its
 /// `sendmmsg` builds a message vector for the one datagram, and libc's
 /// wrappers are thread-cancellation points.
+#[doc(hidden)]
 pub fn send_datagram(
     fd: std::os::fd::BorrowedFd<'_>,
     iov: &[IoSlice<'_>],
@@ -1612,17 +1615,10 @@ pub fn send_datagram(
     gso_segment: Option<u16>,
 ) -> Result<(), nix::errno::Errno> {
     // SAFETY: all-zero bytes are a valid `sockaddr_in`, `msghdr` and
-    // `cmsghdr` (plain C structs of integers and pointers).
-    let (mut addr, mut hdr, mut control): (libc::sockaddr_in, libc::msghdr, GsoSegment) = unsafe {
-        (
-            std::mem::zeroed(),
-            std::mem::zeroed(),
-            GsoSegment {
-                header: std::mem::zeroed(),
-                size: 0,
-            },
-        )
-    };
+    // `GsoSegment` (plain C structs of integers and pointers; the control
+    // message's padding is zero too).
+    let (mut addr, mut hdr, mut control): (libc::sockaddr_in, libc::msghdr, GsoSegment) =
+        unsafe { (std::mem::zeroed(), std::mem::zeroed(), std::mem::zeroed()) };
     if let Some(to) = to {
         addr.sin_family = libc::AF_INET as libc::sa_family_t;
         addr.sin_port = to.port().to_be();
@@ -1632,15 +1628,15 @@ pub fn send_datagram(
     }
     // `IoSlice` is ABI-compatible with `iovec` (std guarantees it on Unix).
     hdr.msg_iov = iov.as_ptr().cast_mut().cast();
-    hdr.msg_iovlen = iov.len();
+    hdr.msg_iovlen = iov.len() as _;
     if let Some(size) = gso_segment {
-        control.header.cmsg_len = size_of::<libc::cmsghdr>() + size_of::<u16>();
+        control.header.cmsg_len = (std::mem::offset_of!(GsoSegment, size) + size_of::<u16>()) as _;
         control.header.cmsg_level = libc::SOL_UDP;
         control.header.cmsg_type = libc::UDP_SEGMENT;
         control.size = size;
         hdr.msg_control = (&raw mut control).cast();
         // CMSG_SPACE(2): the header and the value, padded to `size_t`.
-        hdr.msg_controllen = size_of::<GsoSegment>();
+        hdr.msg_controllen = size_of::<GsoSegment>() as _;
     }
     // SAFETY: `hdr` points at `addr`, at the `iov.len()` iovecs of `iov`
     // and at `control`, each live and as long as `hdr` says; the kernel only
@@ -2011,6 +2007,40 @@ fn deliver(
 mod tests {
     use super::*;
     use crate::memory::{Access, MrTable, Region, RegionMemory};
+
+    /// `send_datagram`'s three shapes, seen by a receiver without GRO: a GSO
+    /// send cut at its segment size (unconnected, to an address; connected,
+    /// to the peer), a plain datagram, and a send the kernel refuses.
+    #[test]
+    fn a_gso_send_arrives_cut_at_its_segment_size() {
+        let rx = UdpSocket::bind("127.0.0.97:0").unwrap();
+        rx.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let SocketAddr::V4(to) = rx.local_addr().unwrap() else {
+            unreachable!()
+        };
+        let unconnected = UdpSocket::bind("127.0.0.98:0").unwrap();
+        let connected = UdpSocket::bind("127.0.0.98:0").unwrap();
+        connected.connect(to).unwrap();
+        let payload: Vec<u8> = (0..250u32).map(|i| i as u8).collect();
+        let (head, tail) = payload.split_at(30);
+        let iov = [IoSlice::new(head), IoSlice::new(tail)];
+        let mut buf = [0u8; 512];
+        for (socket, dest) in [(&unconnected, Some(to)), (&connected, None)] {
+            send_datagram(socket.as_fd(), &iov, dest, Some(100)).unwrap();
+            for part in payload.chunks(100) {
+                let (n, _) = rx.recv_from(&mut buf).unwrap();
+                assert_eq!(&buf[..n], part);
+            }
+            send_datagram(socket.as_fd(), &iov, dest, None).unwrap();
+            let (n, _) = rx.recv_from(&mut buf).unwrap();
+            assert_eq!(&buf[..n], &payload[..]);
+        }
+        // 250 segments of one byte: more than a GSO send may hold.
+        assert_eq!(
+            send_datagram(connected.as_fd(), &iov, None, Some(1)),
+            Err(nix::errno::Errno::EINVAL)
+        );
+    }
 
     /// Packets of these payload lengths, each from `pieces` region pieces.
     fn packets(payloads: &[usize], pieces: usize) -> Vec<TxSlot> {
