@@ -4,6 +4,8 @@
 //! the next timer). No sockets, threads or clocks here; the providers and the
 //! simulator drive the same code.
 
+#![forbid(unsafe_code)]
+
 pub mod gsi;
 pub mod iwarp;
 pub mod qp;

@@ -1621,8 +1621,7 @@ pub fn send_datagram(
     gso_segment: Option<u16>,
 ) -> Result<(), nix::errno::Errno> {
     // SAFETY: all-zero bytes are a valid `sockaddr_in`, `msghdr` and
-    // `GsoSegment` (plain C structs of integers and pointers; the control
-    // message's padding is zero too).
+    // `GsoSegment` (plain C structs of integers and pointers).
     let (mut addr, mut hdr, mut control): (libc::sockaddr_in, libc::msghdr, GsoSegment) =
         unsafe { (std::mem::zeroed(), std::mem::zeroed(), std::mem::zeroed()) };
     if let Some(to) = to {
