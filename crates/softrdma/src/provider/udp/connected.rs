@@ -501,12 +501,18 @@ mod tests {
         ConnectedSend::open(local, to, true).unwrap()
     }
 
+    /// A socket standing for a peer, and its address.
+    fn peer() -> (UdpSocket, SocketAddrV4) {
+        let socket = UdpSocket::bind("127.0.0.95:0").unwrap();
+        let SocketAddr::V4(at) = socket.local_addr().unwrap() else {
+            unreachable!("bound to an IPv4 address")
+        };
+        (socket, at)
+    }
+
     #[test]
     fn a_probe_reads_the_count_and_sends_move_it_by_the_steps() {
-        let peer = UdpSocket::bind("127.0.0.95:0").unwrap();
-        let SocketAddr::V4(to) = peer.local_addr().unwrap() else {
-            unreachable!()
-        };
+        let (peer, to) = peer();
         let mut c = open(Ipv4Addr::new(127, 0, 0, 96), to);
         assert!(c.takes_gso());
         let before = c.next_ident().unwrap();
@@ -546,10 +552,7 @@ mod tests {
 
     #[test]
     fn a_probe_that_meets_a_pending_icmp_error_is_busy_not_given_up() {
-        let peer = UdpSocket::bind("127.0.0.95:0").unwrap();
-        let SocketAddr::V4(to) = peer.local_addr().unwrap() else {
-            unreachable!()
-        };
+        let (peer, to) = peer();
         let mut c = open(Ipv4Addr::new(127, 0, 0, 96), to);
         drop(peer);
         // The port is closed now: the ICMP port unreachable that answers
@@ -578,30 +581,18 @@ mod tests {
     fn a_new_peer_or_a_resend_reads_the_count_again() {
         let budget = Budget::with(true, 4);
         let left = budget.left.load(Ordering::Relaxed);
-        let peers: Vec<UdpSocket> = (0..2)
-            .map(|_| UdpSocket::bind("127.0.0.95:0").unwrap())
-            .collect();
-        let addr = |s: &UdpSocket| match s.local_addr().unwrap() {
-            SocketAddr::V4(a) => a,
-            SocketAddr::V6(_) => unreachable!(),
-        };
+        let peers = [peer(), peer()];
         let local = Ipv4Addr::new(127, 0, 0, 96);
         let mut s = SendSocket::Untried;
-        let c = s
-            .connected_to(&budget, local, addr(&peers[0]), true, 5)
-            .unwrap();
+        let c = s.connected_to(&budget, local, peers[0].1, true, 5).unwrap();
         let first_port = c.local().port();
         assert!(c.next_ident.is_some(), "the count from calibrating");
         assert_eq!(budget.left.load(Ordering::Relaxed), left - 1);
-        let c = s
-            .connected_to(&budget, local, addr(&peers[0]), true, 6)
-            .unwrap();
+        let c = s.connected_to(&budget, local, peers[0].1, true, 6).unwrap();
         assert_eq!(c.next_ident, None, "a resend: probe again");
         assert!(c.next_ident().is_ok());
-        let c = s
-            .connected_to(&budget, local, addr(&peers[1]), true, 6)
-            .unwrap();
-        assert_eq!(c.peer, addr(&peers[1]));
+        let c = s.connected_to(&budget, local, peers[1].1, true, 6).unwrap();
+        assert_eq!(c.peer, peers[1].1);
         assert_ne!(c.local().port(), first_port, "a new socket");
         assert_eq!(
             budget.left.load(Ordering::Relaxed),
@@ -612,7 +603,7 @@ mod tests {
         c.gave_up = true;
         assert_eq!(c.next_ident(), Err(NoIdent::GaveUp));
         assert!(
-            s.connected_to(&budget, local, addr(&peers[1]), true, 6)
+            s.connected_to(&budget, local, peers[1].1, true, 6)
                 .is_none()
         );
         assert!(matches!(s, SendSocket::Unusable));
@@ -621,7 +612,7 @@ mod tests {
         budget.left.store(0, Ordering::Relaxed);
         let mut s = SendSocket::Untried;
         assert!(
-            s.connected_to(&budget, local, addr(&peers[0]), true, 0)
+            s.connected_to(&budget, local, peers[0].1, true, 0)
                 .is_none()
         );
         assert!(matches!(s, SendSocket::Unusable));
@@ -630,7 +621,7 @@ mod tests {
         let mut s = SendSocket::Untried;
         let nowhere = Ipv4Addr::UNSPECIFIED;
         assert!(
-            s.connected_to(&budget, nowhere, addr(&peers[0]), true, 0)
+            s.connected_to(&budget, nowhere, peers[0].1, true, 0)
                 .is_none()
         );
         assert!(budget.on.load(Ordering::Relaxed));
@@ -659,10 +650,7 @@ mod tests {
     #[test]
     fn a_failed_calibration_turns_the_device_s_new_sockets_off() {
         let budget = Budget::with(true, 4);
-        let peer = UdpSocket::bind("127.0.0.95:0").unwrap();
-        let SocketAddr::V4(to) = peer.local_addr().unwrap() else {
-            unreachable!()
-        };
+        let (_peer, to) = peer();
         let local = Ipv4Addr::new(127, 0, 0, 96);
         let mut kept = SendSocket::Untried;
         assert!(kept.connected_to(&budget, local, to, true, 0).is_some());
