@@ -1658,6 +1658,10 @@ pub fn send_datagram(
 /// wrapper makes every call a thread-cancellation point, two calls around
 /// the system call that took 8 % of a profile of two processes spinning on
 /// empty sockets.
+#[allow(
+    clippy::unnecessary_cast,
+    reason = "msghdr and cmsghdr lengths are size_t on glibc, socklen_t on musl"
+)]
 pub(crate) fn recv_datagram(
     socket: &UdpSocket,
     rx: &mut [u8],
@@ -1676,7 +1680,7 @@ pub(crate) fn recv_datagram(
     hdr.msg_iov = &raw mut iov;
     hdr.msg_iovlen = 1;
     hdr.msg_control = cmsg.as_mut_ptr().cast();
-    hdr.msg_controllen = cmsg.len();
+    hdr.msg_controllen = cmsg.len() as _;
     // SAFETY: `hdr` points at `from`, at `iov` (over `rx`) and at `cmsg`,
     // each live, writable and as long as `hdr` says; the kernel writes
     // within those lengths and keeps no pointer past the call.
@@ -1702,7 +1706,7 @@ pub(crate) fn recv_datagram(
     // The control messages the kernel wrote: `msg_controllen` is now their
     // length, within `cmsg`. Each header and value is read unaligned (a
     // `Vec<u8>` need not be aligned for `cmsghdr`).
-    let control = &cmsg[..hdr.msg_controllen.min(cmsg.len())];
+    let control = &cmsg[..(hdr.msg_controllen as usize).min(cmsg.len())];
     let header_len = size_of::<libc::cmsghdr>();
     let mut at = 0;
     while control.len() >= at + header_len {
@@ -1715,7 +1719,7 @@ pub(crate) fn recv_datagram(
                 .read_unaligned()
         };
         let Some(data) = at
-            .checked_add(c.cmsg_len)
+            .checked_add(c.cmsg_len as usize)
             .and_then(|end| control.get(at + header_len..end))
         else {
             break;
@@ -1730,8 +1734,7 @@ pub(crate) fn recv_datagram(
             _ => {}
         }
         // Each message starts aligned to `size_t`.
-        at += c
-            .cmsg_len
+        at += (c.cmsg_len as usize)
             .max(header_len)
             .next_multiple_of(size_of::<usize>());
     }
