@@ -156,6 +156,80 @@ fn a_peer_at_4791_reaches_qps_of_two_devices_sharing_an_address() {
     assert_eq!(peer.query_port().state, PortState::Active);
 }
 
+/// Busy-poll mode through the daemon: the application threads that poll
+/// take the datagrams from the uplink (the device's own sockets receive
+/// nothing there), and a daemon that goes away while they poll takes the
+/// port down.
+#[test]
+fn busy_polling_threads_take_what_the_daemon_forwards() {
+    let mut daemon = Daemon::start("127.0.0.56:4791");
+    let shared = Device::udp("127.0.0.56:4791".parse().unwrap())
+        .shared_port(true)
+        .busy_poll(true)
+        .open()
+        .unwrap();
+    let peer = Device::udp("127.0.0.57:4791".parse().unwrap())
+        .busy_poll(true)
+        .open()
+        .unwrap();
+    let (qa, ca, ma, qb, cb, mb) = rc_pair(&shared, &peer);
+    let ends = [(&qa, &ca, &ma), (&qb, &cb, &mb)];
+    // A ping-pong of 8-byte WRITEs, each side spinning on its memory and
+    // then on its CQ, as perftest's write_lat.
+    let rounds = 200u32;
+    for round in 0..rounds {
+        let (from, to) = if round % 2 == 0 {
+            (ends[0], ends[1])
+        } else {
+            (ends[1], ends[0])
+        };
+        let word = u64::from(round) + 1;
+        from.2.write(0, &word.to_le_bytes()).unwrap();
+        from.0
+            .post_send(SendWr::new(
+                word,
+                SendOp::Write {
+                    remote_addr: to.2.addr() + 64,
+                    rkey: to.2.rkey(),
+                },
+                vec![from.2.sge(0, 8)],
+            ))
+            .unwrap();
+        let t = std::time::Instant::now();
+        while to.2.read_vec(64, 8).unwrap() != word.to_le_bytes() {
+            to.1.progress();
+            assert!(t.elapsed() < T, "round {round}: the WRITE never landed");
+        }
+        let wc = loop {
+            if let Some(wc) = from.1.poll_one().unwrap() {
+                break wc;
+            }
+            assert!(t.elapsed() < T, "round {round}: no completion");
+        };
+        assert_eq!((wc.wr_id, wc.status), (word, WcStatus::Success));
+    }
+    let s = shared.stats();
+    // Each round brings the shared device a WRITE or an ACK; the first few,
+    // before its progress thread stands by, may be the progress thread's.
+    assert!(s.received >= u64::from(rounds), "{s:?}");
+    assert!(s.polled * 10 >= s.received * 9, "{s:?}");
+    // The daemon goes while the application polls: the port goes down.
+    daemon.stop();
+    let t = std::time::Instant::now();
+    while shared.query_port().state != PortState::Down {
+        ca.progress();
+        assert!(t.elapsed() < T, "the port stays up");
+    }
+    let mut events = vec![];
+    while let Some(e) = shared.wait_async_event(T) {
+        events.push(e);
+        if e == AsyncEvent::PortDown {
+            break;
+        }
+    }
+    assert_eq!(events.last(), Some(&AsyncEvent::PortDown), "{events:?}");
+}
+
 #[test]
 fn an_address_held_exclusively_cannot_be_shared() {
     let _owner = Device::udp("127.0.0.50:4791".parse().unwrap())

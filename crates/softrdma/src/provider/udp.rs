@@ -226,6 +226,8 @@ pub struct DeviceStats {
     pub wrong_source: AtomicU64,
     /// Send errors from the kernel.
     pub send_errors: AtomicU64,
+    /// Datagrams application threads polling CQs took (busy-poll mode).
+    pub polled: AtomicU64,
 }
 
 /// What the device's threads share.
@@ -659,19 +661,38 @@ pub(crate) fn poll_now(shared: &Shared) {
         }
     }
     APP_RX.with_borrow_mut(|b| {
-        let which = b.sockets_to_look_at();
         // A thread that looks again at once takes one datagram a look: the
         // answer to it (a ping-pong's next post, a receive posted again)
         // leaves without an empty `recvmsg` (about 1 µs) first. A thread
         // that looks seldom takes everything that waits.
-        b.drain_sockets(
-            shared,
-            &mut receiving,
-            &which,
-            true,
-            since_last_look < LOOKS_OFTEN_NS,
-            Some(Time(now)),
-        );
+        let one = since_last_look < LOOKS_OFTEN_NS;
+        let received_before = shared.stats.received.load(Ordering::Relaxed);
+        let received = match &shared.uplink {
+            // Shared through the hostd, the device's sockets only send
+            // (peers send to the daemon's 4791): the datagrams come up the
+            // uplink.
+            Some(uplink) => {
+                !shared.uplink_lost.load(Ordering::Acquire)
+                    && take_uplink(
+                        shared,
+                        uplink,
+                        &mut receiving,
+                        &mut b.rx,
+                        if one { 1 } else { RX_BUDGET },
+                        true,
+                    )
+            }
+            None => {
+                let which = b.sockets_to_look_at();
+                b.drain_sockets(shared, &mut receiving, &which, true, one, Some(Time(now)))
+            }
+        };
+        if received {
+            // Only the holder of the receive lock counts: a load and a store.
+            let polled = &shared.stats.polled;
+            let taken = shared.stats.received.load(Ordering::Relaxed) - received_before;
+            polled.store(polled.load(Ordering::Relaxed) + taken, Ordering::Relaxed);
+        }
         let Receiving {
             deferred, touched, ..
         } = &mut *receiving;
@@ -1340,7 +1361,6 @@ fn send_packets(
 fn progress(shared: &Arc<Shared>) {
     let mut b = RxBuffers::new();
     let mut slots: Vec<Arc<QpSlot>> = Vec::new();
-    let mut uplink_open = shared.uplink.is_some();
     // Consecutive looks that found a stream (see [`STREAM_GAP_NS`]).
     let mut stream_looks = 0u32;
     while !shared.stop.load(Ordering::Acquire) {
@@ -1424,11 +1444,13 @@ fn progress(shared: &Arc<Shared>) {
         const WAKE: usize = 0;
         const ALARM: usize = 1;
         const FIRST_SOCKET: usize = 3;
+        // Standing by, the uplink is the polling threads' too.
+        let uplink_open = !standby && !shared.uplink_lost.load(Ordering::Acquire);
         let mut fds: [PollFd; FIRST_SOCKET + SOCKETS] = std::array::from_fn(|i| match i {
             WAKE => PollFd::new(&shared.wake, PollFlags::IN),
             ALARM => PollFd::new(&shared.standby_alarm, PollFlags::IN),
-            2 => match (&shared.uplink, uplink_open) {
-                (Some(u), true) => PollFd::new(u, PollFlags::IN),
+            2 => match &shared.uplink {
+                Some(u) if uplink_open => PollFd::new(u, PollFlags::IN),
                 _ => PollFd::new(&shared.wake, PollFlags::empty()),
             },
             _ => PollFd::new(&shared.sockets[i - FIRST_SOCKET], PollFlags::IN),
@@ -1469,35 +1491,53 @@ fn progress(shared: &Arc<Shared>) {
                 }
             }
         }
-        if let (Some(uplink), true) = (&shared.uplink, uplink_open) {
+        if let Some(uplink) = &shared.uplink
+            && uplink_open
+        {
             let mut receiving = shared.rx_lock.lock();
-            for _ in 0..RX_BUDGET {
-                match super::hostd::recv_forwarded(uplink, &mut b.rx) {
-                    Ok(Some((n, meta))) => {
-                        receive_datagram(
-                            shared,
-                            &mut receiving,
-                            &b.rx[..n],
-                            &meta,
-                            shared.local.port(),
-                            false,
-                            shared.now(),
-                        );
-                    }
-                    Ok(None) => break,
-                    Err(_) => {
-                        // The daemon is gone: nothing reaches the device now.
-                        uplink_open = false;
-                        shared.uplink_lost.store(true, Ordering::Release);
-                        if shared.port_up.swap(false, Ordering::AcqRel) {
-                            shared.events.push(AsyncEvent::PortDown);
-                        }
-                        break;
-                    }
+            take_uplink(shared, uplink, &mut receiving, &mut b.rx, RX_BUDGET, false);
+        }
+    }
+}
+
+/// Receives and handles up to `budget` datagrams the hostd forwarded, as
+/// [`receive_datagram`] does (`defer` as there). Returns whether one came.
+/// A closed uplink (the daemon is gone: nothing reaches the device now) takes
+/// the port down for good.
+fn take_uplink(
+    shared: &Shared,
+    uplink: &OwnedFd,
+    receiving: &mut Receiving,
+    rx: &mut [u8],
+    budget: usize,
+    defer: bool,
+) -> bool {
+    let mut received = false;
+    for _ in 0..budget {
+        match super::hostd::recv_forwarded(uplink, rx) {
+            Ok(Some((n, meta))) => {
+                received = true;
+                receive_datagram(
+                    shared,
+                    receiving,
+                    &rx[..n],
+                    &meta,
+                    shared.local.port(),
+                    defer,
+                    shared.now(),
+                );
+            }
+            Ok(None) => break,
+            Err(_) => {
+                shared.uplink_lost.store(true, Ordering::Release);
+                if shared.port_up.swap(false, Ordering::AcqRel) {
+                    shared.events.push(AsyncEvent::PortDown);
                 }
+                break;
             }
         }
     }
+    received
 }
 
 /// The progress thread panicked (a bug): nothing moves the device's QPs on

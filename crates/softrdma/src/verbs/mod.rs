@@ -806,6 +806,7 @@ impl Context {
             cm_rejects: s.cm_rejects.load(Ordering::Relaxed),
             wrong_source: s.wrong_source.load(Ordering::Relaxed),
             send_errors: s.send_errors.load(Ordering::Relaxed),
+            polled: s.polled.load(Ordering::Relaxed),
         }
     }
 
@@ -903,6 +904,9 @@ pub struct DeviceCounters {
     pub wrong_source: u64,
     /// Datagrams the kernel refused to send.
     pub send_errors: u64,
+    /// Of the datagrams received, those an application thread polling a CQ
+    /// took (busy-poll mode; the device's progress thread took the rest).
+    pub polled: u64,
 }
 
 /// A protection domain: memory regions and queue pairs in one may work together.
