@@ -1114,6 +1114,31 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
     timer
 }
 
+/// Why the kernel refused a GSO send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GsoRefused {
+    /// Not on this device's route: no checksum offload there, or IPsec
+    /// (EIO), or no UDP GSO in the kernel (ENOPROTOOPT).
+    ByTheDevice,
+    /// This run (EINVAL): on Linux 6.1 a segment longer than the route's
+    /// MTU (later kernels say EMSGSIZE) or more segments than the kernel
+    /// takes. Other runs, to other peers, may pass.
+    ThisRun,
+}
+
+/// What a failed GSO send's `e` says, if it refused the GSO send itself; a
+/// connected socket's ENOPROTOOPT is its peer's ICMP protocol unreachable
+/// (and the socket took a GSO send at calibration).
+fn gso_refused(e: nix::errno::Errno, connected: bool) -> Option<GsoRefused> {
+    use nix::errno::Errno as E;
+    match e {
+        E::ENOPROTOOPT if connected => None,
+        E::EIO | E::ENOPROTOOPT => Some(GsoRefused::ByTheDevice),
+        E::EINVAL => Some(GsoRefused::ThisRun),
+        _ => None,
+    }
+}
+
 /// The UDP length of a packet.
 fn udp_len(t: &Transmit) -> usize {
     8 + t.len + t.payload_len + usize::from(t.pad) + icrc::LEN
@@ -1312,16 +1337,12 @@ fn send_packets(
                 shared.events.push(AsyncEvent::PortActive);
             }
         }
-        // A kernel or device without UDP GSO: one datagram per packet from
-        // now on, starting with these.
-        // (A connected socket's ENOPROTOOPT is an ICMP protocol
-        // unreachable from its peer, and it took a GSO send at calibration.)
-        Err(
-            e @ (nix::errno::Errno::EIO
-            | nix::errno::Errno::EINVAL
-            | nix::errno::Errno::ENOPROTOOPT),
-        ) if gso && !(via.is_some() && connected::pending_icmp(e)) => {
-            shared.gso.store(false, Ordering::Relaxed);
+        // A GSO send refused: its packets go one datagram each, and, if the
+        // device can't take GSO sends at all, every run from now on.
+        Err(e) if gso && let Some(refused) = gso_refused(e, via.is_some()) => {
+            if refused == GsoRefused::ByTheDevice {
+                shared.gso.store(false, Ordering::Relaxed);
+            }
             if let Some(c) = via.as_deref_mut() {
                 c.failed();
             }
@@ -2080,11 +2101,44 @@ mod tests {
             let (n, _) = rx.recv_from(&mut buf).unwrap();
             assert_eq!(&buf[..n], &payload[..]);
         }
-        // 250 segments of one byte: more than a GSO send may hold.
+        // 250 segments of one byte: more than a GSO send may hold. The
+        // kernel refuses the run, not GSO.
+        let refused = send_datagram(connected.as_fd(), &iov, None, Some(1));
+        assert_eq!(refused, Err(nix::errno::Errno::EINVAL));
         assert_eq!(
-            send_datagram(connected.as_fd(), &iov, None, Some(1)),
-            Err(nix::errno::Errno::EINVAL)
+            gso_refused(refused.unwrap_err(), true),
+            Some(GsoRefused::ThisRun)
         );
+    }
+
+    /// Which refusals of a GSO send turn GSO off for the device: only those
+    /// that say it can't do GSO at all, not a run the kernel would not take,
+    /// nor a connected socket's pending ICMP protocol unreachable, nor
+    /// errors that are not about GSO.
+    #[test]
+    fn only_a_device_without_gso_turns_gso_off() {
+        use nix::errno::Errno as E;
+        for connected in [false, true] {
+            assert_eq!(
+                gso_refused(E::EIO, connected),
+                Some(GsoRefused::ByTheDevice)
+            );
+            assert_eq!(gso_refused(E::EINVAL, connected), Some(GsoRefused::ThisRun));
+            for e in [
+                E::EAGAIN,
+                E::ENOBUFS,
+                E::EMSGSIZE,
+                E::ECONNREFUSED,
+                E::EPERM,
+            ] {
+                assert_eq!(gso_refused(e, connected), None, "{e}");
+            }
+        }
+        assert_eq!(
+            gso_refused(E::ENOPROTOOPT, false),
+            Some(GsoRefused::ByTheDevice)
+        );
+        assert_eq!(gso_refused(E::ENOPROTOOPT, true), None);
     }
 
     /// Packets of these payload lengths, each from `pieces` region pieces.
