@@ -1118,7 +1118,8 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum GsoRefused {
     /// Not on this device's route: no checksum offload there, or IPsec
-    /// (EIO), or no UDP GSO in the kernel (ENOPROTOOPT).
+    /// (EIO); or ENOPROTOOPT on an unconnected socket (which gets no ICMP
+    /// errors), taken as a kernel without UDP GSO.
     ByTheDevice,
     /// This run (EINVAL): on Linux 6.1 a segment longer than the route's
     /// MTU (later kernels say EMSGSIZE) or more segments than the kernel
