@@ -142,12 +142,7 @@ struct Checker {
 impl Checker {
     /// Whether `packet`, from `from` to `to`, has a good ICRC under some ID.
     fn ok(&mut self, from: SocketAddrV4, to: SocketAddrV4, packet: &[u8]) -> bool {
-        let ip = Ipv4Pseudo {
-            src: from.ip().octets(),
-            dst: to.ip().octets(),
-            identification: 0,
-            dont_fragment: true,
-        };
+        let ip = Ipv4Pseudo::df(*from.ip(), *to.ip());
         let flow = match self.flow {
             Some(f) if f.is(&ip, from.port(), to.port()) => f,
             _ => *self.flow.insert(Ipv4Flow::new(ip, from.port(), to.port())),

@@ -251,12 +251,7 @@ impl RawPeer {
         let mut p = vec![0u8; r.buffer_len().unwrap()];
         r.emit(&mut p, mad).unwrap();
         let udp_len = (8 + p.len()) as u16;
-        let ip = Ipv4Pseudo {
-            src: self.ip,
-            dst: to,
-            identification: 0,
-            dont_fragment: true,
-        };
+        let ip = Ipv4Pseudo::df(self.ip.into(), to.into());
         let udp = icrc::udp_header(4791, 4791, udp_len);
         icrc::fill(&ip.header(udp_len), &udp, &mut p).unwrap();
         self.sock

@@ -288,13 +288,7 @@ fn an_rc_qp_ignores_packets_from_another_address() {
     let mut p = vec![0u8; r.buffer_len().unwrap()];
     r.emit(&mut p, b"forge").unwrap();
     let udp_len = (8 + p.len()) as u16;
-    let ip = Ipv4Pseudo {
-        src: from.ip().octets(),
-        dst: to.ip().octets(),
-        identification: 0,
-        dont_fragment: true,
-    }
-    .header(udp_len);
+    let ip = Ipv4Pseudo::df(*from.ip(), *to.ip()).header(udp_len);
     icrc::fill(
         &ip,
         &icrc::udp_header(from.port(), to.port(), udp_len),

@@ -15,12 +15,10 @@ fn main() {
 const UDP: [u8; 8] = [0xc0, 0x00, 0x12, 0xb7, 0, 0, 0, 0];
 
 /// The benches' IPv4 addresses.
-const PSEUDO: Ipv4Pseudo = Ipv4Pseudo {
-    src: [10, 0, 0, 1],
-    dst: [10, 0, 0, 2],
-    identification: 0,
-    dont_fragment: true,
-};
+const PSEUDO: Ipv4Pseudo = Ipv4Pseudo::df(
+    std::net::Ipv4Addr::new(10, 0, 0, 1),
+    std::net::Ipv4Addr::new(10, 0, 0, 2),
+);
 
 fn ip(len: usize) -> [u8; 20] {
     PSEUDO.header((8 + len) as u16)

@@ -641,6 +641,18 @@ pub struct Ipv4Pseudo {
 }
 
 impl Ipv4Pseudo {
+    /// The header of a datagram from `src` to `dst` with DF set, as RoCEv2
+    /// goes over Linux (rxe's and softrdma's sockets do path MTU discovery),
+    /// with ID 0: each packet gives its own.
+    pub const fn df(src: core::net::Ipv4Addr, dst: core::net::Ipv4Addr) -> Ipv4Pseudo {
+        Ipv4Pseudo {
+            src: src.octets(),
+            dst: dst.octets(),
+            identification: 0,
+            dont_fragment: true,
+        }
+    }
+
     /// The 20 header bytes for a UDP datagram of `udp_len` bytes (header included).
     pub fn header(&self, udp_len: u16) -> [u8; IPV4_HEADER_LEN] {
         let mut h = [0u8; IPV4_HEADER_LEN];
@@ -911,12 +923,17 @@ mod tests {
 
     #[test]
     fn pseudo_header_matches_the_real_one() {
+        // The captured rxe packet's header: DF, its ID; TOS, TTL and
+        // checksum, which the ICRC masks, left out.
         let p = Ipv4Pseudo {
-            src: [10, 99, 0, 2],
-            dst: [10, 99, 0, 3],
             identification: 0x4c36,
-            dont_fragment: true,
+            ..Ipv4Pseudo::df([10, 99, 0, 2].into(), [10, 99, 0, 3].into())
         };
+        let mut real = *ACK_FRAME[..20].first_chunk::<20>().unwrap();
+        for masked in [1, 8, 10, 11] {
+            real[masked] = 0;
+        }
+        assert_eq!(p.header(28), real);
         let udp = udp_header(49441, 4791, 28);
         let ib = &ACK_FRAME[28..44];
         assert_eq!(
@@ -928,13 +945,7 @@ mod tests {
 
     /// A flow with DF set from `src`, port `src_port`, to `dst`'s port 4791.
     fn flow_to_4791(src: [u8; 4], dst: [u8; 4], src_port: u16) -> Ipv4Flow {
-        let ip = Ipv4Pseudo {
-            src,
-            dst,
-            identification: 0,
-            dont_fragment: true,
-        };
-        Ipv4Flow::new(ip, src_port, 4791)
+        Ipv4Flow::new(Ipv4Pseudo::df(src.into(), dst.into()), src_port, 4791)
     }
 
     #[test]

@@ -155,13 +155,7 @@ const UDP_SPORT: u16 = 0xc000;
 
 fn headers(src: [u8; 4], dst: [u8; 4], ib_len: usize) -> ([u8; 20], [u8; 8]) {
     let udp_len = (8 + ib_len) as u16;
-    let ip = Ipv4Pseudo {
-        src,
-        dst,
-        identification: 0,
-        dont_fragment: true,
-    }
-    .header(udp_len);
+    let ip = Ipv4Pseudo::df(src.into(), dst.into()).header(udp_len);
     (
         ip,
         icrc::udp_header(UDP_SPORT, softrdma_wire::ROCEV2_UDP_PORT, udp_len),

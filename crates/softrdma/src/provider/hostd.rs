@@ -368,12 +368,7 @@ impl Hostd {
     /// other's): a CM REQ whose ICRC holds gets its REJ.
     fn answer_gsi(&self, packet: &[u8], from: SocketAddrV4) {
         let udp_len = (8 + packet.len()) as u16;
-        let ip = Ipv4Pseudo {
-            src: from.ip().octets(),
-            dst: self.addr.ip().octets(),
-            identification: 0,
-            dont_fragment: true,
-        };
+        let ip = Ipv4Pseudo::df(*from.ip(), *self.addr.ip());
         let udp = icrc::udp_header(from.port(), self.addr.port(), udp_len);
         let sound = matches!(
             icrc::solve_ipv4_identification(&ip.header(udp_len), &udp, packet),

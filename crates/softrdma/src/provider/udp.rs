@@ -1268,12 +1268,7 @@ fn send_packets(
     let (flow, base) = match &connected {
         Some((c, id)) => (c.flow(), *id),
         None => {
-            let ip = Ipv4Pseudo {
-                src: shared.local.ip().octets(),
-                dst: peer.ip().octets(),
-                identification: 0,
-                dont_fragment: true,
-            };
+            let ip = Ipv4Pseudo::df(*shared.local.ip(), *peer.ip());
             let port = shared.ports[device_socket];
             (cached_flow(&SEND_FLOW, ip, port, peer.port()), 0)
         }
@@ -1880,12 +1875,7 @@ type Run<'a> = smallvec::SmallVec<[(&'a [u8], u16); GSO_MAX_SEGMENTS_BULK]>;
 /// it came under) and its BTH. Returns the QP number it is for and the ID.
 fn check_packet(shared: &Shared, packet: &[u8], rx: &RxMeta, dst_port: u16) -> Option<(u32, u16)> {
     let from = rx.from;
-    let ip = Ipv4Pseudo {
-        src: from.ip().octets(),
-        dst: shared.local.ip().octets(),
-        identification: 0,
-        dont_fragment: true,
-    };
+    let ip = Ipv4Pseudo::df(*from.ip(), *shared.local.ip());
     let flow = cached_flow(&RECV_FLOW, ip, from.port(), dst_port);
     // The ID the packet came under, which the socket does not show: 0 or k
     // (the kth segment of a GSO send) from an unconnected softrdma socket,
@@ -2003,12 +1993,7 @@ pub(crate) fn send_cm_rej(
 /// RoCEv2 port.
 fn seal_gsi(local: SocketAddrV4, to: SocketAddrV4, packet: &mut [u8]) -> Option<()> {
     let udp_len = (8 + packet.len()) as u16;
-    let ip = Ipv4Pseudo {
-        src: local.ip().octets(),
-        dst: to.ip().octets(),
-        identification: 0,
-        dont_fragment: true,
-    };
+    let ip = Ipv4Pseudo::df(*local.ip(), *to.ip());
     let udp = icrc::udp_header(local.port(), ROCE_PORT, udp_len);
     icrc::fill(&ip.header(udp_len), &udp, packet).ok().map(drop)
 }

@@ -270,13 +270,7 @@ pub fn cm_req_gets_its_rej(to: std::net::SocketAddrV4, peer: [u8; 4]) {
     let mut p = vec![0u8; r.buffer_len().unwrap()];
     r.emit(&mut p, &req).unwrap();
     let pseudo = |src: [u8; 4], dst: [u8; 4], len: usize| {
-        Ipv4Pseudo {
-            src,
-            dst,
-            identification: 0,
-            dont_fragment: true,
-        }
-        .header((8 + len) as u16)
+        Ipv4Pseudo::df(src.into(), dst.into()).header((8 + len) as u16)
     };
     let udp_len = (8 + p.len()) as u16;
     let udp = icrc::udp_header(4791, to.port(), udp_len);

@@ -236,12 +236,7 @@ impl ConnectedSend {
             }
         });
         let (socket, local) = opened.map_err(Failed::Opening)?;
-        let ip = Ipv4Pseudo {
-            src: local.ip().octets(),
-            dst: peer.ip().octets(),
-            identification: 0,
-            dont_fragment: true,
-        };
+        let ip = Ipv4Pseudo::df(*local.ip(), *peer.ip());
         let mut c = ConnectedSend {
             socket,
             local,
