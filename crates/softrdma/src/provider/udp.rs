@@ -226,7 +226,8 @@ pub struct DeviceStats {
     pub wrong_source: AtomicU64,
     /// Send errors from the kernel.
     pub send_errors: AtomicU64,
-    /// Datagrams application threads polling CQs took (busy-poll mode).
+    /// Of those received, the ones application threads polling CQs took
+    /// (busy-poll mode).
     pub polled: AtomicU64,
 }
 
@@ -240,6 +241,8 @@ pub(crate) struct Shared {
     /// Asynchronous events.
     pub events: Arc<EventQueue>,
     port_up: AtomicBool,
+    /// Taken to move `port_up` (rarely: see [`Shared::set_port`]).
+    port_moves: Mutex<()>,
     /// The hostd connection broke: the port stays down.
     uplink_lost: AtomicBool,
     pub stats: DeviceStats,
@@ -305,6 +308,28 @@ impl Shared {
     /// Whether the port is up (the last send worked, the hostd is there).
     pub fn port_up(&self) -> bool {
         self.port_up.load(Ordering::Acquire)
+    }
+
+    /// Moves the port up or down, with its event, unless it is there
+    /// already; up only while the hostd (if any) is there and the device
+    /// lives. Under a lock: a send that finds the port back, racing a lost
+    /// uplink or a fatal error, can't leave it up, nor raise the events out
+    /// of order.
+    fn set_port(&self, up: bool) {
+        let _moving = self
+            .port_moves
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if up && (self.uplink_lost.load(Ordering::Acquire) || self.fatal.load(Ordering::Acquire)) {
+            return;
+        }
+        if self.port_up.swap(up, Ordering::AcqRel) != up {
+            self.events.push(if up {
+                AsyncEvent::PortActive
+            } else {
+                AsyncEvent::PortDown
+            });
+        }
     }
 
     /// It shares its address through the hostd (which answers QP 1).
@@ -513,7 +538,7 @@ impl RxBuffers {
     /// and LAST packets are 4 bytes longer than its MIDDLE ones, so alone it
     /// takes three sends; with the next READ's, two). `looked_at`: when the
     /// caller started looking, taken as the first datagram's arrival (the
-    /// clock is read for the others).
+    /// clock is read for the others). Returns the packets received.
     fn drain_sockets(
         &mut self,
         shared: &Shared,
@@ -522,8 +547,8 @@ impl RxBuffers {
         defer: bool,
         one: bool,
         mut looked_at: Option<Time>,
-    ) -> bool {
-        let mut received = false;
+    ) -> u64 {
+        let mut received = 0;
         let mut held = 0;
         let mut holding = false;
         // The device's address last: a polling thread's answer to what it
@@ -538,8 +563,7 @@ impl RxBuffers {
                 && let Some((n, meta)) = recv_datagram(sock, &mut self.rx, &mut self.cmsg)
             {
                 budget -= 1;
-                received = true;
-                holding |= receive_datagram(
+                let (holds, packets) = receive_datagram(
                     shared,
                     receiving,
                     &self.rx[..n],
@@ -548,6 +572,8 @@ impl RxBuffers {
                     true,
                     looked_at.take().unwrap_or_else(|| shared.now()),
                 );
+                holding |= holds;
+                received += packets;
                 held += 1;
                 if !defer && (held >= HELD_DATAGRAMS || !holding) {
                     for slot in receiving.touched.drain(..) {
@@ -570,14 +596,20 @@ impl RxBuffers {
     /// every time; one look in [`OTHER_SOCKET_LOOKS`] one of the others
     /// (source ports), in turn. One at a time: all seven in one look took
     /// 3 µs, which a ping-pong's answer arriving meanwhile waited for
-    /// (busy-poll WRITE latency p99 10 µs).
-    fn sockets_to_look_at(&mut self) -> [bool; SOCKETS] {
+    /// (busy-poll WRITE latency p99 10 µs). Through the hostd (`shared`),
+    /// every socket is a source port: each in turn, one look in
+    /// [`OTHER_SOCKET_LOOKS`].
+    fn sockets_to_look_at(&mut self, shared: bool) -> [bool; SOCKETS] {
         self.polls = self.polls.wrapping_add(1);
-        let other = self
-            .polls
-            .is_multiple_of(OTHER_SOCKET_LOOKS)
-            .then(|| 1 + (self.polls / OTHER_SOCKET_LOOKS) as usize % (SOCKETS - 1));
-        std::array::from_fn(|i| i == 0 || Some(i) == other)
+        let turn = (self.polls / OTHER_SOCKET_LOOKS) as usize;
+        let other = self.polls.is_multiple_of(OTHER_SOCKET_LOOKS).then(|| {
+            if shared {
+                turn % SOCKETS
+            } else {
+                1 + turn % (SOCKETS - 1)
+            }
+        });
+        std::array::from_fn(|i| (i == 0 && !shared) || Some(i) == other)
     }
 
     /// The progress thread's look at `which` sockets: first what a polling
@@ -588,7 +620,7 @@ impl RxBuffers {
         for slot in receiving.deferred.drain(..) {
             transmit_deferred(shared, &slot);
         }
-        let received = self.drain_sockets(shared, &mut receiving, which, false, false, None);
+        let received = self.drain_sockets(shared, &mut receiving, which, false, false, None) > 0;
         if received {
             self.last_rx = shared.now().0;
         }
@@ -620,7 +652,7 @@ impl RxBuffers {
             {
                 return false;
             }
-            let which = self.sockets_to_look_at();
+            let which = self.sockets_to_look_at(false);
             if self.take_sockets(shared, &which) {
                 return true;
             }
@@ -630,7 +662,8 @@ impl RxBuffers {
 }
 
 /// Busy-poll mode: the calling application thread (polling a CQ) receives
-/// what waits on the device's sockets and handles it, so that a ping-pong
+/// what waits on the device's sockets (or the hostd's uplink) and handles it,
+/// so that a ping-pong
 /// takes no thread wake-up (libfabric's manual progress). Returns at once
 /// when another thread is receiving, or outside busy-poll mode.
 pub(crate) fn poll_now(shared: &Shared) {
@@ -666,32 +699,26 @@ pub(crate) fn poll_now(shared: &Shared) {
         // leaves without an empty `recvmsg` (about 1 µs) first. A thread
         // that looks seldom takes everything that waits.
         let one = since_last_look < LOOKS_OFTEN_NS;
-        let received_before = shared.stats.received.load(Ordering::Relaxed);
-        let received = match &shared.uplink {
-            // Shared through the hostd, the device's sockets only send
-            // (peers send to the daemon's 4791): the datagrams come up the
-            // uplink.
-            Some(uplink) => {
-                !shared.uplink_lost.load(Ordering::Acquire)
-                    && take_uplink(
-                        shared,
-                        uplink,
-                        &mut receiving,
-                        &mut b.rx,
-                        if one { 1 } else { RX_BUDGET },
-                        true,
-                    )
-            }
-            None => {
-                let which = b.sockets_to_look_at();
-                b.drain_sockets(shared, &mut receiving, &which, true, one, Some(Time(now)))
-            }
+        // Shared through the hostd, the device's sockets are source ports
+        // (peers send to the daemon's 4791): what comes, comes up the uplink.
+        let from_uplink = match &shared.uplink {
+            Some(uplink) if !shared.uplink_lost.load(Ordering::Acquire) => take_uplink(
+                shared,
+                uplink,
+                &mut receiving,
+                &mut b.rx,
+                if one { 1 } else { RX_BUDGET },
+                true,
+            ),
+            _ => 0,
         };
-        if received {
+        let which = b.sockets_to_look_at(shared.uplink.is_some());
+        let received = from_uplink
+            + b.drain_sockets(shared, &mut receiving, &which, true, one, Some(Time(now)));
+        if received > 0 {
             // Only the holder of the receive lock counts: a load and a store.
             let polled = &shared.stats.polled;
-            let taken = shared.stats.received.load(Ordering::Relaxed) - received_before;
-            polled.store(polled.load(Ordering::Relaxed) + taken, Ordering::Relaxed);
+            polled.store(polled.load(Ordering::Relaxed) + received, Ordering::Relaxed);
         }
         let Receiving {
             deferred, touched, ..
@@ -819,6 +846,7 @@ impl UdpDevice {
             ahs: RwLock::new(HashMap::new()),
             events: Arc::new(EventQueue::new()?),
             port_up: AtomicBool::new(true),
+            port_moves: Mutex::new(()),
             uplink_lost: AtomicBool::new(false),
             stats: DeviceStats::default(),
             sockets,
@@ -1325,12 +1353,9 @@ fn send_packets(
                 .stats
                 .sent
                 .fetch_add(tx.len() as u64, Ordering::Relaxed);
-            // Loaded first: a locked swap on every send costs the latency.
-            if !shared.port_up.load(Ordering::Acquire)
-                && !shared.uplink_lost.load(Ordering::Acquire)
-                && !shared.port_up.swap(true, Ordering::AcqRel)
-            {
-                shared.events.push(AsyncEvent::PortActive);
+            // Loaded first: a lock on every send costs the latency.
+            if !shared.port_up.load(Ordering::Acquire) {
+                shared.set_port(true);
             }
         }
         // A GSO send refused: its packets go one datagram each, and, if the
@@ -1366,9 +1391,8 @@ fn send_packets(
             if matches!(
                 e,
                 nix::errno::Errno::EADDRNOTAVAIL | nix::errno::Errno::ENETDOWN
-            ) && shared.port_up.swap(false, Ordering::AcqRel)
-            {
-                shared.events.push(AsyncEvent::PortDown);
+            ) {
+                shared.set_port(false);
             }
         }
     }
@@ -1454,7 +1478,7 @@ fn progress(shared: &Arc<Shared>) {
         let timeout = (next != u64::MAX).then(|| Duration::from_nanos(next.saturating_sub(now)));
         let ts = timeout.map(timespec);
         // The wake-up, the standby alarm, the hostd uplink, then the sockets.
-        // Standing by, the sockets are left out altogether: a waiter on a
+        // Standing by, the uplink and the sockets are left out: a waiter on a
         // socket, even one asking for no events, costs every datagram sent
         // to it a walk of its wait queue in the sender's system call (about
         // 0.1 µs of a busy-poll half round trip).
@@ -1518,9 +1542,9 @@ fn progress(shared: &Arc<Shared>) {
 }
 
 /// Receives and handles up to `budget` datagrams the hostd forwarded, as
-/// [`receive_datagram`] does (`defer` as there). Returns whether one came.
-/// A closed uplink (the daemon is gone: nothing reaches the device now) takes
-/// the port down for good.
+/// [`receive_datagram`] does (`defer` as there). Returns the packets
+/// received. A closed uplink (the daemon is gone: nothing reaches the device
+/// now) takes the port down for good.
 fn take_uplink(
     shared: &Shared,
     uplink: &OwnedFd,
@@ -1528,13 +1552,12 @@ fn take_uplink(
     rx: &mut [u8],
     budget: usize,
     defer: bool,
-) -> bool {
-    let mut received = false;
+) -> u64 {
+    let mut received = 0;
     for _ in 0..budget {
         match super::hostd::recv_forwarded(uplink, rx) {
             Ok(Some((n, meta))) => {
-                received = true;
-                receive_datagram(
+                received += receive_datagram(
                     shared,
                     receiving,
                     &rx[..n],
@@ -1542,14 +1565,13 @@ fn take_uplink(
                     shared.local.port(),
                     defer,
                     shared.now(),
-                );
+                )
+                .1;
             }
             Ok(None) => break,
             Err(_) => {
                 shared.uplink_lost.store(true, Ordering::Release);
-                if shared.port_up.swap(false, Ordering::AcqRel) {
-                    shared.events.push(AsyncEvent::PortDown);
-                }
+                shared.set_port(false);
                 break;
             }
         }
@@ -1596,9 +1618,7 @@ fn device_fatal(shared: &Shared) {
             signal_cqs(&slot, signal);
         }));
     }
-    if shared.port_up.swap(false, Ordering::AcqRel) {
-        shared.events.push(AsyncEvent::PortDown);
-    }
+    shared.set_port(false);
     shared.events.push(AsyncEvent::DeviceFatal);
 }
 
@@ -1812,7 +1832,7 @@ pub(crate) fn recv_datagram(
 /// the datagram) — unless `defer`, when the QPs are left in
 /// `receiving.touched` for the caller to transmit later. Returns whether a QP
 /// it reached holds a GSO send's worth of responses (see
-/// [`RxBuffers::drain_sockets`]).
+/// [`RxBuffers::drain_sockets`]), and how many packets it held.
 fn receive_datagram(
     shared: &Shared,
     receiving: &mut Receiving,
@@ -1821,7 +1841,7 @@ fn receive_datagram(
     dst_port: u16,
     defer: bool,
     now: Time,
-) -> bool {
+) -> (bool, u64) {
     let segment = rx.gro_segment.unwrap_or(datagram.len()).max(1);
     let count = datagram.len().div_ceil(segment);
     // Only the holder of the receive lock (`receiving`) counts here: a load
@@ -1865,7 +1885,7 @@ fn receive_datagram(
             transmit(shared, &slot);
         }
     }
-    holding
+    (holding, count as u64)
 }
 
 /// Checked packets for one QP, each with the IP ID it came under.
