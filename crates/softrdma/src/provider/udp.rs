@@ -693,9 +693,13 @@ pub(crate) fn poll_now(shared: &Shared) {
     // already: deferred so that an answer (an ACK) can leave with the
     // application's next request in one GSO send.
     let mut earliest = u64::MAX;
-    for slot in receiving.deferred.drain(..) {
-        if let Some(t) = transmit_deferred(shared, &slot) {
-            earliest = earliest.min(t.0);
+    // Tested first: an empty `drain` still costs a busy-poll look some 40
+    // instructions.
+    if !receiving.deferred.is_empty() {
+        for slot in receiving.deferred.drain(..) {
+            if let Some(t) = transmit_deferred(shared, &slot) {
+                earliest = earliest.min(t.0);
+            }
         }
     }
     APP_RX.with_borrow_mut(|b| {
@@ -728,7 +732,9 @@ pub(crate) fn poll_now(shared: &Shared) {
         let Receiving {
             deferred, touched, ..
         } = &mut *receiving;
-        deferred.append(touched);
+        if !touched.is_empty() {
+            deferred.append(touched);
+        }
     });
     let waiting = !receiving.deferred.is_empty();
     drop(receiving);
