@@ -1733,11 +1733,75 @@ pub fn send_datagram(
     // SAFETY: `hdr` points at `addr`, at the `iov.len()` iovecs of `iov`
     // and at `control`, each live and as long as `hdr` says; the kernel only
     // reads them, and keeps no pointer past the call.
-    let n = unsafe { libc::syscall(libc::SYS_sendmsg, fd.as_raw_fd(), &raw const hdr, 0) };
+    let n = unsafe {
+        socket_call(
+            libc::SYS_sendmsg,
+            fd.as_raw_fd(),
+            (&raw const hdr).cast_mut(),
+            0,
+        )
+    };
     if n < 0 {
-        Err(nix::errno::Errno::last())
+        Err(nix::errno::Errno::from_raw(-n as i32))
     } else {
         Ok(())
+    }
+}
+
+/// The system call `nr` (`sendmsg` or `recvmsg`) on socket `fd` with message
+/// `msg` and `flags`; returns the kernel's answer (a count, or minus an
+/// errno).
+/// On x86-64 the `syscall` instruction itself: libc's `syscall()` moves
+/// seven arguments and stores errno, and every empty busy-poll look meets
+/// EAGAIN.
+///
+/// # Safety
+/// The arguments are valid for the call `nr`.
+#[cfg(target_arch = "x86_64")]
+unsafe fn socket_call(
+    nr: libc::c_long,
+    fd: libc::c_int,
+    msg: *mut libc::msghdr,
+    flags: libc::c_int,
+) -> isize {
+    let ret: isize;
+    // SAFETY: the arguments are the caller's contract; `syscall` takes the
+    // number in rax and the arguments in rdi, rsi and rdx, returns in rax
+    // and overwrites rcx and r11; the kernel reads and writes memory only
+    // through `msg` and the pointers in it (the asm may touch memory: no
+    // `nomem`), and does not use our stack.
+    unsafe {
+        std::arch::asm!(
+            "syscall",
+            inlateout("rax") nr as isize => ret,
+            in("rdi") fd as isize,
+            in("rsi") msg,
+            in("rdx") flags as isize,
+            lateout("rcx") _,
+            lateout("r11") _,
+            options(nostack),
+        );
+    }
+    ret
+}
+
+/// As on x86-64, through libc.
+///
+/// # Safety
+/// The arguments are valid for the call `nr`.
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn socket_call(
+    nr: libc::c_long,
+    fd: libc::c_int,
+    msg: *mut libc::msghdr,
+    flags: libc::c_int,
+) -> isize {
+    // SAFETY: the caller's contract.
+    let n = unsafe { libc::syscall(nr, fd, msg, flags) };
+    if n < 0 {
+        -(nix::errno::Errno::last_raw() as isize)
+    } else {
+        n as isize
     }
 }
 
@@ -1775,7 +1839,7 @@ pub(crate) fn recv_datagram(
     // each live, writable and as long as `hdr` says; the kernel writes
     // within those lengths and keeps no pointer past the call.
     let n = unsafe {
-        libc::syscall(
+        socket_call(
             libc::SYS_recvmsg,
             socket.as_raw_fd(),
             &raw mut hdr,
