@@ -266,6 +266,12 @@ struct Config {
     shm: bool,
     /// RoCEv2 busy-poll mode.
     busy_poll: bool,
+    /// Spins put a PAUSE between polls: all but RoCEv2's busy-poll spins,
+    /// whose every poll is a `recvmsg` (0.4 µs here) that a PAUSE (25 ns)
+    /// only delays (perftest's spins and the peers' have none). The others
+    /// poll memory, where a PAUSE is the spinning CPU's manners; iWARP's
+    /// busy-poll pairs moved by ±1 µs either way without it.
+    pause_in_spins: bool,
     /// -U and -H: the iterations' times listed.
     list: Listing,
 }
@@ -501,6 +507,7 @@ fn config(a: &PerfArgs) -> Result<Config, String> {
         roce_cm,
         shm,
         busy_poll: a.busy_poll,
+        pause_in_spins: !(a.busy_poll && provider == ProviderKind::Roce),
         list: Listing {
             unsorted: a.unsorted,
             sorted: a.histogram,
@@ -1604,7 +1611,12 @@ fn wait_one(cq: &Cq, end: Option<Instant>, side: &str) -> Result<Option<WorkComp
 
 /// As [`wait_one`], spinning (polling, now and then yielding) instead of
 /// blocking.
-fn spin_one(cq: &Cq, end: Option<Instant>, side: &str) -> Result<Option<WorkCompletion>, String> {
+fn spin_one(
+    cq: &Cq,
+    end: Option<Instant>,
+    side: &str,
+    pause: bool,
+) -> Result<Option<WorkCompletion>, String> {
     // The clock is read only once the spin is long: a read costs as much
     // as the rest of a shared-memory post.
     let mut deadline = None;
@@ -1626,7 +1638,7 @@ fn spin_one(cq: &Cq, end: Option<Instant>, side: &str) -> Result<Option<WorkComp
                 return Err(NO_COMPLETION.into());
             }
             std::thread::yield_now();
-        } else {
+        } else if pause {
             std::hint::spin_loop();
         }
     }
@@ -2093,7 +2105,7 @@ fn write_lat(s: &Setup, size: u64, clock: Option<Window>) -> Result<Vec<Instant>
                         return Err(format!("no WRITE {rcnt} from the peer in 60 s"));
                     }
                     std::thread::yield_now();
-                } else {
+                } else if s.cfg.pause_in_spins {
                     std::hint::spin_loop();
                 }
             }
@@ -2108,7 +2120,7 @@ fn write_lat(s: &Setup, size: u64, clock: Option<Window>) -> Result<Vec<Instant>
             // thread spins on the target memory anyway, and a blocking
             // wait would put a second wake-up (after the receiving
             // thread's) on every half round trip.
-            if spin_one(&s.scq, end, side(s))?.is_none() {
+            if spin_one(&s.scq, end, side(s), s.cfg.pause_in_spins)?.is_none() {
                 break;
             }
         }
@@ -2120,7 +2132,7 @@ fn write_lat(s: &Setup, size: u64, clock: Option<Window>) -> Result<Vec<Instant>
 /// polling does), waited for otherwise.
 fn next_one(s: &Setup, cq: &Cq, end: Option<Instant>) -> Result<Option<WorkCompletion>, String> {
     if s.cfg.busy_poll {
-        spin_one(cq, end, side(s))
+        spin_one(cq, end, side(s), s.cfg.pause_in_spins)
     } else {
         wait_one(cq, end, side(s))
     }
