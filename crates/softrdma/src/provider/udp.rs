@@ -262,12 +262,12 @@ pub(crate) struct Shared {
     pub slot: u8,
     /// A capture of what the device sends and receives.
     pcap: Option<Mutex<PcapWriter>>,
-    /// The device's clock: the TSC where it is invariant (10 ns a read
-    /// here, against 26 for `Instant`; every busy-poll look and transmit
-    /// pass reads it), else the monotonic clock.
-    clock: quanta::Clock,
-    /// `clock`'s reading at the device's start, `Time(0)`.
-    epoch: u64,
+    /// [`device_clock`]'s reading at `Time(base)`; both move if the counter
+    /// goes back (see [`Shared::clock_went_back`]).
+    epoch: AtomicU64,
+    base: AtomicU64,
+    /// The monotonic clock at the device's start, `Time(0)`.
+    started: std::time::Instant,
     wake: OwnedFd,
     /// Raised with every write to `wake`, so that a spinning progress thread
     /// sees a wake-up without a system call (see [`RxBuffers::spin`]).
@@ -355,7 +355,24 @@ impl Shared {
     }
 
     pub fn now(&self) -> Time {
-        Time(self.clock.delta_as_nanos(self.epoch, self.clock.raw()))
+        let clock = device_clock();
+        let raw = clock.raw();
+        let epoch = self.epoch.load(Ordering::Acquire);
+        if raw < epoch {
+            return self.clock_went_back(raw);
+        }
+        Time(self.base.load(Ordering::Relaxed) + clock.delta_as_nanos(epoch, raw))
+    }
+
+    /// The counter went back (a TSC reset by a suspend, say): time goes on
+    /// from the monotonic clock's, so that timers still run out.
+    #[cold]
+    fn clock_went_back(&self, raw: u64) -> Time {
+        let now = self.started.elapsed().as_nanos() as u64;
+        // The base first: a reader that sees the new epoch sees it.
+        self.base.store(now, Ordering::Relaxed);
+        self.epoch.store(raw, Ordering::Release);
+        Time(now)
     }
 
     /// Takes a QP out of the device's table, and out of the receiving
@@ -851,7 +868,6 @@ impl UdpDevice {
             .iter()
             .map(|s| port_of(s).map(|a| a.port()))
             .collect::<io::Result<Vec<u16>>>()?;
-        let clock = quanta::Clock::new();
         let shared = Arc::new(Shared {
             mrs: Arc::new(RwLock::new(MrTable::new())),
             qps: RwLock::new(HashMap::default()),
@@ -867,8 +883,9 @@ impl UdpDevice {
             uplink,
             slot,
             pcap,
-            epoch: clock.raw(),
-            clock,
+            epoch: AtomicU64::new(device_clock().raw()),
+            base: AtomicU64::new(0),
+            started: std::time::Instant::now(),
             wake: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?,
             woken: AtomicBool::new(false),
             sleep_until: AtomicU64::new(u64::MAX),
@@ -1179,6 +1196,15 @@ fn gso_refused(e: nix::errno::Errno, connected: bool) -> Option<GsoRefused> {
         E::EINVAL => Some(GsoRefused::ThisRun),
         _ => None,
     }
+}
+
+/// The devices' clock: the TSC where it is invariant (10 ns a read here,
+/// against 26 for `Instant`; every busy-poll look and transmit pass reads
+/// it), else the monotonic clock. Calibrated once per process, at the first
+/// device's opening (under a millisecond here).
+fn device_clock() -> &'static quanta::Clock {
+    static CLOCK: std::sync::OnceLock<quanta::Clock> = std::sync::OnceLock::new();
+    CLOCK.get_or_init(quanta::Clock::new)
 }
 
 /// The UDP length of a packet.
@@ -2245,6 +2271,28 @@ mod tests {
                 ah: None,
             })
             .collect()
+    }
+
+    /// A device's time goes on when its counter goes back (a TSC reset by a
+    /// suspend): from the monotonic clock's, onwards, and never to 0, where
+    /// it would stop every timer.
+    #[test]
+    fn the_clock_goes_on_when_its_counter_goes_back() {
+        let dev = UdpDevice::open("127.0.0.2:0".parse().unwrap(), false, false, None).unwrap();
+        let shared = &dev.shared;
+        std::thread::sleep(Duration::from_millis(20));
+        let before = shared.now();
+        assert!(before >= Time(20_000_000), "{before:?}");
+        // The counter as if it had been far ahead at the start.
+        shared.epoch.store(u64::MAX, Ordering::Release);
+        let after = shared.now();
+        assert!(after >= before, "{after:?} after {before:?}");
+        std::thread::sleep(Duration::from_millis(5));
+        let later = shared.now();
+        assert!(
+            later >= Time(after.0 + 5_000_000),
+            "{later:?} after {after:?}"
+        );
     }
 
     /// The turn's states, one step at a time: a thread that finds another
