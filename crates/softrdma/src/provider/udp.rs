@@ -618,20 +618,19 @@ impl RxBuffers {
     /// every time; one look in [`OTHER_SOCKET_LOOKS`] one of the others
     /// (source ports), in turn. One at a time: all seven in one look took
     /// 3 µs, which a ping-pong's answer arriving meanwhile waited for
-    /// (busy-poll WRITE latency p99 10 µs). Through the hostd (`shared`),
-    /// every socket is a source port: each in turn, one look in
-    /// [`OTHER_SOCKET_LOOKS`].
-    fn sockets_to_look_at(&mut self, shared: bool) -> [bool; SOCKETS] {
+    /// (busy-poll WRITE latency p99 10 µs). Through the hostd, every socket
+    /// is a source port: each in turn, one look in [`OTHER_SOCKET_LOOKS`].
+    fn sockets_to_look_at(&mut self, through_hostd: bool) -> [bool; SOCKETS] {
         self.polls = self.polls.wrapping_add(1);
         let turn = (self.polls / OTHER_SOCKET_LOOKS) as usize;
         let other = self.polls.is_multiple_of(OTHER_SOCKET_LOOKS).then(|| {
-            if shared {
+            if through_hostd {
                 turn % SOCKETS
             } else {
                 1 + turn % (SOCKETS - 1)
             }
         });
-        std::array::from_fn(|i| (i == 0 && !shared) || Some(i) == other)
+        std::array::from_fn(|i| (i == 0 && !through_hostd) || Some(i) == other)
     }
 
     /// The progress thread's look at `which` sockets: first what a polling
@@ -639,9 +638,7 @@ impl RxBuffers {
     /// datagram came (and notes when).
     fn take_sockets(&mut self, shared: &Shared, which: &[bool; SOCKETS]) -> bool {
         let mut receiving = shared.rx_lock.lock();
-        for slot in receiving.deferred.drain(..) {
-            transmit_deferred(shared, &slot);
-        }
+        send_deferred(shared, &mut receiving);
         let received = self.drain_sockets(shared, &mut receiving, which, false, false, None) > 0;
         if received {
             self.last_rx = shared.now().0;
@@ -683,11 +680,27 @@ impl RxBuffers {
     }
 }
 
+/// Sends what a polling thread's look deferred (see [`poll_now`]); returns
+/// the earliest timer that set, or `u64::MAX`.
+fn send_deferred(shared: &Shared, receiving: &mut Receiving) -> u64 {
+    let mut earliest = u64::MAX;
+    // Tested first: an empty `drain` still costs a busy-poll look some 40
+    // instructions.
+    if !receiving.deferred.is_empty() {
+        for slot in receiving.deferred.drain(..) {
+            if let Some(t) = transmit_deferred(shared, &slot) {
+                earliest = earliest.min(t.0);
+            }
+        }
+    }
+    earliest
+}
+
 /// Busy-poll mode: the calling application thread (polling a CQ) receives
-/// what waits on the device's sockets (or the hostd's uplink) and handles it,
-/// so that a ping-pong
-/// takes no thread wake-up (libfabric's manual progress). Returns at once
-/// when another thread is receiving, or outside busy-poll mode.
+/// what waits on the device's sockets (or the hostd's uplink) and handles
+/// it, so that a ping-pong takes no thread wake-up (libfabric's manual
+/// progress). Returns at once when another thread is receiving, or outside
+/// busy-poll mode.
 pub(crate) fn poll_now(shared: &Shared) {
     if !shared.busy_poll.load(Ordering::Relaxed) {
         return;
@@ -709,16 +722,7 @@ pub(crate) fn poll_now(shared: &Shared) {
     // What the last look received answers now, unless a post sent it
     // already: deferred so that an answer (an ACK) can leave with the
     // application's next request in one GSO send.
-    let mut earliest = u64::MAX;
-    // Tested first: an empty `drain` still costs a busy-poll look some 40
-    // instructions.
-    if !receiving.deferred.is_empty() {
-        for slot in receiving.deferred.drain(..) {
-            if let Some(t) = transmit_deferred(shared, &slot) {
-                earliest = earliest.min(t.0);
-            }
-        }
-    }
+    let earliest = send_deferred(shared, &mut receiving);
     APP_RX.with_borrow_mut(|b| {
         // A thread that looks again at once takes one datagram a look: the
         // answer to it (a ping-pong's next post, a receive posted again)
@@ -1776,58 +1780,49 @@ pub fn send_datagram(
 
 /// The system call `nr` (`sendmsg` or `recvmsg`) on socket `fd` with message
 /// `msg` and `flags`; returns the kernel's answer (a count, or minus an
-/// errno).
-/// On x86-64 the `syscall` instruction itself: libc's `syscall()` moves
-/// seven arguments and stores errno, and every empty busy-poll look meets
-/// EAGAIN.
+/// errno). On x86-64 the `syscall` instruction itself: libc's `syscall()`
+/// (used elsewhere) moves seven arguments and stores errno, and every empty
+/// busy-poll look meets EAGAIN.
 ///
 /// # Safety
 /// The arguments are valid for the call `nr`.
-#[cfg(target_arch = "x86_64")]
 unsafe fn socket_call(
     nr: libc::c_long,
     fd: libc::c_int,
     msg: *mut libc::msghdr,
     flags: libc::c_int,
 ) -> isize {
-    let ret: isize;
-    // SAFETY: the arguments are the caller's contract; `syscall` takes the
-    // number in rax and the arguments in rdi, rsi and rdx, returns in rax
-    // and overwrites rcx and r11; the kernel reads and writes memory only
-    // through `msg` and the pointers in it (the asm may touch memory: no
-    // `nomem`), and does not use our stack.
-    unsafe {
-        std::arch::asm!(
-            "syscall",
-            inlateout("rax") nr as isize => ret,
-            in("rdi") fd as isize,
-            in("rsi") msg,
-            in("rdx") flags as isize,
-            lateout("rcx") _,
-            lateout("r11") _,
-            options(nostack),
-        );
+    #[cfg(target_arch = "x86_64")]
+    {
+        let ret: isize;
+        // SAFETY: the arguments are the caller's contract; `syscall` takes
+        // the number in rax and the arguments in rdi, rsi and rdx, returns
+        // in rax and overwrites rcx and r11; the kernel reads and writes
+        // memory only through `msg` and the pointers in it (the asm may
+        // touch memory: no `nomem`), and does not use our stack.
+        unsafe {
+            std::arch::asm!(
+                "syscall",
+                inlateout("rax") nr as isize => ret,
+                in("rdi") fd as isize,
+                in("rsi") msg,
+                in("rdx") flags as isize,
+                lateout("rcx") _,
+                lateout("r11") _,
+                options(nostack),
+            );
+        }
+        ret
     }
-    ret
-}
-
-/// As on x86-64, through libc.
-///
-/// # Safety
-/// The arguments are valid for the call `nr`.
-#[cfg(not(target_arch = "x86_64"))]
-unsafe fn socket_call(
-    nr: libc::c_long,
-    fd: libc::c_int,
-    msg: *mut libc::msghdr,
-    flags: libc::c_int,
-) -> isize {
-    // SAFETY: the caller's contract.
-    let n = unsafe { libc::syscall(nr, fd, msg, flags) };
-    if n < 0 {
-        -(nix::errno::Errno::last_raw() as isize)
-    } else {
-        n as isize
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        // SAFETY: the caller's contract.
+        let n = unsafe { libc::syscall(nr, fd, msg, flags) };
+        if n < 0 {
+            -(nix::errno::Errno::last_raw() as isize)
+        } else {
+            n as isize
+        }
     }
 }
 
