@@ -31,8 +31,9 @@
 //!   take a CPU from the application's threads (a latency test's two
 //!   pollers, say), and a poster waits for a chunk its helper holds.
 //! - Posters time one copy in [`SAMPLE_EVERY`] of each size (powers of
-//!   two), every other one of them made alone, and make copies of that size
-//!   alone for a while (from [`UNHELPFUL_MIN`], doubling while it goes on,
+//!   two), one in [`ALONE_EVERY`] of those made alone (after an untimed
+//!   one alone, which takes back the lines the helper wrote), and make
+//!   copies of that size alone for a while (from [`UNHELPFUL_MIN`], doubling while it goes on,
 //!   up to [`UNHELPFUL_MAX`]) when shared ones do not save a tenth of the
 //!   time: on some hosts the two CPUs pass cache lines so slowly that
 //!   shared 64 KiB copies ran at 0.6 of one thread's. With no copies posted
@@ -87,10 +88,12 @@ const BACKOFFS_TO_DOUBLE: u32 = 4;
 /// this much time run or waited since the last judgement.
 const WAIT_SPAN_MIN: Duration = Duration::from_millis(1);
 
-/// A poster times one copy in [`SAMPLE_EVERY`] of a size, every other one
-/// made without the helper, and judges the help once it has [`SAMPLES`] of
-/// each.
+/// A poster times one copy in [`SAMPLE_EVERY`] of a size, one in
+/// [`ALONE_EVERY`] of those made without the helper (after a
+/// [`Sample::Warm`] one: two copies alone in every `SAMPLE_EVERY *
+/// ALONE_EVERY`), and judges the help once it has [`SAMPLES`] of each.
 const SAMPLE_EVERY: u32 = 32;
+const ALONE_EVERY: u32 = 4;
 const SAMPLES: usize = 6;
 /// Sizes the poster judges apart: powers of two from [`SHARE_MIN`], the
 /// last taking every larger copy.
@@ -192,8 +195,8 @@ pub(super) fn copy<D: Borrow<Region>, S: Borrow<Region>>(
         if sample == Sample::Away {
             // Help did not pay for this size lately.
         } else if h.ready.load(Ordering::Relaxed) {
-            let start = (sample != Sample::No).then(Instant::now);
-            if sample == Sample::Alone {
+            let start = matches!(sample, Sample::Alone | Sample::Shared).then(Instant::now);
+            if matches!(sample, Sample::Alone | Sample::Warm) {
                 dst.copy_from(at, src, src_at, len);
             } else if !h.board.copy(dst, at, src, src_at, len, poster_wait()) {
                 dst.copy_from(at, src, src_at, len);
@@ -352,6 +355,12 @@ thread_local! {
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Sample {
     No,
+    /// Made alone, untimed, just before an [`Alone`](Sample::Alone) one:
+    /// right after shared copies, a copy alone first takes back the lines
+    /// the helper wrote from its CPU's cache, which later copies made alone
+    /// do not pay (on some hours of this host, shared 64 KiB copies timed
+    /// faster than such a copy and streamed slower than copies alone).
+    Warm,
     /// Made alone, though the helper is ready.
     Alone,
     /// Made on the board.
@@ -373,6 +382,8 @@ struct Probe {
 #[derive(Debug)]
 struct SizeProbe {
     copies: u32,
+    /// The next copy is a timed one alone (this one warms it).
+    alone_next: bool,
     /// Timed copies, nanoseconds per KiB.
     alone: Vec<f64>,
     shared: Vec<f64>,
@@ -386,6 +397,7 @@ impl Default for SizeProbe {
     fn default() -> SizeProbe {
         SizeProbe {
             copies: 0,
+            alone_next: false,
             alone: Vec::new(),
             shared: Vec::new(),
             away_until: None,
@@ -410,10 +422,13 @@ impl Probe {
             p.away_until = None;
         }
         p.copies = p.copies.wrapping_add(1);
-        if !p.copies.is_multiple_of(SAMPLE_EVERY) {
-            Sample::No
-        } else if (p.copies / SAMPLE_EVERY).is_multiple_of(2) {
+        if std::mem::take(&mut p.alone_next) {
             Sample::Alone
+        } else if !p.copies.is_multiple_of(SAMPLE_EVERY) {
+            Sample::No
+        } else if (p.copies / SAMPLE_EVERY).is_multiple_of(ALONE_EVERY) {
+            p.alone_next = true;
+            Sample::Warm
         } else {
             Sample::Shared
         }
@@ -428,7 +443,7 @@ impl Probe {
         match sample {
             Sample::Alone => p.alone.push(per_kib),
             Sample::Shared => p.shared.push(per_kib),
-            Sample::No | Sample::Away => return None,
+            Sample::No | Sample::Warm | Sample::Away => return None,
         }
         if p.alone.len() < SAMPLES || p.shared.len() < SAMPLES {
             return None;
@@ -693,12 +708,21 @@ mod tests {
     fn posters_time_a_few_copies_and_judge_the_help() {
         let mut p = Probe::default();
         let len = 64 << 10;
-        let kinds: Vec<Sample> = (0..4 * SAMPLE_EVERY).map(|_| p.next(len)).collect();
-        let timed: Vec<Sample> = kinds.iter().copied().filter(|&k| k != Sample::No).collect();
-        assert_eq!(
-            timed,
-            [Sample::Shared, Sample::Alone, Sample::Shared, Sample::Alone]
-        );
+        let kinds: Vec<Sample> = (0..2 * ALONE_EVERY * SAMPLE_EVERY + 1)
+            .map(|_| p.next(len))
+            .collect();
+        let (s, a) = (Sample::Shared, Sample::Alone);
+        let timed: Vec<Sample> = kinds
+            .iter()
+            .copied()
+            .filter(|&k| k == a || k == s)
+            .collect();
+        assert_eq!(timed, [s, s, s, a, s, s, s, a]);
+        // Every timed copy alone comes right after an untimed one alone.
+        for (i, &k) in kinds.iter().enumerate() {
+            assert_eq!(k == a, i > 0 && kinds[i - 1] == Sample::Warm, "copy {i}");
+            assert_eq!(k == Sample::Warm, kinds.get(i + 1) == Some(&a), "copy {i}");
+        }
         let ns = Duration::from_nanos;
         // Help that halves the time pays, even with one copy hit by an
         // interrupt on each side; the verdict comes once both have enough.
