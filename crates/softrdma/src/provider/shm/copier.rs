@@ -33,9 +33,9 @@
 //! - Posters time one copy in [`SAMPLE_EVERY`] of each size (powers of
 //!   two), one in [`ALONE_EVERY`] of those made alone (after an untimed
 //!   one alone, which takes back the lines the helper wrote), and make
-//!   copies of that size alone for a while (from [`UNHELPFUL_MIN`], doubling while it goes on,
-//!   up to [`UNHELPFUL_MAX`]) when shared ones do not save a tenth of the
-//!   time: on some hosts the two CPUs pass cache lines so slowly that
+//!   copies of that size alone for a while (from [`UNHELPFUL_MIN`],
+//!   doubling while it goes on, up to [`UNHELPFUL_MAX`]) when shared ones
+//!   do not save a tenth of the time: on some hosts the two CPUs pass cache lines so slowly that
 //!   shared 64 KiB copies ran at 0.6 of one thread's. With no copies posted
 //!   the helper naps and sleeps.
 //! - A poster waiting for a chunk its helper holds spins for
@@ -88,11 +88,12 @@ const BACKOFFS_TO_DOUBLE: u32 = 4;
 /// this much time run or waited since the last judgement.
 const WAIT_SPAN_MIN: Duration = Duration::from_millis(1);
 
-/// A poster times one copy in [`SAMPLE_EVERY`] of a size, one in
-/// [`ALONE_EVERY`] of those made without the helper (after a
-/// [`Sample::Warm`] one: two copies alone in every `SAMPLE_EVERY *
-/// ALONE_EVERY`), and judges the help once it has [`SAMPLES`] of each.
+/// A poster times one copy in [`SAMPLE_EVERY`] of a size, and judges the
+/// help once it has [`SAMPLES`] of each kind (the newest).
 const SAMPLE_EVERY: u32 = 32;
+/// One timed copy in this many is made without the helper, after an
+/// untimed one ([`Sample::Warm`]): two copies alone in every `SAMPLE_EVERY *
+/// ALONE_EVERY`.
 const ALONE_EVERY: u32 = 4;
 const SAMPLES: usize = 6;
 /// Sizes the poster judges apart: powers of two from [`SHARE_MIN`], the
@@ -356,10 +357,13 @@ thread_local! {
 enum Sample {
     No,
     /// Made alone, untimed, just before an [`Alone`](Sample::Alone) one:
-    /// right after shared copies, a copy alone first takes back the lines
-    /// the helper wrote from its CPU's cache, which later copies made alone
-    /// do not pay (on some hours of this host, shared 64 KiB copies timed
-    /// faster than such a copy and streamed slower than copies alone).
+    /// right after shared copies into the same buffer (a stream into one
+    /// region), a copy alone first takes back the lines the helper wrote
+    /// from its CPU's cache, which later copies made alone do not pay (on
+    /// some hours of this host, shared 64 KiB copies timed faster than such
+    /// a copy and streamed slower than copies alone). Copies into other
+    /// buffers each time find the lines wherever earlier copies left them,
+    /// and this one changes little there.
     Warm,
     /// Made alone, though the helper is ready.
     Alone,
@@ -440,11 +444,16 @@ impl Probe {
     fn record(&mut self, sample: Sample, took: Duration, len: usize) -> Option<bool> {
         let p = &mut self.classes[size_class(len)];
         let per_kib = took.as_nanos() as f64 * 1024.0 / len as f64;
-        match sample {
-            Sample::Alone => p.alone.push(per_kib),
-            Sample::Shared => p.shared.push(per_kib),
+        let times = match sample {
+            Sample::Alone => &mut p.alone,
+            Sample::Shared => &mut p.shared,
             Sample::No | Sample::Warm | Sample::Away => return None,
+        };
+        // The newest: shared copies are timed more often.
+        if times.len() == SAMPLES {
+            times.remove(0);
         }
+        times.push(per_kib);
         if p.alone.len() < SAMPLES || p.shared.len() < SAMPLES {
             return None;
         }
@@ -724,21 +733,31 @@ mod tests {
             assert_eq!(k == Sample::Warm, kinds.get(i + 1) == Some(&a), "copy {i}");
         }
         let ns = Duration::from_nanos;
-        // Help that halves the time pays, even with one copy hit by an
-        // interrupt on each side; the verdict comes once both have enough.
+        // Help that halves the time pays, even with interrupts in the
+        // timings; the verdict comes once both kinds have enough, and only
+        // the newest shared ones count (they come three to one), not the
+        // slow ones from before.
+        for _ in 0..SAMPLES {
+            assert_eq!(p.record(Sample::Shared, ns(6400), len), None);
+        }
         let mut verdict = None;
         for i in 0..SAMPLES {
             let slow = if i == 2 { 50 } else { 1 };
-            assert_eq!(p.record(Sample::Alone, ns(640 * slow), len), None);
-            verdict = p.record(Sample::Shared, ns(320 * slow), len);
+            for _ in 1..ALONE_EVERY {
+                assert_eq!(p.record(Sample::Shared, ns(320 * slow), len), None);
+            }
+            assert_eq!(p.record(Sample::Warm, ns(1), len), None, "untimed");
+            verdict = p.record(Sample::Alone, ns(640 * slow), len);
         }
         assert_eq!(verdict, Some(true));
         assert_ne!(p.next(len), Sample::Away);
         // Help that saves 5 % does not; the sums started over. Copies of
         // that size are then made alone; other sizes go on as before.
         for _ in 0..SAMPLES {
-            assert_eq!(p.record(Sample::Alone, ns(6400), len), None);
-            verdict = p.record(Sample::Shared, ns(6080), len);
+            for _ in 1..ALONE_EVERY {
+                assert_eq!(p.record(Sample::Shared, ns(6080), len), None);
+            }
+            verdict = p.record(Sample::Alone, ns(6400), len);
         }
         assert_eq!(verdict, Some(false));
         assert_eq!(p.next(len), Sample::Away);
