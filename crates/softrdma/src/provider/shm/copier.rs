@@ -35,9 +35,9 @@
 //!   one alone, which takes back the lines the helper wrote), and make
 //!   copies of that size alone for a while (from [`UNHELPFUL_MIN`],
 //!   doubling while it goes on, up to [`UNHELPFUL_MAX`]) when shared ones
-//!   do not save a tenth of the time: on some hosts the two CPUs pass cache lines so slowly that
-//!   shared 64 KiB copies ran at 0.6 of one thread's. With no copies posted
-//!   the helper naps and sleeps.
+//!   do not save a tenth of the time: on some hosts the two CPUs pass
+//!   cache lines so slowly that shared 64 KiB copies ran at 0.6 of one
+//!   thread's. With no copies posted the helper naps and sleeps.
 //! - A poster waiting for a chunk its helper holds spins for
 //!   [`POSTER_SPIN`], then sleeps in [`POSTER_NAP`]s: the helper lost its
 //!   CPU, perhaps to the poster.
@@ -359,7 +359,7 @@ enum Sample {
     /// Made alone, untimed, just before an [`Alone`](Sample::Alone) one:
     /// right after shared copies into the same buffer (a stream into one
     /// region), a copy alone first takes back the lines the helper wrote
-    /// from its CPU's cache, which later copies made alone do not pay (on
+    /// from its CPU's cache, which later copies made alone do not pay (in
     /// some hours of this host, shared 64 KiB copies timed faster than such
     /// a copy and streamed slower than copies alone). Copies into other
     /// buffers each time find the lines wherever earlier copies left them,
@@ -386,7 +386,8 @@ struct Probe {
 #[derive(Debug)]
 struct SizeProbe {
     copies: u32,
-    /// The next copy is a timed one alone (this one warms it).
+    /// Set by a [`Sample::Warm`] copy: the next copy of this size is the
+    /// timed one alone.
     alone_next: bool,
     /// Timed copies, nanoseconds per KiB.
     alone: Vec<f64>,
@@ -449,7 +450,8 @@ impl Probe {
             Sample::Shared => &mut p.shared,
             Sample::No | Sample::Warm | Sample::Away => return None,
         };
-        // The newest: shared copies are timed more often.
+        // The newest only: shared copies are timed three times as often,
+        // and older timings may date from before a slow spell began.
         if times.len() == SAMPLES {
             times.remove(0);
         }
@@ -733,17 +735,19 @@ mod tests {
             assert_eq!(k == Sample::Warm, kinds.get(i + 1) == Some(&a), "copy {i}");
         }
         let ns = Duration::from_nanos;
-        // Help that halves the time pays, even with interrupts in the
-        // timings; the verdict comes once both kinds have enough, and only
-        // the newest shared ones count (they come three to one), not the
-        // slow ones from before.
+        // Help that halves the time pays, even with an interrupt in one
+        // timing of each kind; the verdict comes once both kinds have
+        // enough, and only the newest shared ones count (they come three to
+        // one), not the slow ones from before.
         for _ in 0..SAMPLES {
             assert_eq!(p.record(Sample::Shared, ns(6400), len), None);
         }
         let mut verdict = None;
         for i in 0..SAMPLES {
             let slow = if i == 2 { 50 } else { 1 };
-            for _ in 1..ALONE_EVERY {
+            for k in 1..ALONE_EVERY {
+                // One of the shared timings that count is slow too.
+                let slow = if i == SAMPLES - 1 && k == 1 { 50 } else { slow };
                 assert_eq!(p.record(Sample::Shared, ns(320 * slow), len), None);
             }
             assert_eq!(p.record(Sample::Warm, ns(1), len), None, "untimed");
@@ -751,7 +755,7 @@ mod tests {
         }
         assert_eq!(verdict, Some(true));
         assert_ne!(p.next(len), Sample::Away);
-        // Help that saves 5 % does not; the sums started over. Copies of
+        // Help that saves 5 % does not; the timings started over. Copies of
         // that size are then made alone; other sizes go on as before.
         for _ in 0..SAMPLES {
             for _ in 1..ALONE_EVERY {
