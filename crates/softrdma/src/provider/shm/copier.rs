@@ -386,9 +386,6 @@ struct Probe {
 #[derive(Debug)]
 struct SizeProbe {
     copies: u32,
-    /// Set by a [`Sample::Warm`] copy: the next copy of this size is the
-    /// timed one alone.
-    alone_next: bool,
     /// Timed copies, nanoseconds per KiB.
     alone: Vec<f64>,
     shared: Vec<f64>,
@@ -402,7 +399,6 @@ impl Default for SizeProbe {
     fn default() -> SizeProbe {
         SizeProbe {
             copies: 0,
-            alone_next: false,
             alone: Vec::new(),
             shared: Vec::new(),
             away_until: None,
@@ -427,15 +423,14 @@ impl Probe {
             p.away_until = None;
         }
         p.copies = p.copies.wrapping_add(1);
-        if std::mem::take(&mut p.alone_next) {
-            Sample::Alone
-        } else if !p.copies.is_multiple_of(SAMPLE_EVERY) {
-            Sample::No
-        } else if (p.copies / SAMPLE_EVERY).is_multiple_of(ALONE_EVERY) {
-            p.alone_next = true;
-            Sample::Warm
-        } else {
-            Sample::Shared
+        // The copy after a warm one is the timed one alone. The count's
+        // first copy follows none, so it is not timed (nor, once in 2^32
+        // copies, the one after the count wraps).
+        match p.copies % (SAMPLE_EVERY * ALONE_EVERY) {
+            0 => Sample::Warm,
+            1 if p.copies > 1 => Sample::Alone,
+            k if k.is_multiple_of(SAMPLE_EVERY) => Sample::Shared,
+            _ => Sample::No,
         }
     }
 
