@@ -355,22 +355,30 @@ impl Shared {
     }
 
     pub fn now(&self) -> Time {
+        // Epoch and base before the counter: a reader that pairs an old
+        // epoch with a new base (set after the counter went back) reads the
+        // counter after that, finds it below the epoch and takes the cold
+        // path, instead of adding the old epoch's span to the new base.
+        let epoch = self.epoch.load(Ordering::Acquire);
+        let base = self.base.load(Ordering::Acquire);
         let clock = device_clock();
         let raw = clock.raw();
-        let epoch = self.epoch.load(Ordering::Acquire);
         if raw < epoch {
             return self.clock_went_back(raw);
         }
-        Time(self.base.load(Ordering::Relaxed) + clock.delta_as_nanos(epoch, raw))
+        Time(base + clock.delta_as_nanos(epoch, raw))
     }
 
     /// The counter went back (a TSC reset by a suspend, say): time goes on
-    /// from the monotonic clock's, so that timers still run out.
+    /// from the monotonic clock's, so that timers still run out. It may
+    /// land a little behind the last reading (the two clocks drift apart);
+    /// engine time differences saturate, so a timer then runs that much
+    /// longer, never out early.
     #[cold]
     fn clock_went_back(&self, raw: u64) -> Time {
         let now = self.started.elapsed().as_nanos() as u64;
         // The base first: a reader that sees the new epoch sees it.
-        self.base.store(now, Ordering::Relaxed);
+        self.base.store(now, Ordering::Release);
         self.epoch.store(raw, Ordering::Release);
         Time(now)
     }
