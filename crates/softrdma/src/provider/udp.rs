@@ -357,18 +357,21 @@ impl Shared {
     }
 
     pub fn now(&self) -> Time {
-        // Epoch and base before the counter: a reader that pairs an old
-        // epoch with a new base (set after the counter went back) reads the
-        // counter after that, finds it below the epoch and takes the cold
-        // path, instead of adding the old epoch's span to the new base.
+        self.reading().unwrap_or_else(|| self.clock_went_back())
+    }
+
+    /// The time by the counter; `None` if the counter is below the epoch
+    /// (it went back). Epoch and base are read before the counter: a
+    /// reader that pairs an old epoch with a new base (set after the
+    /// counter went back) reads the counter after that and finds it below
+    /// the epoch, instead of adding the old epoch's span to the new base.
+    #[inline]
+    fn reading(&self) -> Option<Time> {
         let epoch = self.epoch.load(Ordering::Acquire);
         let base = self.base.load(Ordering::Acquire);
         let clock = device_clock();
         let raw = clock.raw();
-        if raw < epoch {
-            return self.clock_went_back();
-        }
-        Time(base + clock.delta_as_nanos(epoch, raw))
+        (raw >= epoch).then(|| Time(base + clock.delta_as_nanos(epoch, raw)))
     }
 
     /// The counter went back (a TSC reset by a suspend, say): time goes on
@@ -384,13 +387,10 @@ impl Shared {
             .clock_moves
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let epoch = self.epoch.load(Ordering::Acquire);
-        let base = self.base.load(Ordering::Acquire);
-        let clock = device_clock();
-        let raw = clock.raw();
-        if raw >= epoch {
-            return Time(base + clock.delta_as_nanos(epoch, raw));
+        if let Some(t) = self.reading() {
+            return t;
         }
+        let raw = device_clock().raw();
         let now = self.started.elapsed().as_nanos() as u64;
         // The base first: a reader that sees the new epoch sees it.
         self.base.store(now, Ordering::Release);
