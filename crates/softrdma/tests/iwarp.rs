@@ -1244,3 +1244,66 @@ fn a_destroyed_srq_qp_raises_no_event() {
         }
     }
 }
+
+/// The QP's own access flags (`qp_access_flags`): iw_cm's WRITE and READ
+/// to begin with; set before the connection or on it, they refuse what
+/// they leave out with an access rights violation, the region untouched.
+#[test]
+fn the_qps_access_flags_refuse_what_they_leave_out() {
+    // READ taken away on the connection: the READ fails.
+    let (a, b) = pair(MpaConfig::default(), |_| {});
+    assert_eq!(
+        b.qp.query().access,
+        Some(Access::REMOTE_WRITE | Access::REMOTE_READ)
+    );
+    common::access_flags_modify(&b.qp, QpState::Rts, Access::REMOTE_WRITE);
+    a.qp.post_send(SendWr::new(
+        1,
+        SendOp::Read {
+            remote_addr: b.mr.addr(),
+            rkey: b.mr.rkey(),
+        },
+        vec![a.mr.sge(0, 64)],
+    ))
+    .unwrap();
+    let w = one(&a.scq);
+    assert_eq!((w.wr_id, w.status), (1, WcStatus::RemAccessErr));
+    wait_state(&b.qp, QpState::Err);
+    let t = b.qp.iwarp_stats().unwrap().terminate_sent.unwrap();
+    assert_eq!(
+        (t.control.layer, t.control.etype, t.control.code),
+        (Layer::Rdmap, 1, 0x02),
+        "access rights violation"
+    );
+    // WRITE taken away before the connection: the WRITE is refused.
+    let (a, b) = pair(MpaConfig::default(), |b| {
+        common::access_flags_modify(&b.qp, QpState::Init, Access::REMOTE_READ);
+    });
+    b.mr.write(0, b"untouched").unwrap();
+    a.mr.write(0, &[0xaa; 64]).unwrap();
+    a.qp.post_send(SendWr::new(
+        2,
+        SendOp::Write {
+            remote_addr: b.mr.addr(),
+            rkey: b.mr.rkey(),
+        },
+        vec![a.mr.sge(0, 64)],
+    ))
+    .unwrap();
+    assert_eq!(one(&a.scq).status, WcStatus::Success, "handed to TCP");
+    wait_state(&b.qp, QpState::Err);
+    let t = b.qp.iwarp_stats().unwrap().terminate_sent.unwrap();
+    assert_eq!(t.control.code, 0x02);
+    assert_eq!(b.mr.read_vec(0, 9).unwrap(), b"untouched");
+    // A QP in ERR takes no access flags.
+    let e =
+        b.qp.modify(
+            &QpAttr {
+                access: Some(Access::ALL),
+                ..QpAttr::default()
+            },
+            None,
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("ERR"), "{e}");
+}

@@ -652,3 +652,82 @@ fn an_accept_ends_at_its_time_or_when_its_qp_fails() {
     let accepted = common::in_background(move || l.accept(&waiting).map_err(|e| e.to_string()));
     common::err_ends_the_waiting_accept(&qp, &accepted);
 }
+
+/// The QP's own access flags (`qp_access_flags`): every remote operation to
+/// begin with; set before the connection or on it, the peer's WRITE, READ
+/// or atomic they leave out fails with REM_INV_REQ_ERR (as an RC
+/// responder's invalid request NAK), the target's memory untouched.
+#[test]
+fn the_qps_access_flags_refuse_what_they_leave_out() {
+    let write = |a: &End, b: &End| {
+        SendWr::new(
+            1,
+            SendOp::Write {
+                remote_addr: b.mr.addr(),
+                rkey: b.mr.rkey(),
+            },
+            vec![a.mr.sge(0, 8)],
+        )
+    };
+    let read = |a: &End, b: &End| {
+        SendWr::new(
+            1,
+            SendOp::Read {
+                remote_addr: b.mr.addr(),
+                rkey: b.mr.rkey(),
+            },
+            vec![a.mr.sge(0, 8)],
+        )
+    };
+    let add = |a: &End, b: &End| {
+        SendWr::new(
+            1,
+            SendOp::FetchAdd {
+                remote_addr: b.mr.addr(),
+                rkey: b.mr.rkey(),
+                add: 1,
+            },
+            vec![a.mr.sge(0, 8)],
+        )
+    };
+    type Op = fn(&End, &End) -> SendWr;
+    let cases: [(&str, Access, Op); 3] = [
+        ("write", Access::REMOTE_READ | Access::REMOTE_ATOMIC, write),
+        ("read", Access::REMOTE_WRITE | Access::REMOTE_ATOMIC, read),
+        ("atomic", Access::REMOTE_WRITE | Access::REMOTE_READ, add),
+    ];
+    for (k, (what, allowed, op)) in cases.into_iter().enumerate() {
+        for before_connecting in [false, true] {
+            let name = pid_name(&format!("qp-access-{what}-{before_connecting}"));
+            let server = end();
+            assert_eq!(
+                server.qp.query().access,
+                Some(Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC)
+            );
+            if before_connecting {
+                common::access_flags_modify(&server.qp, QpState::Init, allowed);
+            }
+            let listener = Listener::bind(&server.ctx, &name).unwrap();
+            let t = std::thread::spawn(move || {
+                listener.accept(&server.qp).unwrap();
+                server
+            });
+            let a = end();
+            shm::connect(&a.qp, &name).unwrap();
+            let b = t.join().unwrap();
+            if !before_connecting {
+                common::access_flags_modify(&b.qp, QpState::Rts, allowed);
+            }
+            b.mr.write(0, &[0u8; 8]).unwrap();
+            a.mr.write(0, &[0xaa; 8]).unwrap();
+            a.qp.post_send(op(&a, &b)).unwrap();
+            let w = one(&a.scq);
+            assert_eq!(w.status, WcStatus::RemInvReqErr, "{what} (case {k})");
+            assert_eq!(b.mr.read_vec(0, 8).unwrap(), [0u8; 8], "{what}");
+            if what != "write" {
+                assert_eq!(a.mr.read_vec(0, 8).unwrap(), [0xaa; 8], "{what}");
+            }
+            wait_state(&b.qp, QpState::Err);
+        }
+    }
+}

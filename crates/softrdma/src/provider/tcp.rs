@@ -28,7 +28,7 @@ use softrdma_wire::mpa::{self, Crc32c};
 use crate::engine::iwarp::{IwarpQp, MAX_HEADER_LEN, Placement, Transmit};
 use crate::engine::srq::Srq;
 use crate::engine::{MAX_INLINE_DATA, PostError, QpEvent, QpState, RecvWr, SendWr};
-use crate::memory::{MrTable, Segment};
+use crate::memory::{Access, MrTable, Segment};
 use crate::verbs::cq::CqInner;
 use crate::verbs::events::{AsyncEvent, EventQueue};
 
@@ -411,6 +411,15 @@ impl TcpQp {
     /// Runs `f` on the engine (state, stats, the Terminates).
     pub fn with_engine<R>(&self, f: impl FnOnce(&IwarpQp) -> R) -> R {
         f(&self.shared.engine.lock().expect("QP lock"))
+    }
+
+    /// The remote operations the QP allows from now on.
+    pub fn set_access(&self, access: Access) {
+        self.shared
+            .engine
+            .lock()
+            .expect("QP lock")
+            .set_access(access);
     }
 
     /// Moves the QP to ERR and closes its connection, as siw does on a

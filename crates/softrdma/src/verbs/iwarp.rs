@@ -10,10 +10,11 @@ use super::early::{BeforeConnect, Kept};
 use super::events::{AsyncEvent, EventQueue};
 use super::{Pd, Provider, Qp, QpInit, QpKind, QpType, Result, VerbsError};
 use crate::cm::mpa::MpaOutcome;
-use crate::engine::iwarp::{IwarpConfig, IwarpQp, IwarpStats, P2p};
+use crate::engine::iwarp::{DEFAULT_ACCESS, IwarpConfig, IwarpQp, IwarpStats, P2p};
 use crate::engine::rc::QpCaps;
 use crate::engine::srq::Srq;
 use crate::engine::{PostError, QpState, RecvWr, SendWr, WcOpcode};
+use crate::memory::Access;
 use crate::provider::tcp::{ConnOptions, PEER_TIMEOUT, TcpQp, max_ulpdu_for};
 use softrdma_wire::rdmap::{TermEncoding, TerminateRepr};
 
@@ -40,6 +41,9 @@ pub(crate) struct IwarpSlot {
     srq: Option<(u64, Arc<Mutex<Srq>>)>,
     /// The connection, once up.
     conn: Mutex<Option<TcpQp>>,
+    /// The remote operations the QP allows (`qp_access_flags`); taken
+    /// before `conn`'s lock, held while the connection is told.
+    access: Mutex<Access>,
     /// Held through a move to ERR, `conn`'s lock only for its start: a
     /// second mover waits for the first to end the threads, posts and
     /// looks do not.
@@ -67,6 +71,28 @@ impl IwarpSlot {
     fn conn_state(&self) -> Option<QpState> {
         let conn = self.conn.lock().expect("conn lock");
         conn.as_ref().map(|c| c.with_engine(|q| q.state()))
+    }
+
+    pub(crate) fn access(&self) -> Access {
+        *self.access.lock().expect("access lock")
+    }
+
+    /// The remote operations the QP allows from now on, connected or not.
+    pub(crate) fn set_access(&self, access: Access) {
+        let mut a = self.access.lock().expect("access lock");
+        *a = access;
+        if let Some(c) = &*self.conn.lock().expect("conn lock") {
+            c.set_access(access);
+        }
+    }
+
+    /// Tells a new connection the access as it is now: a modify since the
+    /// connection's start found none to tell.
+    fn access_to_connection(&self) {
+        let a = self.access.lock().expect("access lock");
+        if let Some(c) = &*self.conn.lock().expect("conn lock") {
+            c.set_access(*a);
+        }
     }
 
     pub(crate) fn stats(&self) -> IwarpQpStats {
@@ -163,6 +189,7 @@ impl Pd {
                 recv_cq: init.recv_cq.inner.clone(),
                 srq: init.srq.map(|s| (s.id, s.inner.clone())),
                 conn: Mutex::new(None),
+                access: Mutex::new(DEFAULT_ACCESS),
                 moving_to_err: Mutex::new(()),
                 before: BeforeConnect::default(),
                 _qpn: lease,
@@ -205,6 +232,7 @@ impl Qp {
             }),
         };
         let mut engine = IwarpQp::new(slot.qpn, slot.pd, slot.caps, cfg);
+        engine.set_access(slot.access());
         if let Some((_, srq)) = &slot.srq {
             engine = engine.with_srq(srq.clone());
         }
@@ -243,6 +271,7 @@ impl Qp {
             }
         };
         *slot.conn.lock().expect("conn lock") = Some(conn);
+        slot.access_to_connection();
         connecting.done();
         Ok(())
     }

@@ -1505,29 +1505,56 @@ impl Qp {
         VerbsError::Invalid(match &self.kind {
             QpKind::Shm(_) => format!(
                 "{what}: a shm QP is brought up by cm::shm (connect or accept); \
-                 the one move it takes is to ERR"
+                 modify takes only qp_access_flags (in the QP's state) and a move to ERR"
             ),
             _ => format!(
                 "{what}: an iWARP QP is brought up by cm::iwarp (connect or accept), \
-                 which runs the MPA exchange; the one move it takes is to ERR"
+                 which runs the MPA exchange; modify takes only qp_access_flags (in the \
+                 QP's state) and a move to ERR"
             ),
         })
     }
 
-    /// `modify` to ERR of an iWARP or shm QP: the connection closes.
-    fn cm_qp_to_error(&self, cur_state: Option<QpState>) -> Result<()> {
-        if let Some(cur) = cur_state
-            && cur != self.state()
+    /// `modify` of an iWARP or shm QP: new access flags, in any state but
+    /// ERR, or a move to ERR, which closes the connection.
+    fn modify_cm_qp(&self, attr: &QpAttr, av: Option<AddressVector>) -> Result<()> {
+        let theirs = QpAttr {
+            state: attr.state,
+            cur_state: attr.cur_state,
+            access: attr.access,
+            ..QpAttr::default()
+        };
+        let state = self.state();
+        let to_error = attr.state == Some(QpState::Err);
+        let stays = attr.state.is_none_or(|s| s == state);
+        if *attr != theirs || av.is_some() || !(to_error || stays && attr.access.is_some()) {
+            return Err(self.brought_up_by_cm("modify"));
+        }
+        if let Some(cur) = attr.cur_state
+            && cur != state
         {
             return Err(VerbsError::Invalid(format!(
-                "modify: the QP is in {:?}, not {cur:?}",
-                self.state()
+                "modify: the QP is in {state:?}, not {cur:?}"
             )));
         }
-        match &self.kind {
-            QpKind::Iwarp(s) => s.to_error(self.ctx.inner.events()),
-            QpKind::Shm(s) => s.to_error(),
-            QpKind::Roce(_) | QpKind::Hw(_) => unreachable!("these QPs move through modify"),
+        if let Some(access) = attr.access {
+            if state == QpState::Err && !to_error {
+                return Err(VerbsError::Invalid(
+                    "modify: a QP in ERR takes no qp_access_flags".into(),
+                ));
+            }
+            match &self.kind {
+                QpKind::Iwarp(s) => s.set_access(access),
+                QpKind::Shm(s) => s.set_access(access),
+                QpKind::Roce(_) | QpKind::Hw(_) => unreachable!("these QPs move through modify"),
+            }
+        }
+        if to_error {
+            match &self.kind {
+                QpKind::Iwarp(s) => s.to_error(self.ctx.inner.events()),
+                QpKind::Shm(s) => s.to_error(),
+                QpKind::Roce(_) | QpKind::Hw(_) => unreachable!("these QPs move through modify"),
+            }
         }
         Ok(())
     }
@@ -1539,8 +1566,9 @@ impl Qp {
     }
 
     /// Modifies the QP (`ibv_modify_qp`); RC's INIT -> RTR needs `av`.
-    /// iWARP and shm QPs are brought up by their connection managers: the
-    /// one move they take is to ERR, which closes the connection.
+    /// iWARP and shm QPs are brought up by their connection managers: they
+    /// take new access flags (in the state they are in) and one move, to
+    /// ERR, which closes the connection.
     pub fn modify(&self, attr: &QpAttr, av: Option<AddressVector>) -> Result<()> {
         let to_error = QpAttr {
             state: Some(QpState::Err),
@@ -1562,8 +1590,7 @@ impl Qp {
         }
         let slot = match &self.kind {
             QpKind::Roce(s) => s,
-            _ if *attr == to_error && av.is_none() => return self.cm_qp_to_error(attr.cur_state),
-            _ => return Err(self.brought_up_by_cm("modify")),
+            _ => return self.modify_cm_qp(attr, av),
         };
         let mut a = *attr;
         a.has_av = av.is_some();
@@ -1601,10 +1628,12 @@ impl Qp {
             QpKind::Roce(s) => s.engine.lock().expect("QP lock").query(),
             QpKind::Iwarp(s) => QpAttr {
                 state: Some(s.state()),
+                access: Some(s.access()),
                 ..QpAttr::default()
             },
             QpKind::Shm(s) => QpAttr {
                 state: Some(s.state()),
+                access: Some(s.access()),
                 ..QpAttr::default()
             },
             QpKind::Hw(q) => q.query(),

@@ -3,7 +3,7 @@
 //! `post_send`, `post_recv` and CQs as the other providers.
 
 use std::os::fd::OwnedFd;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use super::cq::CqInner;
@@ -11,6 +11,7 @@ use super::early::{BeforeConnect, Kept};
 use super::{Pd, Provider, Qp, QpInit, QpKind, QpType, Result, VerbsError};
 use crate::engine::rc::QpCaps;
 use crate::engine::{PostError, QpState, RecvWr, SendWr, WcOpcode};
+use crate::memory::Access;
 use crate::provider::shm::{self, MAX_RECV_SGE, QpParts, ShmQp};
 
 /// What the verbs keep of a shm QP.
@@ -23,6 +24,9 @@ pub(crate) struct ShmSlot {
     recv_cq: Arc<CqInner>,
     /// Set once, when connected: read without a lock on every post.
     conn: OnceLock<Arc<ShmQp>>,
+    /// The remote operations the QP allows (`qp_access_flags`); its lock
+    /// is held while the connection is told.
+    access: Mutex<Access>,
     pub(super) before: BeforeConnect,
     /// Last: the number is given back after the connection is gone.
     _qpn: super::QpnLease,
@@ -38,6 +42,28 @@ impl ShmSlot {
 
     fn conn(&self) -> Option<&Arc<ShmQp>> {
         self.conn.get()
+    }
+
+    pub(crate) fn access(&self) -> Access {
+        *self.access.lock().expect("access lock")
+    }
+
+    /// The remote operations the QP allows from now on, connected or not.
+    pub(crate) fn set_access(&self, access: Access) {
+        let mut a = self.access.lock().expect("access lock");
+        *a = access;
+        if let Some(c) = self.conn() {
+            c.set_access(access);
+        }
+    }
+
+    /// Tells a new connection the access as it is now: a modify since the
+    /// connection's start found none to tell.
+    fn access_to_connection(&self) {
+        let a = self.access.lock().expect("access lock");
+        if let Some(c) = self.conn() {
+            c.set_access(*a);
+        }
     }
 
     /// `modify` to ERR: a connection is closed (its work flushed, the peer
@@ -90,6 +116,12 @@ impl Drop for ShmSlot {
     }
 }
 
+/// The access a shm QP allows unless told otherwise: every remote
+/// operation, as `cm::RcOptions`' default.
+const DEFAULT_ACCESS: Access = Access::REMOTE_WRITE
+    .with(Access::REMOTE_READ)
+    .with(Access::REMOTE_ATOMIC);
+
 impl Pd {
     pub(super) fn create_shm_qp(&self, init: &QpInit<'_>) -> Result<Qp> {
         if init.qp_type != QpType::Rc {
@@ -114,6 +146,7 @@ impl Pd {
                 send_cq: init.send_cq.inner.clone(),
                 recv_cq: init.recv_cq.inner.clone(),
                 conn: OnceLock::new(),
+                access: Mutex::new(DEFAULT_ACCESS),
                 before: BeforeConnect::default(),
                 _qpn: lease,
             })),
@@ -145,6 +178,7 @@ impl Qp {
             send_cq: slot.send_cq.clone(),
             recv_cq: slot.recv_cq.clone(),
             events: self.ctx.inner.events().clone(),
+            access: slot.access(),
         };
         // The exchange runs before the QP is claimed, so that its state and
         // posts don't wait on it; a QP claimed meanwhile (another connect,
@@ -176,6 +210,7 @@ impl Qp {
         // Set before the QP is marked connected: whoever sees it marked
         // finds the connection.
         let _ = slot.conn.set(conn);
+        slot.access_to_connection();
         connecting.done();
         Ok(())
     }

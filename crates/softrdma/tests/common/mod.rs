@@ -323,3 +323,33 @@ pub fn err_ends_the_waiting_accept(
         .unwrap_err();
     assert!(e.contains("moved to ERR"), "{e}");
 }
+
+/// `modify` with only `qp_access_flags` on `qp`, an iWARP or shm QP in
+/// `now`: taken in the QP's state, shown by `query`; with any other
+/// attribute, or a wrong current state, refused and nothing changed.
+pub fn access_flags_modify(qp: &Qp, now: QpState, access: Access) {
+    let before = qp.query().access.expect("the QP's access flags");
+    let with_mtu = QpAttr {
+        access: Some(access),
+        path_mtu: Some(Mtu::Mtu1024),
+        ..QpAttr::default()
+    };
+    let e = qp.modify(&with_mtu, None).unwrap_err();
+    assert!(e.to_string().contains("qp_access_flags"), "{e}");
+    let wrong_now = QpAttr {
+        access: Some(access),
+        cur_state: Some(QpState::Sqd),
+        ..QpAttr::default()
+    };
+    assert!(qp.modify(&wrong_now, None).is_err());
+    assert_eq!(qp.query().access, Some(before));
+    let set = QpAttr {
+        state: Some(now),
+        cur_state: Some(now),
+        access: Some(access),
+        ..QpAttr::default()
+    };
+    qp.modify(&set, None).unwrap();
+    let q = qp.query();
+    assert_eq!((q.state, q.access), (Some(now), Some(access)));
+}

@@ -18,6 +18,10 @@
 //! response segment is placed, a receive at the last segment of its message.
 //! Completions come in posting order.
 //!
+//! Remote access is checked twice, as the IB verbs do: the QP's own access
+//! flags ([`IwarpQp::set_access`]; iw_cm's default allows WRITE and READ),
+//! then the target region's rights.
+//!
 //! Errors: a bad STag, bounds, rights, a SEND with no receive posted (iWARP
 //! has no RNR), a malformed segment or a CRC error make this side send a
 //! Terminate, go to ERROR and flush; a Terminate from the peer or a lost
@@ -44,6 +48,10 @@ use super::{
 use crate::engine::SegList;
 use crate::engine::qp::QpState;
 use crate::memory::{Access, AccessError, MrTable, PdId, Segment};
+
+/// The access an iWARP QP allows unless told otherwise: iw_cm's (WRITE and
+/// READ).
+pub const DEFAULT_ACCESS: Access = Access::REMOTE_WRITE.with(Access::REMOTE_READ);
 
 /// Largest header [`IwarpQp::poll_transmit`] writes: MPA length, untagged DDP
 /// header, a Read Request, or a Terminate body with copied headers.
@@ -241,7 +249,10 @@ enum RxSeg {
         solicited: bool,
         invalidate: Option<u32>,
     },
-    ReadRequest,
+    ReadRequest {
+        /// The peer-to-peer RTR READ, answered whatever the QP's access.
+        rtr: bool,
+    },
     Terminate,
     Failed,
 }
@@ -253,6 +264,8 @@ pub struct IwarpQp {
     pd: PdId,
     caps: QpCaps,
     cfg: IwarpConfig,
+    /// The remote operations the QP allows (`qp_access_flags`).
+    access: Access,
     state: State,
     next_seq: u64,
     pending: VecDeque<Pending>,
@@ -300,6 +313,7 @@ impl IwarpQp {
                 max_ulpdu: cfg.max_ulpdu.clamp(64, softrdma_wire::mpa::MAX_ULPDU),
                 ..cfg
             },
+            access: DEFAULT_ACCESS,
             state: State::Rts,
             next_seq: 0,
             pending: VecDeque::new(),
@@ -343,6 +357,17 @@ impl IwarpQp {
     /// QP number.
     pub fn qpn(&self) -> u32 {
         self.qpn
+    }
+
+    /// The remote operations the QP allows from now on (`qp_access_flags`;
+    /// only REMOTE_WRITE and REMOTE_READ mean anything on iWARP).
+    pub fn set_access(&mut self, access: Access) {
+        self.access = access;
+    }
+
+    /// The remote operations the QP allows.
+    pub fn access(&self) -> Access {
+        self.access
     }
 
     /// RTS, or ERROR after a failure.
@@ -542,6 +567,17 @@ impl IwarpQp {
             });
         }
         self.fail(head);
+    }
+
+    /// A Terminate for a Read Request this side refuses: the request's
+    /// header goes with it.
+    fn terminate_read(&mut self, req: &ReadRequestRepr, layer: Layer, etype: u8, code: u8) {
+        let first = self.terminate.is_none() && self.state == State::Rts;
+        self.terminate(layer, etype, code, &[], None);
+        if let Some(t) = self.terminate.as_mut().filter(|_| first) {
+            t.control.r = true;
+            t.rdma_header = Some(*req);
+        }
     }
 
     /// A CQ of this QP overran, so its completions are lost: it terminates
@@ -976,6 +1012,7 @@ impl IwarpQp {
         };
         // A Terminate in the RTR's place (RFC 6581: no matching RTR, too
         // few IRD) is the peer's reason, taken as any Terminate.
+        let rtr = self.rtr_awaited.is_some() && op != Opcode::Terminate;
         if let Some(want) = self.rtr_awaited.filter(|_| op != Opcode::Terminate) {
             let rtr = match want {
                 Rtr::Write => op == Opcode::Write && payload_len == 0 && d.last,
@@ -987,6 +1024,12 @@ impl IwarpQp {
                 return Placement::Discard;
             }
             self.rtr_awaited = None;
+        }
+        // The QP's own access first, as RC's responder: the RTR WRITE is
+        // part of the connection's start, not an operation.
+        if op == Opcode::Write && !rtr && !self.access.contains(Access::REMOTE_WRITE) {
+            self.terminate(Layer::Rdmap, 1, ACCESS_VIOLATION, hdr, None);
+            return Placement::Discard;
         }
         match (op, d.placement) {
             // A zero-length WRITE places nothing: its STag is not checked
@@ -1148,7 +1191,7 @@ impl IwarpQp {
                     self.terminate(Layer::Rdmap, 2, 0x06, hdr, None);
                     return Placement::Discard;
                 }
-                self.rx = Some(RxSeg::ReadRequest);
+                self.rx = Some(RxSeg::ReadRequest { rtr });
                 Placement::Control
             }
             (Opcode::Terminate, _) => {
@@ -1221,7 +1264,7 @@ impl IwarpQp {
                     self.completions.push_back((CqKind::Recv, wc));
                 }
             }
-            RxSeg::ReadRequest => {
+            RxSeg::ReadRequest { rtr } => {
                 self.recv_read_msn = self.recv_read_msn.wrapping_add(1);
                 let req = ReadRequest::new_checked(control)
                     .ok()
@@ -1230,6 +1273,10 @@ impl IwarpQp {
                     self.terminate(Layer::Rdmap, 2, 0x06, &[], None);
                     return;
                 };
+                if !rtr && !self.access.contains(Access::REMOTE_READ) {
+                    self.terminate_read(&req, Layer::Rdmap, 1, ACCESS_VIOLATION);
+                    return;
+                }
                 if self.irq.len() >= usize::from(self.cfg.ird.max(1)) {
                     // More READs than this side's IRD.
                     self.terminate(Layer::Rdmap, 2, 0x07, &[], None);
@@ -1260,12 +1307,7 @@ impl IwarpQp {
                     }),
                     Err(e) => {
                         let (layer, etype, code) = tagged_error(&e);
-                        // The Read Request's header goes with the Terminate.
-                        self.terminate(layer, etype, code, &[], None);
-                        if let Some(t) = &mut self.terminate {
-                            t.control.r = true;
-                            t.rdma_header = Some(req);
-                        }
+                        self.terminate_read(&req, layer, etype, code);
                     }
                 }
             }
@@ -1283,13 +1325,17 @@ impl IwarpQp {
     }
 }
 
+/// RDMAP's "access rights violation" (a remote protection error, etype 1):
+/// the region's rights or the QP's.
+const ACCESS_VIOLATION: u8 = 0x02;
+
 /// The Terminate a failed remote access earns: an unknown STag is DDP's
 /// "invalid STag", the rest RDMAP remote protection errors.
 fn tagged_error(e: &AccessError) -> (Layer, u8, u8) {
     match e {
         AccessError::UnknownKey(_) | AccessError::WrongKeyKind(_) => (Layer::Ddp, 1, 0x00),
         AccessError::OutOfBounds { .. } => (Layer::Rdmap, 1, 0x01),
-        AccessError::NotPermitted { .. } => (Layer::Rdmap, 1, 0x02),
+        AccessError::NotPermitted { .. } => (Layer::Rdmap, 1, ACCESS_VIOLATION),
         AccessError::WrongPd { .. } => (Layer::Rdmap, 1, 0x03),
         AccessError::Unaligned(_) => (Layer::Rdmap, 1, 0x01),
     }

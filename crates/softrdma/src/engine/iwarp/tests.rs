@@ -942,3 +942,106 @@ fn a_lone_small_read_is_a_lone_response_and_anything_more_is_not() {
         ]
     );
 }
+
+/// The QP's own access flags gate WRITEs and READs before the region's
+/// rights (a zero-length one too, as RC's responder), with an access
+/// rights violation; what one allows, the other's lack still refuses.
+#[test]
+fn the_qps_access_flags_refuse_what_they_leave_out() {
+    let write = |len| {
+        SendWr::new(
+            1,
+            SendOp::Write {
+                remote_addr: IOVA[1],
+                rkey: RKEY[1],
+            },
+            vec![sge(0, 0, len)],
+        )
+    };
+    for (allowed, wr, status, is_read) in [
+        (Access::REMOTE_READ, write(100), WcStatus::Success, false),
+        (Access::REMOTE_READ, write(0), WcStatus::Success, false),
+        (
+            Access::REMOTE_WRITE,
+            read(1, 0, 100),
+            WcStatus::RemAccessErr,
+            true,
+        ),
+        (
+            Access::REMOTE_WRITE,
+            read(1, 0, 0),
+            WcStatus::RemAccessErr,
+            true,
+        ),
+    ] {
+        let mut p = Pair::new();
+        assert_eq!(p.s[1].qp.access(), DEFAULT_ACCESS);
+        p.s[1].qp.set_access(allowed);
+        p.s[1].mem.write(0, b"untouched");
+        p.s[0].mem.write(0, &[0xaa; 100]);
+        p.post(0, wr);
+        p.post(0, SendWr::new(2, SendOp::Send, vec![sge(0, 0, 8)]));
+        p.run();
+        let t = p.s[1].qp.own_terminate().expect("a Terminate");
+        assert_eq!(
+            (t.control.layer, t.control.etype, t.control.code),
+            (Layer::Rdmap, 1, 0x02)
+        );
+        assert_eq!(t.control.r, is_read, "a Read Request's header goes along");
+        // A WRITE completed when sent; the READ fails with the Terminate.
+        let after = if is_read {
+            WcStatus::WrFlushErr
+        } else {
+            WcStatus::Success
+        };
+        assert_eq!(p.statuses(0, CqKind::Send), [(1, status), (2, after)]);
+        let mut b = [0u8; 9];
+        p.s[1].mem.read(0, &mut b);
+        assert_eq!(&b, b"untouched");
+        assert_eq!(p.s[1].qp.state(), QpState::Err);
+    }
+    // Allowed by the QP, refused by the region: the region's rights hold.
+    let mut p = Pair::with(IwarpConfig::default(), Access::LOCAL_WRITE, true);
+    p.s[1].qp.set_access(Access::ALL);
+    p.post(0, write(8));
+    p.run();
+    let t = p.s[1].qp.own_terminate().expect("a Terminate");
+    assert_eq!(t.control.code, 0x02);
+}
+
+/// The peer-to-peer RTR is part of the connection's start: a QP that
+/// allows no remote access still takes it, WRITE or READ.
+#[test]
+fn the_rtr_passes_a_qp_that_allows_no_remote_access() {
+    for rtr in [Rtr::Write, Rtr::Read] {
+        let initiator = IwarpConfig {
+            p2p: Some(P2p::Send(rtr)),
+            ..IwarpConfig::default()
+        };
+        let responder = IwarpConfig {
+            p2p: Some(P2p::Await(rtr)),
+            ..IwarpConfig::default()
+        };
+        let mut p = Pair::of(initiator, responder);
+        p.s[1].qp.set_access(Access::NONE);
+        p.recv(1, 7, vec![sge(1, 0, 64)]);
+        p.post(0, SendWr::new(1, SendOp::Send, vec![]).inline(b"after"));
+        p.run();
+        assert!(p.s[1].qp.own_terminate().is_none(), "{rtr:?}");
+        assert_eq!(p.statuses(1, CqKind::Recv), [(7, WcStatus::Success)]);
+        // After it, the QP's access holds.
+        p.post(
+            0,
+            SendWr::new(
+                2,
+                SendOp::Write {
+                    remote_addr: IOVA[1],
+                    rkey: RKEY[1],
+                },
+                vec![],
+            ),
+        );
+        p.run();
+        assert!(p.s[1].qp.own_terminate().is_some(), "{rtr:?}");
+    }
+}

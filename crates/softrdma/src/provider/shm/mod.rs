@@ -18,8 +18,9 @@
 //! registered or deregistered later. A peer that dies closes it: the QP goes
 //! to ERR, its work is flushed and the peer's mappings are dropped.
 //!
-//! Rights are checked by the initiator on every operation (remote rights on
-//! the target region, local write on a receive buffer). Between processes of
+//! Rights are checked by the initiator on every operation (the target QP's
+//! access flags, which its owner keeps in its inbox, and remote rights on
+//! the target region; local write on a receive buffer). Between processes of
 //! one user on one host that is the protection there is: the peer's memory is
 //! mapped here.
 
@@ -55,7 +56,8 @@ use crate::verbs::events::{AsyncEvent, EventQueue};
 
 /// Most SGEs of a receive in the ring (the verbs allow up to this many).
 pub(crate) const MAX_RECV_SGE: usize = 7;
-const VERSION: u32 = 1;
+/// 2: the inbox holds the owner's QP access flags.
+const VERSION: u32 = 2;
 
 /// How long a peer has to take and acknowledge a region message.
 const ACK_WAIT: Duration = Duration::from_secs(1);
@@ -69,6 +71,9 @@ const CQ_HEAD: usize = 128;
 const CQ_TAIL: usize = 192;
 /// Set by a peer whose SEND found no receive: the owner's next post wakes it.
 const PEER_WAITING: usize = 256;
+/// The owner's QP access flags (`qp_access_flags`): the remote operations
+/// the peer may run on it, looked at by the peer on each one.
+const QP_ACCESS: usize = 320;
 const RINGS: usize = 4096;
 const RQ_SLOT: usize = 128;
 const CQ_SLOT: usize = 32;
@@ -333,6 +338,8 @@ pub(crate) struct QpParts {
     pub(crate) send_cq: Arc<CqInner>,
     pub(crate) recv_cq: Arc<CqInner>,
     pub(crate) events: Arc<EventQueue>,
+    /// The remote operations the QP allows to begin with.
+    pub(crate) access: Access,
 }
 
 /// Sends one message after the exchange, waiting until `deadline` at most
@@ -648,6 +655,7 @@ pub(crate) fn establish(
     copier::start();
     let slots = u64::from(parts.caps.max_recv_wr.max(1)).next_power_of_two();
     let (inbox, inbox_fd) = mapping::create(inbox_len(slots), "softrdma-inbox")?;
+    inbox.store(QP_ACCESS, u64::from(parts.access.bits()));
     let my_event = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?;
     let deadline = Deadline::after(timeout);
     let mut hello = [0u8; 16];
@@ -780,6 +788,25 @@ enum Outcome {
 }
 
 impl ShmQp {
+    /// The remote operations the peer may run on this QP from now on.
+    pub(crate) fn set_access(&self, access: Access) {
+        self.mine.mem.store(QP_ACCESS, u64::from(access.bits()));
+    }
+
+    /// Whether the peer's QP allows `op` (a remote right). An operation
+    /// already running when the peer took the right away still finishes,
+    /// as one already executing at an RC responder does.
+    fn peer_allows(&self, op: Access) -> Result<(), WcStatus> {
+        let allowed = Access::from_bits(self.peer.mem.load(QP_ACCESS) as u32);
+        // RC's responder answers an operation its QP refuses with an
+        // invalid request NAK.
+        if allowed.contains(op) {
+            Ok(())
+        } else {
+            Err(WcStatus::RemInvReqErr)
+        }
+    }
+
     pub(crate) fn state(&self) -> QpState {
         if self.failed.load(Ordering::Acquire) {
             QpState::Err
@@ -970,6 +997,8 @@ impl ShmQp {
                     SendOp::WriteWithImm { imm, .. } => Some(imm),
                     _ => None,
                 };
+                // The QP's access before the receive, as RC's responder.
+                self.peer_allows(Access::REMOTE_WRITE)?;
                 // WRITE with immediate needs its receive before any byte moves.
                 let taken = match imm {
                     Some(_) => match self.take_receive() {
@@ -1001,8 +1030,9 @@ impl ShmQp {
                 }
                 moved.map(Some)
             }
-            SendOp::Read { .. } if len == 0 => Ok(Some(())),
+            SendOp::Read { .. } if len == 0 => self.peer_allows(Access::REMOTE_READ).map(Some),
             SendOp::Read { remote_addr, rkey } => {
+                self.peer_allows(Access::REMOTE_READ)?;
                 Self::with_remote(peer, rkey, remote_addr, len, Access::REMOTE_READ, |src| {
                     let mut at = 0;
                     self.each_local(local, wr, Access::LOCAL_WRITE, |seg| {
@@ -1022,6 +1052,7 @@ impl ShmQp {
                 // refused the post otherwise. The result's buffer first: a
                 // bad one must not change the word.
                 self.each_local(local, wr, Access::LOCAL_WRITE, |_| {})?;
+                self.peer_allows(Access::REMOTE_ATOMIC)?;
                 let old =
                     Self::with_remote(peer, rkey, remote_addr, 8, Access::REMOTE_ATOMIC, |word| {
                         Ok(match wr.op {
