@@ -86,15 +86,6 @@ impl IwarpSlot {
         }
     }
 
-    /// Tells a new connection the access as it is now: a modify since the
-    /// connection's start found none to tell.
-    fn access_to_connection(&self) {
-        let a = self.access.lock().expect("access lock");
-        if let Some(c) = &*self.conn.lock().expect("conn lock") {
-            c.set_access(*a);
-        }
-    }
-
     pub(crate) fn stats(&self) -> IwarpQpStats {
         match &*self.conn.lock().expect("conn lock") {
             Some(c) => c.with_engine(|q| IwarpQpStats {
@@ -231,8 +222,11 @@ impl Qp {
                 }
             }),
         };
+        // Held until the connection is in the slot: a modify meanwhile
+        // waits for it, then tells it.
+        let access = slot.access.lock().expect("access lock");
         let mut engine = IwarpQp::new(slot.qpn, slot.pd, slot.caps, cfg);
-        engine.set_access(slot.access());
+        engine.set_access(*access);
         if let Some((_, srq)) = &slot.srq {
             engine = engine.with_srq(srq.clone());
         }
@@ -271,7 +265,7 @@ impl Qp {
             }
         };
         *slot.conn.lock().expect("conn lock") = Some(conn);
-        slot.access_to_connection();
+        drop(access);
         connecting.done();
         Ok(())
     }

@@ -1515,8 +1515,8 @@ impl Qp {
         })
     }
 
-    /// `modify` of an iWARP or shm QP: new access flags, in any state but
-    /// ERR, or a move to ERR, which closes the connection.
+    /// `modify` of an iWARP or shm QP: new access flags in the QP's state
+    /// (not ERR), or a move to ERR, which closes the connection.
     fn modify_cm_qp(&self, attr: &QpAttr, av: Option<AddressVector>) -> Result<()> {
         let theirs = QpAttr {
             state: attr.state,
@@ -1525,38 +1525,42 @@ impl Qp {
             ..QpAttr::default()
         };
         let state = self.state();
-        let to_error = attr.state == Some(QpState::Err);
-        let stays = attr.state.is_none_or(|s| s == state);
-        if *attr != theirs || av.is_some() || !(to_error || stays && attr.access.is_some()) {
+        let to_error = attr.state == Some(QpState::Err) && attr.access.is_none();
+        let new_access = attr.state.is_none_or(|s| s == state) && attr.access.is_some();
+        if *attr != theirs || av.is_some() || !(to_error || new_access) {
             return Err(self.brought_up_by_cm("modify"));
         }
         if let Some(cur) = attr.cur_state
             && cur != state
         {
             return Err(VerbsError::Invalid(format!(
-                "modify: the QP is in {state:?}, not {cur:?}"
+                "modify: the QP is in {state}, not {cur}"
             )));
         }
-        if let Some(access) = attr.access {
-            if state == QpState::Err && !to_error {
-                return Err(VerbsError::Invalid(
-                    "modify: a QP in ERR takes no qp_access_flags".into(),
-                ));
+        match (&self.kind, attr.access) {
+            (_, Some(_)) if state == QpState::Err => Err(VerbsError::Invalid(
+                "modify: a QP in ERR takes no qp_access_flags".into(),
+            )),
+            (QpKind::Iwarp(s), Some(access)) => {
+                s.set_access(access);
+                Ok(())
             }
-            match &self.kind {
-                QpKind::Iwarp(s) => s.set_access(access),
-                QpKind::Shm(s) => s.set_access(access),
-                QpKind::Roce(_) | QpKind::Hw(_) => unreachable!("these QPs move through modify"),
+            (QpKind::Shm(s), Some(access)) => {
+                s.set_access(access);
+                Ok(())
+            }
+            (QpKind::Iwarp(s), None) => {
+                s.to_error(self.ctx.inner.events());
+                Ok(())
+            }
+            (QpKind::Shm(s), None) => {
+                s.to_error();
+                Ok(())
+            }
+            (QpKind::Roce(_) | QpKind::Hw(_), _) => {
+                unreachable!("these QPs move through modify")
             }
         }
-        if to_error {
-            match &self.kind {
-                QpKind::Iwarp(s) => s.to_error(self.ctx.inner.events()),
-                QpKind::Shm(s) => s.to_error(),
-                QpKind::Roce(_) | QpKind::Hw(_) => unreachable!("these QPs move through modify"),
-            }
-        }
-        Ok(())
     }
 
     fn kick(&self, slot: &QpSlot) {

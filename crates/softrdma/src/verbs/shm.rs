@@ -3,7 +3,7 @@
 //! `post_send`, `post_recv` and CQs as the other providers.
 
 use std::os::fd::OwnedFd;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use super::cq::CqInner;
@@ -12,7 +12,7 @@ use super::{Pd, Provider, Qp, QpInit, QpKind, QpType, Result, VerbsError};
 use crate::engine::rc::QpCaps;
 use crate::engine::{PostError, QpState, RecvWr, SendWr, WcOpcode};
 use crate::memory::Access;
-use crate::provider::shm::{self, MAX_RECV_SGE, QpParts, ShmQp};
+use crate::provider::shm::{self, AccessFlags, MAX_RECV_SGE, QpParts, ShmQp};
 
 /// What the verbs keep of a shm QP.
 #[derive(Debug)]
@@ -24,9 +24,8 @@ pub(crate) struct ShmSlot {
     recv_cq: Arc<CqInner>,
     /// Set once, when connected: read without a lock on every post.
     conn: OnceLock<Arc<ShmQp>>,
-    /// The remote operations the QP allows (`qp_access_flags`); its lock
-    /// is held while the connection is told.
-    access: Mutex<Access>,
+    /// The remote operations the QP allows (`qp_access_flags`).
+    access: Arc<AccessFlags>,
     pub(super) before: BeforeConnect,
     /// Last: the number is given back after the connection is gone.
     _qpn: super::QpnLease,
@@ -45,25 +44,12 @@ impl ShmSlot {
     }
 
     pub(crate) fn access(&self) -> Access {
-        *self.access.lock().expect("access lock")
+        self.access.get()
     }
 
     /// The remote operations the QP allows from now on, connected or not.
     pub(crate) fn set_access(&self, access: Access) {
-        let mut a = self.access.lock().expect("access lock");
-        *a = access;
-        if let Some(c) = self.conn() {
-            c.set_access(access);
-        }
-    }
-
-    /// Tells a new connection the access as it is now: a modify since the
-    /// connection's start found none to tell.
-    fn access_to_connection(&self) {
-        let a = self.access.lock().expect("access lock");
-        if let Some(c) = self.conn() {
-            c.set_access(*a);
-        }
+        self.access.set(access);
     }
 
     /// `modify` to ERR: a connection is closed (its work flushed, the peer
@@ -146,7 +132,7 @@ impl Pd {
                 send_cq: init.send_cq.inner.clone(),
                 recv_cq: init.recv_cq.inner.clone(),
                 conn: OnceLock::new(),
-                access: Mutex::new(DEFAULT_ACCESS),
+                access: Arc::new(AccessFlags::new(DEFAULT_ACCESS)),
                 before: BeforeConnect::default(),
                 _qpn: lease,
             })),
@@ -178,7 +164,7 @@ impl Qp {
             send_cq: slot.send_cq.clone(),
             recv_cq: slot.recv_cq.clone(),
             events: self.ctx.inner.events().clone(),
-            access: slot.access(),
+            access: slot.access.clone(),
         };
         // The exchange runs before the QP is claimed, so that its state and
         // posts don't wait on it; a QP claimed meanwhile (another connect,
@@ -210,7 +196,6 @@ impl Qp {
         // Set before the QP is marked connected: whoever sees it marked
         // finds the connection.
         let _ = slot.conn.set(conn);
-        slot.access_to_connection();
         connecting.done();
         Ok(())
     }

@@ -325,31 +325,49 @@ pub fn err_ends_the_waiting_accept(
 }
 
 /// `modify` with only `qp_access_flags` on `qp`, an iWARP or shm QP in
-/// `now`: taken in the QP's state, shown by `query`; with any other
-/// attribute, or a wrong current state, refused and nothing changed.
+/// `now`: taken in the QP's state (named or not), shown by `query`; with
+/// any other attribute, a move to ERR or a wrong current state, refused
+/// and nothing changed. Ends with `access` set.
 pub fn access_flags_modify(qp: &Qp, now: QpState, access: Access) {
     let before = qp.query().access.expect("the QP's access flags");
-    let with_mtu = QpAttr {
-        access: Some(access),
-        path_mtu: Some(Mtu::Mtu1024),
-        ..QpAttr::default()
-    };
-    let e = qp.modify(&with_mtu, None).unwrap_err();
-    assert!(e.to_string().contains("qp_access_flags"), "{e}");
+    for refused in [
+        QpAttr {
+            access: Some(access),
+            path_mtu: Some(Mtu::Mtu1024),
+            ..QpAttr::default()
+        },
+        QpAttr {
+            state: Some(QpState::Err),
+            access: Some(access),
+            ..QpAttr::default()
+        },
+    ] {
+        let e = qp.modify(&refused, None).unwrap_err();
+        assert!(e.to_string().contains("takes only qp_access_flags"), "{e}");
+    }
     let wrong_now = QpAttr {
         access: Some(access),
         cur_state: Some(QpState::Sqd),
         ..QpAttr::default()
     };
-    assert!(qp.modify(&wrong_now, None).is_err());
-    assert_eq!(qp.query().access, Some(before));
-    let set = QpAttr {
+    let e = qp.modify(&wrong_now, None).unwrap_err();
+    assert!(e.to_string().contains("not SQD"), "{e}");
+    let q = qp.query();
+    assert_eq!((q.state, q.access), (Some(now), Some(before)));
+    // As `ibv_modify_qp(IBV_QP_ACCESS_FLAGS)`: no state given.
+    let none = QpAttr {
+        access: Some(Access::NONE),
+        ..QpAttr::default()
+    };
+    qp.modify(&none, None).unwrap();
+    assert_eq!(qp.query().access, Some(Access::NONE));
+    let named = QpAttr {
         state: Some(now),
         cur_state: Some(now),
         access: Some(access),
         ..QpAttr::default()
     };
-    qp.modify(&set, None).unwrap();
+    qp.modify(&named, None).unwrap();
     let q = qp.query();
     assert_eq!((q.state, q.access), (Some(now), Some(access)));
 }

@@ -250,7 +250,8 @@ enum RxSeg {
         invalidate: Option<u32>,
     },
     ReadRequest {
-        /// The peer-to-peer RTR READ, answered whatever the QP's access.
+        /// In the peer-to-peer RTR's place: a zero-length one is answered
+        /// whatever the QP's access.
         rtr: bool,
     },
     Terminate,
@@ -1273,7 +1274,10 @@ impl IwarpQp {
                     self.terminate(Layer::Rdmap, 2, 0x06, &[], None);
                     return;
                 };
-                if !rtr && !self.access.contains(Access::REMOTE_READ) {
+                // RFC 6581's RTR READ reads nothing: one that would is an
+                // operation like any other.
+                let is_rtr = rtr && req.size == 0;
+                if !is_rtr && !self.access.contains(Access::REMOTE_READ) {
                     self.terminate_read(&req, Layer::Rdmap, 1, ACCESS_VIOLATION);
                     return;
                 }

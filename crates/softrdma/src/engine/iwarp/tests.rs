@@ -995,9 +995,13 @@ fn the_qps_access_flags_refuse_what_they_leave_out() {
             WcStatus::Success
         };
         assert_eq!(p.statuses(0, CqKind::Send), [(1, status), (2, after)]);
+        // Nothing placed: the target region, or the READ's sink.
         let mut b = [0u8; 9];
         p.s[1].mem.read(0, &mut b);
         assert_eq!(&b, b"untouched");
+        let mut sink = [0u8; 100];
+        p.s[0].mem.read(0, &mut sink);
+        assert_eq!(sink, [0xaa; 100]);
         assert_eq!(p.s[1].qp.state(), QpState::Err);
     }
     // Allowed by the QP, refused by the region: the region's rights hold.
@@ -1006,7 +1010,10 @@ fn the_qps_access_flags_refuse_what_they_leave_out() {
     p.post(0, write(8));
     p.run();
     let t = p.s[1].qp.own_terminate().expect("a Terminate");
-    assert_eq!(t.control.code, 0x02);
+    assert_eq!(
+        (t.control.layer, t.control.etype, t.control.code),
+        (Layer::Rdmap, 1, 0x02)
+    );
 }
 
 /// The peer-to-peer RTR is part of the connection's start: a QP that
@@ -1042,6 +1049,27 @@ fn the_rtr_passes_a_qp_that_allows_no_remote_access() {
             ),
         );
         p.run();
-        assert!(p.s[1].qp.own_terminate().is_some(), "{rtr:?}");
+        let t = p.s[1].qp.own_terminate().expect("a Terminate");
+        assert_eq!(t.control.code, 0x02, "{rtr:?}");
     }
+    // A READ in the RTR READ's place that would read something is no RTR
+    // (RFC 6581's reads nothing): the QP's access holds for it.
+    let responder = IwarpConfig {
+        p2p: Some(P2p::Await(Rtr::Read)),
+        ..IwarpConfig::default()
+    };
+    let mut p = Pair::of(IwarpConfig::default(), responder);
+    p.s[1].qp.set_access(Access::REMOTE_WRITE);
+    p.s[1].mem.write(0, b"secret");
+    p.post(0, read(1, 0, 6));
+    p.run();
+    let t = p.s[1].qp.own_terminate().expect("a Terminate");
+    assert_eq!(
+        (t.control.layer, t.control.etype, t.control.code),
+        (Layer::Rdmap, 1, 0x02)
+    );
+    assert_eq!(p.statuses(0, CqKind::Send), [(1, WcStatus::RemAccessErr)]);
+    let mut got = [0u8; 6];
+    p.s[0].mem.read(0, &mut got);
+    assert_eq!(got, [0u8; 6]);
 }

@@ -338,8 +338,40 @@ pub(crate) struct QpParts {
     pub(crate) send_cq: Arc<CqInner>,
     pub(crate) recv_cq: Arc<CqInner>,
     pub(crate) events: Arc<EventQueue>,
-    /// The remote operations the QP allows to begin with.
-    pub(crate) access: Access,
+    /// The QP's access flags, which the exchange puts in its inbox.
+    pub(crate) access: Arc<AccessFlags>,
+}
+
+/// A shm QP's access flags (`qp_access_flags`): kept here until the QP has
+/// an inbox, then in it as well, where the peer looks at them on each
+/// remote operation. A change takes effect at the peer's next operation,
+/// from before the peer knows the inbox.
+#[derive(Debug)]
+pub(crate) struct AccessFlags(Mutex<(Access, Option<Arc<RegionMemory>>)>);
+
+impl AccessFlags {
+    pub(crate) fn new(access: Access) -> AccessFlags {
+        AccessFlags(Mutex::new((access, None)))
+    }
+
+    pub(crate) fn get(&self) -> Access {
+        self.0.lock().expect("access lock").0
+    }
+
+    pub(crate) fn set(&self, access: Access) {
+        let mut a = self.0.lock().expect("access lock");
+        a.0 = access;
+        if let Some(inbox) = &a.1 {
+            inbox.store(QP_ACCESS, u64::from(access.bits()));
+        }
+    }
+
+    /// From now on the flags live in `inbox` too.
+    fn publish_in(&self, inbox: &Arc<RegionMemory>) {
+        let mut a = self.0.lock().expect("access lock");
+        inbox.store(QP_ACCESS, u64::from(a.0.bits()));
+        a.1 = Some(inbox.clone());
+    }
 }
 
 /// Sends one message after the exchange, waiting until `deadline` at most
@@ -655,7 +687,8 @@ pub(crate) fn establish(
     copier::start();
     let slots = u64::from(parts.caps.max_recv_wr.max(1)).next_power_of_two();
     let (inbox, inbox_fd) = mapping::create(inbox_len(slots), "softrdma-inbox")?;
-    inbox.store(QP_ACCESS, u64::from(parts.access.bits()));
+    let inbox = Arc::new(inbox);
+    parts.access.publish_in(&inbox);
     let my_event = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?;
     let deadline = Deadline::after(timeout);
     let mut hello = [0u8; 16];
@@ -702,7 +735,7 @@ pub(crate) fn establish(
         events: parts.events,
         sock,
         mine: Inbox {
-            mem: Arc::new(inbox),
+            mem: inbox,
             slots,
             event: my_event,
         },
@@ -788,11 +821,6 @@ enum Outcome {
 }
 
 impl ShmQp {
-    /// The remote operations the peer may run on this QP from now on.
-    pub(crate) fn set_access(&self, access: Access) {
-        self.mine.mem.store(QP_ACCESS, u64::from(access.bits()));
-    }
-
     /// Whether the peer's QP allows `op` (a remote right). An operation
     /// already running when the peer took the right away still finishes,
     /// as one already executing at an RC responder does.

@@ -139,8 +139,8 @@ fn a_taken_receive_is_not_flushed_while_the_peer_still_copies_into_it() {
     }
 }
 
-/// A made-up peer's HELLO over `sock`: a real inbox, and `event` as its
-/// eventfd.
+/// A made-up peer's HELLO over `sock`: a real inbox (whose QP access word,
+/// 0, refuses every remote operation), and `event` as its eventfd.
 fn send_hello(sock: BorrowedFd<'_>, event: BorrowedFd<'_>) -> RegionMemory {
     let (inbox, inbox_fd) = mapping::create(inbox_len(4), "test-inbox").unwrap();
     let mut hello = [0u8; 16];
@@ -455,4 +455,22 @@ fn large_copies_shared_with_the_copy_helper_move_every_byte() {
             "the helper took no chunk in {round} rounds"
         );
     }
+}
+
+/// A QP's access flags reach its inbox whenever they change: before the
+/// inbox is made (it starts with them) or after.
+#[test]
+fn access_flags_reach_the_inbox_whenever_they_change() {
+    let flags = AccessFlags::new(Access::REMOTE_WRITE);
+    flags.set(Access::REMOTE_READ);
+    let (inbox, _fd) = mapping::create(inbox_len(4), "test-inbox").unwrap();
+    let inbox = Arc::new(inbox);
+    flags.publish_in(&inbox);
+    assert_eq!(inbox.load(QP_ACCESS), u64::from(Access::REMOTE_READ.bits()));
+    flags.set(Access::REMOTE_ATOMIC);
+    assert_eq!(
+        inbox.load(QP_ACCESS),
+        u64::from(Access::REMOTE_ATOMIC.bits())
+    );
+    assert_eq!(flags.get(), Access::REMOTE_ATOMIC);
 }
