@@ -9,8 +9,11 @@
 //! then segments, each a flags byte (bit 0: the CRC
 //! held; bit 1: send and reap after it; bit 2: patch a tagged segment's STag
 //! to the region's and fold its TO near it, or an untagged one's MSN near
-//! the expected), a 2-byte little-endian payload length, the DDP header (14
-//! bytes if the first byte's top bit says tagged, else 18) and the payload.
+//! the expected; bit 3: set the QP's access flags first, REMOTE_WRITE from
+//! bit 5 and REMOTE_READ from bit 6), a 2-byte little-endian payload length,
+//! the DDP header (14 bytes if the first byte's top bit says tagged, else 18)
+//! and the payload. A WRITE with payload is never placed past a QP that
+//! does not allow WRITEs.
 #![no_main]
 use std::sync::{Arc, Mutex};
 
@@ -132,9 +135,16 @@ fuzz_target!(|data: &[u8]| {
                 hdr[10..14].copy_from_slice(&(1 + msn % 4).to_be_bytes());
             }
         }
+        if flags & 8 != 0 {
+            qp.set_access(Access::from_bits(u32::from(flags >> 4) & 6));
+        }
+        // RDMAP's opcode 0 in a tagged segment: a WRITE.
+        let write = tagged && hdr.len() >= 2 && hdr[1] & 0x0f == 0 && !payload.is_empty();
+        let forbidden = write && !qp.access().contains(Access::REMOTE_WRITE);
         let mut control: &[u8] = &[];
         match qp.accept_header(&hdr, payload.len(), &mrs, &mut place) {
             Placement::Data => {
+                assert!(!forbidden, "a WRITE placed past the QP's access flags");
                 assert_eq!(
                     place.iter().map(|p| p.len()).sum::<usize>(),
                     payload.len(),
