@@ -1092,6 +1092,10 @@ fn poll_now(s: &Shared) -> bool {
                 return true;
             }
             NextFpdu::NotYet => return false,
+            NextFpdu::Malformed => {
+                s.end_of_stream(&mut rx);
+                return false;
+            }
         }
         let RxState {
             control,
@@ -1118,6 +1122,8 @@ enum NextFpdu {
     Large,
     /// Nothing, or part of a small one.
     NotYet,
+    /// A length no FPDU can have: the stream is broken.
+    Malformed,
 }
 
 /// The next FPDU's state. Its first bytes (up to [`AHEAD`], a small FPDU
@@ -1141,17 +1147,34 @@ fn next_fpdu(stream: &TcpStream, ahead: &mut Lookahead, most: usize) -> NextFpdu
     }
     let length = [ahead.buf[ahead.at], ahead.buf[ahead.at + 1]];
     let ulpdu = usize::from(u16::from_be_bytes(length));
+    if ulpdu < ddp::TAGGED_HEADER_LEN {
+        // No DDP header fits: its reading could wait for header bytes the
+        // peer never sends.
+        return NextFpdu::Malformed;
+    }
     let whole = mpa::LENGTH_FIELD_LEN + ulpdu + mpa::pad_len(ulpdu) + mpa::CRC_LEN;
     let buffered = ahead.len - ahead.at;
-    if buffered >= whole
-        || buffered + rustix::io::ioctl_fionread(stream).unwrap_or(0) as usize >= whole
-    {
+    let in_socket = rustix::io::ioctl_fionread(stream).unwrap_or(0) as usize;
+    if buffered + in_socket >= whole {
         NextFpdu::Whole(whole)
     } else if whole > most {
         NextFpdu::Large
+    } else if in_socket == 0 && stream_ended(stream) {
+        // Part of an FPDU, then the end: the reading finds the end at once.
+        NextFpdu::Whole(0)
     } else {
         NextFpdu::NotYet
     }
+}
+
+/// Whether the peer closed or reset the stream, with nothing left in the
+/// socket to read (a peek, taking nothing).
+fn stream_ended(stream: &TcpStream) -> bool {
+    let flags = rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT;
+    !matches!(
+        rustix::net::recv(stream, &mut [0u8; 1], flags),
+        Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) | Ok((1, _))
+    )
 }
 
 /// How long a busy-polling receive thread spins on its socket before it
@@ -1355,10 +1378,19 @@ fn receive_one(
 ) -> io::Result<()> {
     let stream = &s.stream;
     let mut crc = Crc32c::default();
-    // The length field and the shorter (tagged) header in one read.
+    // The length field and the shorter (tagged) header in one read; the
+    // length looked at first, so that one no header fits fails at once
+    // instead of waiting for header bytes a broken peer may never send.
     let mut head = [0u8; mpa::LENGTH_FIELD_LEN + ddp::UNTAGGED_HEADER_LEN];
-    ahead.read_exact(stream, busy, &mut head[..LOOKAHEAD])?;
+    ahead.read_exact(stream, busy, &mut head[..mpa::LENGTH_FIELD_LEN])?;
     let ulpdu_len = usize::from(u16::from_be_bytes([head[0], head[1]]));
+    if ulpdu_len < ddp::TAGGED_HEADER_LEN {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "ULPDU shorter than any DDP header",
+        ));
+    }
+    ahead.read_exact(stream, busy, &mut head[mpa::LENGTH_FIELD_LEN..LOOKAHEAD])?;
     let hlen = if head[2] & 0x80 != 0 {
         ddp::TAGGED_HEADER_LEN
     } else {

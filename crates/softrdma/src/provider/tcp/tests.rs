@@ -784,3 +784,71 @@ fn a_silent_peer_fails_the_qp_after_the_peer_timeout() {
     assert_eq!((r.wr_id, r.status), (50, WcStatus::WrFlushErr));
     assert_eq!(a.qp.with_engine(|q| q.state()), crate::engine::QpState::Err);
 }
+
+/// A busy-polling application whose peer (after MPA) sends `bytes` and
+/// then, if `close`, closes: the poll that takes them fails the QP, which
+/// flushes the receive the application spins for; no poll blocks in a
+/// read, and none spins on for good.
+fn a_poller_meets(bytes: &'static [u8], close: bool) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let at = l.local_addr().unwrap();
+    let peer = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        cm_mpa::accept(&mut s, &MpaConfig::default(), |_| Decision::Accept).unwrap();
+        s
+    });
+    let mut c = TcpStream::connect(at).unwrap();
+    let co = cm_mpa::connect(&mut c, &MpaConfig::default()).unwrap();
+    let mut theirs = peer.join().unwrap();
+    let busy = Arc::new(AtomicBool::new(true));
+    let a = end_with(0, c, co.crc, Some(busy));
+    a.qp.post_recv(RecvWr::new(50, [sge(&a, 0, 64)])).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let polling = std::thread::spawn(move || {
+        let wc = spin(&a.rcq);
+        let _ = tx.send((wc.wr_id, wc.status));
+        a
+    });
+    // Good FPDUs first (zero-length WRITEs, which place nothing): the
+    // receive thread, waiting in its read, takes the first, then stands by
+    // while the application polls, whose polls take the rest.
+    let mut good = vec![0x00, 14, 0xc1, 0x40];
+    good.resize(good.len() + 12 + mpa::pad_len(14), 0);
+    let crc = if co.crc {
+        let mut c = Crc32c::default();
+        c.update(&good);
+        c.finish()
+    } else {
+        0
+    };
+    good.extend_from_slice(&crc.to_le_bytes());
+    for _ in 0..2 {
+        std::thread::sleep(Duration::from_millis(50));
+        std::io::Write::write_all(&mut theirs, &good).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    std::io::Write::write_all(&mut theirs, bytes).unwrap();
+    // Kept open, or closed.
+    let _open = (!close).then_some(theirs);
+    let got = rx
+        .recv_timeout(T + Duration::from_secs(5))
+        .expect("the polling application hung");
+    assert_eq!(got, (50, WcStatus::WrFlushErr));
+    let a = polling.join().unwrap();
+    assert!(a.qp.polled_fpdus() > 0, "no poll received");
+    assert_eq!(a.qp.with_engine(|q| q.state()), crate::engine::QpState::Err);
+}
+
+/// An FPDU whose length leaves no room for a DDP header, from a peer that
+/// then says nothing: the poll fails the stream instead of waiting in a
+/// read for header bytes that never come.
+#[test]
+fn a_poll_that_meets_an_fpdu_too_short_for_a_header_fails_the_qp() {
+    a_poller_meets(&[0; 8], false);
+}
+
+/// Part of a small FPDU, then the peer closes: the poll finds the end.
+#[test]
+fn a_poll_that_meets_a_cut_fpdu_and_the_end_fails_the_qp() {
+    a_poller_meets(&[0x00, 0x20, 0x80, 0x41, 0, 0, 0, 0, 0, 0], true);
+}
