@@ -14,6 +14,12 @@ use crate::verbs::{Context, Qp, Result, VerbsError};
 /// How long either side waits for the other's part of the exchange.
 const TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long a connect waits for the listener to take the connection.
+#[cfg(not(test))]
+const CONNECT_WAIT: Duration = TIMEOUT;
+#[cfg(test)]
+const CONNECT_WAIT: Duration = Duration::from_secs(1);
+
 fn address(name: &str) -> Result<SocketAddrUnix> {
     if name.is_empty() || name.len() > 90 {
         return Err(VerbsError::Invalid(
@@ -58,11 +64,34 @@ pub fn connect(qp: &Qp, name: &str) -> Result<()> {
     qp.check_unconnected()?;
     let addr = address(name)?;
     let sock = socket()?;
-    // It blocks while the listener's backlog is full: a signal then is no
-    // reason to fail.
+    // It blocks while the listener's backlog is full, for at most the
+    // exchange's time (the send timeout bounds it): a signal then is no
+    // reason to fail, a listener that never takes the connection (or
+    // another process holding the name) is.
+    let give_up = std::time::Instant::now() + CONNECT_WAIT;
+    let timed_out = || {
+        io_err(
+            format!(
+                "the shm listener {name:?} took no connection in {} s",
+                CONNECT_WAIT.as_secs()
+            ),
+            std::io::ErrorKind::TimedOut.into(),
+        )
+    };
     loop {
+        let left = give_up.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(timed_out());
+        }
+        rustix::net::sockopt::set_socket_timeout(
+            &sock,
+            rustix::net::sockopt::Timeout::Send,
+            Some(left.max(Duration::from_millis(1))),
+        )
+        .map_err(|e| io_err("the shm socket's send timeout".into(), e.into()))?;
         match rustix::net::connect(&sock, &addr) {
             Err(rustix::io::Errno::INTR) => {}
+            Err(rustix::io::Errno::AGAIN) => return Err(timed_out()),
             r => {
                 break r.map_err(|e| {
                     io_err(format!("no shm listener {name:?} on this host"), e.into())
@@ -183,5 +212,35 @@ fn first_message(sock: &OwnedFd) -> Result<()> {
             Ok(_) => return Ok(()),
             Err(e) => return Err(io_err("waiting for the shm peer".into(), e.into())),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::verbs::{Device, QpInit};
+
+    /// A name held by something that never takes connections (another
+    /// process squatting on it, or a listener stopped with its backlog
+    /// full): connect times out instead of blocking for good.
+    #[test]
+    fn a_listener_that_takes_no_connection_times_the_connect_out() {
+        let name = format!("test-{}-squatted", std::process::id());
+        let addr = address(&name).unwrap();
+        let squatter = socket().unwrap();
+        rustix::net::bind(&squatter, &addr).unwrap();
+        rustix::net::listen(&squatter, 0).unwrap();
+        // The one connection a backlog of 0 holds.
+        let first = socket().unwrap();
+        rustix::net::connect(&first, &addr).unwrap();
+        let ctx = Device::shm().open().unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(4).unwrap();
+        let qp = pd.create_qp(&QpInit::rc(&cq, &cq)).unwrap();
+        let t = std::time::Instant::now();
+        let e = connect(&qp, &name).unwrap_err();
+        assert!(e.to_string().contains("took no connection"), "{e}");
+        assert!(t.elapsed() >= CONNECT_WAIT - Duration::from_millis(50));
+        assert!(t.elapsed() < CONNECT_WAIT + Duration::from_secs(5));
     }
 }

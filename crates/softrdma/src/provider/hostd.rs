@@ -52,6 +52,10 @@ const RX_BUF: usize = 65536;
 /// Most datagrams the daemon forwards before it looks at its other sockets.
 const FORWARD_BUDGET: usize = 256;
 
+/// Most connections the daemon takes (or turns away) before it looks at
+/// its other sockets.
+const ACCEPT_BUDGET: usize = 64;
+
 /// The abstract socket name of the daemon serving `addr`.
 fn socket_name(addr: SocketAddrV4) -> String {
     format!("softrdma-hostd/{addr}")
@@ -282,7 +286,10 @@ impl Hostd {
     /// Takes the processes waiting to join; false if this process ran out
     /// of descriptors (or memory) for them.
     fn accept(&mut self) -> bool {
-        loop {
+        // A budget per pass, as forwarding has: processes that keep the
+        // backlog full (each turned away) must not keep the daemon from its
+        // datagrams and its stop signal.
+        for _ in 0..ACCEPT_BUDGET {
             let fd = match rustix::net::accept_with(
                 &self.listener,
                 SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
@@ -335,6 +342,8 @@ impl Hostd {
             }
             self.clients[usize::from(slot)] = Some(fd);
         }
+        // The rest wait for the next pass (the listener stays readable).
+        true
     }
 
     fn forward(&self, packet: &[u8], meta: &RxMeta) {
@@ -537,17 +546,47 @@ fn hostd_program() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// How long a joiner waits for the daemon to take its connection.
+#[cfg(not(test))]
+const JOIN_WAIT: Duration = Duration::from_secs(10);
+#[cfg(test)]
+const JOIN_WAIT: Duration = Duration::from_secs(1);
+
+fn join_timed_out(addr: SocketAddrV4) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::TimedOut,
+        format!(
+            "the hostd for {addr} took no connection in {} s (stopped, or another \
+             process holds its socket name)",
+            JOIN_WAIT.as_secs()
+        ),
+    )
+}
+
 fn connect(addr: SocketAddrV4) -> io::Result<(OwnedFd, u8)> {
     let fd = unix_seqpacket(SocketFlags::empty())?;
     let name = SocketAddrUnix::new_abstract_name(socket_name(addr).as_bytes())?;
-    // It blocks while the daemon's backlog is full: a signal then is no
-    // reason to fail.
+    // It blocks while the daemon's backlog is full (the send timeout bounds
+    // that wait): a signal then is no reason to fail, but a daemon that
+    // never takes the connection (stopped, or a squatter on the name) is.
+    let give_up = Instant::now() + JOIN_WAIT;
     loop {
+        let left = give_up.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(join_timed_out(addr));
+        }
+        rustix::net::sockopt::set_socket_timeout(
+            &fd,
+            rustix::net::sockopt::Timeout::Send,
+            Some(left.max(Duration::from_millis(1))),
+        )?;
         match rustix::net::connect(&fd, &name) {
             Err(rustix::io::Errno::INTR) => {}
+            Err(rustix::io::Errno::AGAIN) => return Err(join_timed_out(addr)),
             r => break r?,
         }
     }
+    rustix::net::sockopt::set_socket_timeout(&fd, rustix::net::sockopt::Timeout::Send, None)?;
     // Anyone can bind an abstract name: a daemon of another user (root
     // aside) could read this process's traffic and forge its sources.
     let daemon = rustix::net::sockopt::socket_peercred(&fd)?.uid;
@@ -611,6 +650,32 @@ fn connect(addr: SocketAddrV4) -> io::Result<(OwnedFd, u8)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A socket name held by something that never takes connections (a
+    /// stopped daemon, or another user's process squatting on the name):
+    /// joining times out instead of blocking for good.
+    #[test]
+    fn a_daemon_that_takes_no_connection_times_the_join_out() {
+        // Abstract names are host-wide: an address of this process's own.
+        let pid = std::process::id();
+        let addr = SocketAddrV4::new(
+            std::net::Ipv4Addr::new(127, 201, (pid >> 8) as u8, pid as u8),
+            4791,
+        );
+        let name = SocketAddrUnix::new_abstract_name(socket_name(addr).as_bytes()).unwrap();
+        let squatter = unix_seqpacket(SocketFlags::empty()).unwrap();
+        rustix::net::bind(&squatter, &name).unwrap();
+        rustix::net::listen(&squatter, 0).unwrap();
+        // The one connection a backlog of 0 holds.
+        let first = unix_seqpacket(SocketFlags::empty()).unwrap();
+        rustix::net::connect(&first, &name).unwrap();
+        let t = Instant::now();
+        let e = connect(addr).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        assert!(e.to_string().contains("took no connection"), "{e}");
+        assert!(t.elapsed() >= JOIN_WAIT - Duration::from_millis(50));
+        assert!(t.elapsed() < JOIN_WAIT + Duration::from_secs(5));
+    }
 
     #[test]
     fn forward_header_round_trips() {
