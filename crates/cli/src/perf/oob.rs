@@ -471,9 +471,19 @@ impl Oob {
             Link::Tcp(mut stream) => {
                 // Half-close first: a softrdma peer lingering too sees the end.
                 let _ = stream.shutdown(std::net::Shutdown::Write);
-                let _ = stream.set_read_timeout(Some(limit));
+                // The limit is the whole wait's: a peer that keeps sending
+                // a byte now and then does not hold this side open.
+                let give_up = std::time::Instant::now() + limit;
                 let mut buf = [0u8; 64];
-                while matches!(stream.read(&mut buf), Ok(n) if n > 0) {}
+                loop {
+                    let left = give_up.saturating_duration_since(std::time::Instant::now());
+                    if left.is_zero() || stream.set_read_timeout(Some(left)).is_err() {
+                        break;
+                    }
+                    if !matches!(stream.read(&mut buf), Ok(n) if n > 0) {
+                        break;
+                    }
+                }
             }
             // siw fails a WRITE still in its transmit path with
             // LOC_QP_OP_ERR when the connection goes, and either side's

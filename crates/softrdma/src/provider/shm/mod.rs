@@ -1282,6 +1282,9 @@ impl ShmQp {
         let m = &self.mine.mem;
         let mut posted = self.posted.lock().expect("shm RQ lock");
         let mut tail = m.load(CQ_TAIL);
+        // The peer can write the tail too: what was drained is counted
+        // from this reading, not from another.
+        let drained_from = tail;
         let mut head = m.load(CQ_HEAD);
         // The peer writes CQ_HEAD: more than a ring's worth (or less than
         // drained) is a broken peer, not work to do forever.
@@ -1324,7 +1327,7 @@ impl ShmQp {
             wc.solicited = slot[15] != 0;
             signal |= self.recv_cq.push(wc);
         }
-        let pushed = tail != m.load(CQ_TAIL);
+        let pushed = tail != drained_from;
         m.store(CQ_TAIL, tail);
         if pushed && self.recv_cq.overran() {
             self.fail();

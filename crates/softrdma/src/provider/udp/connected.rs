@@ -42,6 +42,10 @@ use nix::sys::socket::{
 };
 use softrdma_wire::icrc::{Ipv4Flow, Ipv4Pseudo};
 
+/// A classic BPF program of one instruction, `ret #0`: keep no byte of any
+/// datagram (the error queue is not filtered).
+const DROP_EVERYTHING: [socket2::SockFilter; 1] = [socket2::SockFilter::new(0x06, 0, 0, 0)];
+
 /// A device's connected send sockets: whether they work at all, and how
 /// many more it may open.
 #[derive(Debug)]
@@ -229,6 +233,11 @@ impl ConnectedSend {
             )));
         }
         let opened = super::roce_socket(SocketAddrV4::new(local_ip, 0), false).and_then(|s| {
+            // Sends only: nothing legitimate arrives here (the peer answers
+            // port 4791), and what a peer sent anyway would sit in the
+            // receive buffer for good, holding kernel memory and the room
+            // the error queue's probes need. A filter drops it on arrival.
+            socket2::SockRef::from(&s).attach_filter(&DROP_EVERYTHING)?;
             s.connect(peer)?;
             match s.local_addr()? {
                 SocketAddr::V4(a) => Ok((s, a)),
@@ -503,6 +512,26 @@ mod tests {
             unreachable!("bound to an IPv4 address")
         };
         (socket, at)
+    }
+
+    /// Datagrams to a connected send socket, even from its peer, are
+    /// dropped on arrival: none waits in its receive buffer.
+    #[test]
+    fn nothing_sent_to_the_send_socket_stays() {
+        let (peer, to) = peer();
+        let c = open(Ipv4Addr::new(127, 0, 0, 96), to);
+        for _ in 0..4 {
+            peer.send_to(&[0xaa; 1000], c.local).unwrap();
+        }
+        // Loopback delivers within the send; a moment more all the same.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let mut buf = [0u8; 2048];
+        let e = c.socket.recv(&mut buf).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::WouldBlock);
+        // Probes, whose copies come back on the error queue, still read
+        // the count.
+        let mut c = c;
+        assert!(c.next_ident().is_ok());
     }
 
     #[test]
