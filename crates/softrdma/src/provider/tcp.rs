@@ -1154,6 +1154,10 @@ fn next_fpdu(stream: &TcpStream, ahead: &mut Lookahead, most: usize) -> NextFpdu
     }
     let whole = mpa::LENGTH_FIELD_LEN + ulpdu + mpa::pad_len(ulpdu) + mpa::CRC_LEN;
     let buffered = ahead.len - ahead.at;
+    if buffered >= whole {
+        // A small FPDU usually comes whole in the read ahead: no more calls.
+        return NextFpdu::Whole(whole);
+    }
     let in_socket = rustix::io::ioctl_fionread(stream).unwrap_or(0) as usize;
     if buffered + in_socket >= whole {
         NextFpdu::Whole(whole)

@@ -801,14 +801,16 @@ fn a_poller_meets(bytes: &'static [u8], close: bool) {
     let co = cm_mpa::connect(&mut c, &MpaConfig::default()).unwrap();
     let mut theirs = peer.join().unwrap();
     let busy = Arc::new(AtomicBool::new(true));
-    let a = end_with(0, c, co.crc, Some(busy));
+    let a = Arc::new(end_with(0, c, co.crc, Some(busy)));
     a.qp.post_recv(RecvWr::new(50, [sge(&a, 0, 64)])).unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
-    let polling = std::thread::spawn(move || {
-        let wc = spin(&a.rcq);
-        let _ = tx.send((wc.wr_id, wc.status));
-        a
-    });
+    let polling = {
+        let a = a.clone();
+        std::thread::spawn(move || {
+            let wc = spin(&a.rcq);
+            let _ = tx.send((wc.wr_id, wc.status));
+        })
+    };
     // Good FPDUs first (zero-length WRITEs, which place nothing): the
     // receive thread, waiting in its read, takes the first, then stands by
     // while the application polls, whose polls take the rest.
@@ -826,7 +828,13 @@ fn a_poller_meets(bytes: &'static [u8], close: bool) {
         std::thread::sleep(Duration::from_millis(50));
         std::io::Write::write_all(&mut theirs, &good).unwrap();
     }
-    std::thread::sleep(Duration::from_millis(50));
+    // The second went to a poll: the receive thread stands by, and what
+    // follows is the polls' too.
+    let t0 = std::time::Instant::now();
+    while a.qp.polled_fpdus() < 1 {
+        assert!(t0.elapsed() < T, "no poll took the second FPDU");
+        std::thread::sleep(Duration::from_millis(1));
+    }
     std::io::Write::write_all(&mut theirs, bytes).unwrap();
     // Kept open, or closed.
     let _open = (!close).then_some(theirs);
@@ -834,16 +842,19 @@ fn a_poller_meets(bytes: &'static [u8], close: bool) {
         .recv_timeout(T + Duration::from_secs(5))
         .expect("the polling application hung");
     assert_eq!(got, (50, WcStatus::WrFlushErr));
-    let a = polling.join().unwrap();
-    assert!(a.qp.polled_fpdus() > 0, "no poll received");
+    polling.join().unwrap();
     assert_eq!(a.qp.with_engine(|q| q.state()), crate::engine::QpState::Err);
 }
 
 /// An FPDU whose length leaves no room for a DDP header, from a peer that
-/// then says nothing: the poll fails the stream instead of waiting in a
-/// read for header bytes that never come.
+/// then says nothing: the stream fails, instead of a poll waiting for the
+/// rest of the FPDU (12 bytes, 20 with CRC: not all sent; the poll's own
+/// check fails it, else the receive thread's once it takes over) or
+/// blocking in a read for header bytes that never come (0 bytes, 8 with
+/// CRC: all sent).
 #[test]
 fn a_poll_that_meets_an_fpdu_too_short_for_a_header_fails_the_qp() {
+    a_poller_meets(&[0x00, 0x0c], false);
     a_poller_meets(&[0; 8], false);
 }
 
