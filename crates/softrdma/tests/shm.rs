@@ -659,38 +659,15 @@ fn an_accept_ends_at_its_time_or_when_its_qp_fails() {
 /// responder's invalid request NAK), the target's memory untouched.
 #[test]
 fn the_qps_access_flags_refuse_what_they_leave_out() {
-    let write = |a: &End, b: &End| {
-        SendWr::new(
-            1,
-            SendOp::Write {
-                remote_addr: b.mr.addr(),
-                rkey: b.mr.rkey(),
-            },
-            vec![a.mr.sge(0, 8)],
-        )
+    // Each operation on (remote_addr, rkey).
+    let write = |remote_addr, rkey| SendOp::Write { remote_addr, rkey };
+    let read = |remote_addr, rkey| SendOp::Read { remote_addr, rkey };
+    let add = |remote_addr, rkey| SendOp::FetchAdd {
+        remote_addr,
+        rkey,
+        add: 1,
     };
-    let read = |a: &End, b: &End| {
-        SendWr::new(
-            1,
-            SendOp::Read {
-                remote_addr: b.mr.addr(),
-                rkey: b.mr.rkey(),
-            },
-            vec![a.mr.sge(0, 8)],
-        )
-    };
-    let add = |a: &End, b: &End| {
-        SendWr::new(
-            1,
-            SendOp::FetchAdd {
-                remote_addr: b.mr.addr(),
-                rkey: b.mr.rkey(),
-                add: 1,
-            },
-            vec![a.mr.sge(0, 8)],
-        )
-    };
-    type Op = fn(&End, &End) -> SendWr;
+    type Op = fn(u64, u32) -> SendOp;
     let cases: [(&str, Access, Op); 3] = [
         ("write", Access::REMOTE_READ | Access::REMOTE_ATOMIC, write),
         ("read", Access::REMOTE_WRITE | Access::REMOTE_ATOMIC, read),
@@ -720,7 +697,9 @@ fn the_qps_access_flags_refuse_what_they_leave_out() {
             }
             b.mr.write(0, &[0u8; 8]).unwrap();
             a.mr.write(0, &[0xaa; 8]).unwrap();
-            a.qp.post_send(op(&a, &b)).unwrap();
+            let op = op(b.mr.addr(), b.mr.rkey());
+            a.qp.post_send(SendWr::new(1, op, vec![a.mr.sge(0, 8)]))
+                .unwrap();
             let w = one(&a.scq);
             assert_eq!(w.status, WcStatus::RemInvReqErr, "{what} (case {k})");
             assert_eq!(b.mr.read_vec(0, 8).unwrap(), [0u8; 8], "{what}");

@@ -64,41 +64,16 @@ pub fn connect(qp: &Qp, name: &str) -> Result<()> {
     qp.check_unconnected()?;
     let addr = address(name)?;
     let sock = socket()?;
-    // It blocks while the listener's backlog is full, for at most the
-    // exchange's time (the send timeout bounds it): a signal then is no
-    // reason to fail, a listener that never takes the connection (or
-    // another process holding the name) is.
-    let give_up = std::time::Instant::now() + CONNECT_WAIT;
-    let timed_out = || {
-        io_err(
-            format!(
+    crate::provider::connect_unix_within(&sock, &addr, CONNECT_WAIT).map_err(|e| {
+        let what = match e.kind() {
+            std::io::ErrorKind::TimedOut => format!(
                 "the shm listener {name:?} took no connection in {} s",
                 CONNECT_WAIT.as_secs()
             ),
-            std::io::ErrorKind::TimedOut.into(),
-        )
-    };
-    loop {
-        let left = give_up.saturating_duration_since(std::time::Instant::now());
-        if left.is_zero() {
-            return Err(timed_out());
-        }
-        rustix::net::sockopt::set_socket_timeout(
-            &sock,
-            rustix::net::sockopt::Timeout::Send,
-            Some(left.max(Duration::from_millis(1))),
-        )
-        .map_err(|e| io_err("the shm socket's send timeout".into(), e.into()))?;
-        match rustix::net::connect(&sock, &addr) {
-            Err(rustix::io::Errno::INTR) => {}
-            Err(rustix::io::Errno::AGAIN) => return Err(timed_out()),
-            r => {
-                break r.map_err(|e| {
-                    io_err(format!("no shm listener {name:?} on this host"), e.into())
-                })?;
-            }
-        }
-    }
+            _ => format!("no shm listener {name:?} on this host"),
+        };
+        io_err(what, e)
+    })?;
     same_user(&sock)?;
     qp.attach_shm(sock, TIMEOUT, false)
 }

@@ -25,7 +25,7 @@ use rustix::net::{RecvFlags, SendFlags, SocketAddrUnix, SocketFlags, sockopt};
 use softrdma_wire::icrc::{self, Ipv4Pseudo};
 
 use super::udp::{RxMeta, recv_datagram, roce_socket};
-use super::unix_seqpacket;
+use super::{connect_unix_within, unix_seqpacket};
 
 /// Bytes the daemon puts before each forwarded datagram: source IPv4
 /// address, source UDP port (big endian), TTL, TOS.
@@ -566,27 +566,10 @@ fn join_timed_out(addr: SocketAddrV4) -> io::Error {
 fn connect(addr: SocketAddrV4) -> io::Result<(OwnedFd, u8)> {
     let fd = unix_seqpacket(SocketFlags::empty())?;
     let name = SocketAddrUnix::new_abstract_name(socket_name(addr).as_bytes())?;
-    // It blocks while the daemon's backlog is full (the send timeout bounds
-    // that wait): a signal then is no reason to fail, but a daemon that
-    // never takes the connection (stopped, or a squatter on the name) is.
-    let give_up = Instant::now() + JOIN_WAIT;
-    loop {
-        let left = give_up.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(join_timed_out(addr));
-        }
-        rustix::net::sockopt::set_socket_timeout(
-            &fd,
-            rustix::net::sockopt::Timeout::Send,
-            Some(left.max(Duration::from_millis(1))),
-        )?;
-        match rustix::net::connect(&fd, &name) {
-            Err(rustix::io::Errno::INTR) => {}
-            Err(rustix::io::Errno::AGAIN) => return Err(join_timed_out(addr)),
-            r => break r?,
-        }
-    }
-    rustix::net::sockopt::set_socket_timeout(&fd, rustix::net::sockopt::Timeout::Send, None)?;
+    connect_unix_within(&fd, &name, JOIN_WAIT).map_err(|e| match e.kind() {
+        io::ErrorKind::TimedOut => join_timed_out(addr),
+        _ => e,
+    })?;
     // Anyone can bind an abstract name: a daemon of another user (root
     // aside) could read this process's traffic and forge its sources.
     let daemon = rustix::net::sockopt::socket_peercred(&fd)?.uid;

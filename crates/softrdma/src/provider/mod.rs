@@ -25,6 +25,36 @@ pub(crate) fn unix_seqpacket(
     )?)
 }
 
+/// Connects a Unix seqpacket socket, waiting at most `wait` while the
+/// listener's backlog is full (`TimedOut` then: a listener stopped, or a
+/// process holding an abstract name that never accepts); a signal is no
+/// reason to fail. The socket is left with no send timeout.
+pub(crate) fn connect_unix_within(
+    fd: &std::os::fd::OwnedFd,
+    name: &rustix::net::SocketAddrUnix,
+    wait: std::time::Duration,
+) -> std::io::Result<()> {
+    use rustix::net::sockopt::{Timeout, set_socket_timeout};
+    let give_up = std::time::Instant::now() + wait;
+    loop {
+        let left = give_up.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        // A blocking Unix connect waits for room by the send timeout (a
+        // zero one would mean none).
+        let left = left.max(std::time::Duration::from_millis(1));
+        set_socket_timeout(fd, Timeout::Send, Some(left))?;
+        match rustix::net::connect(fd, name) {
+            Err(rustix::io::Errno::INTR) => {}
+            Err(rustix::io::Errno::AGAIN) => return Err(std::io::ErrorKind::TimedOut.into()),
+            r => break r?,
+        }
+    }
+    set_socket_timeout(fd, Timeout::Send, None)?;
+    Ok(())
+}
+
 /// `d` as a poll or timer timeout.
 pub(crate) fn timespec(d: std::time::Duration) -> rustix::time::Timespec {
     rustix::time::Timespec {

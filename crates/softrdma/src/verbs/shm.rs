@@ -102,12 +102,6 @@ impl Drop for ShmSlot {
     }
 }
 
-/// The access a shm QP allows unless told otherwise: every remote
-/// operation, as `cm::RcOptions`' default.
-const DEFAULT_ACCESS: Access = Access::REMOTE_WRITE
-    .with(Access::REMOTE_READ)
-    .with(Access::REMOTE_ATOMIC);
-
 impl Pd {
     pub(super) fn create_shm_qp(&self, init: &QpInit<'_>) -> Result<Qp> {
         if init.qp_type != QpType::Rc {
@@ -132,7 +126,8 @@ impl Pd {
                 send_cq: init.send_cq.inner.clone(),
                 recv_cq: init.recv_cq.inner.clone(),
                 conn: OnceLock::new(),
-                access: Arc::new(AccessFlags::new(DEFAULT_ACCESS)),
+                // Unless told otherwise, what `cm::RcOptions` allows.
+                access: Arc::new(AccessFlags::new(crate::cm::RcOptions::default().access)),
                 before: BeforeConnect::default(),
                 _qpn: lease,
             })),

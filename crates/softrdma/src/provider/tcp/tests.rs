@@ -732,6 +732,20 @@ fn a_read_answered_into_a_full_socket_leaves_the_receiving_thread_free() {
     }
 }
 
+/// A client stream through MPA to a made-up peer accepted on `l`: the
+/// stream, whether CRC is on, and the peer's stream.
+fn through_mpa_to_a_made_up_peer(l: TcpListener) -> (TcpStream, bool, TcpStream) {
+    let at = l.local_addr().unwrap();
+    let peer = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        cm_mpa::accept(&mut s, &MpaConfig::default(), |_| Decision::Accept).unwrap();
+        s
+    });
+    let mut c = TcpStream::connect(at).unwrap();
+    let co = cm_mpa::connect(&mut c, &MpaConfig::default()).unwrap();
+    (c, co.crc, peer.join().unwrap())
+}
+
 /// A peer that takes the MPA exchange and then neither reads nor closes (a
 /// host gone, a process hung): once what was sent stays unacknowledged for
 /// the peer timeout, the QP fails and flushes instead of waiting for TCP's
@@ -743,17 +757,9 @@ fn a_silent_peer_fails_the_qp_after_the_peer_timeout() {
     socket2::SockRef::from(&l)
         .set_recv_buffer_size(4096)
         .unwrap();
-    let at = l.local_addr().unwrap();
-    let peer = std::thread::spawn(move || {
-        let (mut s, _) = l.accept().unwrap();
-        cm_mpa::accept(&mut s, &MpaConfig::default(), |_| Decision::Accept).unwrap();
-        s
-    });
-    let mut c = TcpStream::connect(at).unwrap();
-    let co = cm_mpa::connect(&mut c, &MpaConfig::default()).unwrap();
-    let _silent = peer.join().unwrap();
+    let (c, crc, _silent) = through_mpa_to_a_made_up_peer(l);
     let timeout = Duration::from_secs(1);
-    let a = end_watching(0, c, co.crc, None, timeout);
+    let a = end_watching(0, c, crc, None, timeout);
     let sock = socket2::SockRef::from(&a.qp.shared.stream);
     assert_eq!(sock.tcp_user_timeout().unwrap(), Some(timeout));
     assert!(sock.keepalive().unwrap());
@@ -791,17 +797,9 @@ fn a_silent_peer_fails_the_qp_after_the_peer_timeout() {
 /// read, and none spins on for good.
 fn a_poller_meets(bytes: &'static [u8], close: bool) {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let at = l.local_addr().unwrap();
-    let peer = std::thread::spawn(move || {
-        let (mut s, _) = l.accept().unwrap();
-        cm_mpa::accept(&mut s, &MpaConfig::default(), |_| Decision::Accept).unwrap();
-        s
-    });
-    let mut c = TcpStream::connect(at).unwrap();
-    let co = cm_mpa::connect(&mut c, &MpaConfig::default()).unwrap();
-    let mut theirs = peer.join().unwrap();
+    let (c, crc, mut theirs) = through_mpa_to_a_made_up_peer(l);
     let busy = Arc::new(AtomicBool::new(true));
-    let a = Arc::new(end_with(0, c, co.crc, Some(busy)));
+    let a = Arc::new(end_with(0, c, crc, Some(busy)));
     a.qp.post_recv(RecvWr::new(50, [sge(&a, 0, 64)])).unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     let polling = {
@@ -816,7 +814,7 @@ fn a_poller_meets(bytes: &'static [u8], close: bool) {
     // while the application polls, whose polls take the rest.
     let mut good = vec![0x00, 14, 0xc1, 0x40];
     good.resize(good.len() + 12 + mpa::pad_len(14), 0);
-    let crc = if co.crc {
+    let crc = if crc {
         let mut c = Crc32c::default();
         c.update(&good);
         c.finish()
