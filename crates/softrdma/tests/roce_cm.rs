@@ -505,3 +505,302 @@ fn the_active_side_repeats_its_req_heeds_an_mra_and_repeats_its_rtu() {
         Some(Body::Dreq(_))
     ));
 }
+
+/// A UD QP, its CQ, PD and a region, as a UD rdma_cm side has them.
+struct UdSide {
+    pd: Pd,
+    mr: Mr,
+    cq: Cq,
+    qp: Qp,
+}
+
+fn ud_side(ctx: &Context) -> UdSide {
+    let pd = ctx.alloc_pd().unwrap();
+    let mr = pd.register(1 << 16, Access::ALL).unwrap();
+    let cq = ctx.create_cq(64).unwrap();
+    let qp = pd.create_qp(&QpInit::ud(&cq, &cq)).unwrap();
+    UdSide { pd, mr, cq, qp }
+}
+
+/// rdma_cm's UDP port space: SIDR finds the passive side's UD QP and
+/// Q_Key, and datagrams flow both ways (the passive side answers the QP its
+/// first datagram came from, as udaddy does).
+#[test]
+fn sidr_finds_a_ud_qp_and_datagrams_flow_both_ways() {
+    use softrdma::cm::roce_ud;
+    use softrdma::wire::cm::RDMA_CM_UDP_QKEY;
+    let (a_ip, b_ip) = ([127, 0, 0, 101], [127, 0, 0, 102]);
+    let (a_ctx, b_ctx) = (device(a_ip), device(b_ip));
+    let listener = roce_ud::Listener::bind(&b_ctx, 7174).unwrap();
+    assert!(
+        roce_ud::Listener::bind(&b_ctx, 7174)
+            .unwrap_err()
+            .to_string()
+            .contains("listened on already")
+    );
+    // The same port of the TCP port space is another service.
+    let rc_listener = Listener::bind(&b_ctx, 7174).unwrap();
+    let b = ud_side(&b_ctx);
+    let server = std::thread::spawn(move || {
+        let got = listener
+            .accept(
+                &b.qp,
+                |req| {
+                    assert_eq!(&req.private_data[..5], b"hello");
+                    assert_eq!(*req.from.ip(), std::net::Ipv4Addr::from(a_ip));
+                    Decision::Accept(b"welcome".to_vec())
+                },
+                Some(T),
+            )
+            .unwrap();
+        (got, b, listener)
+    });
+    let a = ud_side(&a_ctx);
+    let to = SocketAddrV4::new(b_ip.into(), 7174);
+    let got = roce_ud::resolve(&a.qp, to, b"hello").unwrap();
+    let (request, b, _listener) = server.join().unwrap();
+    assert_eq!(&request.private_data[..5], b"hello");
+    assert_eq!(
+        (got.peer, got.remote_qpn, got.qkey),
+        (b_ip.into(), b.qp.qpn(), RDMA_CM_UDP_QKEY)
+    );
+    assert_eq!(&got.private_data[..7], b"welcome");
+    // Both QPs were brought up with rdma_cm's Q_Key.
+    for qp in [&a.qp, &b.qp] {
+        assert_eq!(qp.state(), QpState::Rts);
+        assert_eq!(qp.query().qkey, Some(RDMA_CM_UDP_QKEY));
+    }
+    b.qp.post_recv(RecvWr::new(1, [b.mr.sge(0, 40 + 64)]))
+        .unwrap();
+    a.qp.post_recv(RecvWr::new(2, [a.mr.sge(0, 40 + 64)]))
+        .unwrap();
+    a.mr.write(1000, b"ping").unwrap();
+    let ah =
+        a.pd.create_ah(AhAttr {
+            addr: SocketAddrV4::new(got.peer, 4791),
+        })
+        .unwrap();
+    a.qp.post_send(
+        SendWr::new(3, SendOp::Send, [a.mr.sge(1000, 4)]).to(ah.dest(got.remote_qpn, got.qkey)),
+    )
+    .unwrap();
+    assert_eq!(a.cq.wait(T).unwrap().unwrap().wr_id, 3);
+    let wc = b.cq.wait(T).unwrap().unwrap();
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.byte_len),
+        (1, WcStatus::Success, 44)
+    );
+    assert_eq!(wc.src_qp, a.qp.qpn());
+    assert_eq!(b.mr.read_vec(40, 4).unwrap(), b"ping");
+    let back =
+        b.pd.create_ah(AhAttr {
+            addr: SocketAddrV4::new(a_ip.into(), 4791),
+        })
+        .unwrap();
+    b.mr.write(1000, b"pong").unwrap();
+    b.qp.post_send(
+        SendWr::new(4, SendOp::Send, [b.mr.sge(1000, 4)])
+            .to(back.dest(wc.src_qp, RDMA_CM_UDP_QKEY)),
+    )
+    .unwrap();
+    assert_eq!(b.cq.wait(T).unwrap().unwrap().wr_id, 4);
+    let wc = a.cq.wait(T).unwrap().unwrap();
+    assert_eq!((wc.wr_id, wc.status), (2, WcStatus::Success));
+    assert_eq!(a.mr.read_vec(40, 4).unwrap(), b"pong");
+    drop(rc_listener);
+}
+
+/// SIDR's refusals: nothing listens (at once), the application refuses
+/// (with its data), an RC QP or a QP in use is refused, and an RC REQ to a
+/// UD port is rejected as for a port nobody listens on.
+#[test]
+fn sidr_refusals_come_back_at_once() {
+    use softrdma::cm::roce_ud;
+    let (a_ip, b_ip) = ([127, 0, 0, 103], [127, 0, 0, 104]);
+    let (a_ctx, b_ctx) = (device(a_ip), device(b_ip));
+    let a = ud_side(&a_ctx);
+    let t = Instant::now();
+    match roce_ud::resolve(&a.qp, SocketAddrV4::new(b_ip.into(), 9999), &[]) {
+        Err(ConnectError::Rejected { reason: 8, .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    // An RC listener's port is not a UD service.
+    let _rc = Listener::bind(&b_ctx, 7176).unwrap();
+    match roce_ud::resolve(&a.qp, SocketAddrV4::new(b_ip.into(), 7176), &[]) {
+        Err(ConnectError::Rejected { reason: 8, .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    let listener = roce_ud::Listener::bind(&b_ctx, 7177).unwrap();
+    let b = ud_side(&b_ctx);
+    let server = std::thread::spawn(move || {
+        let e = listener
+            .accept(&b.qp, |_| Decision::Reject(b"go away".to_vec()), Some(T))
+            .unwrap_err();
+        assert!(
+            matches!(e, ConnectError::Rejected { reason: 28, .. }),
+            "{e}"
+        );
+        (b, listener)
+    });
+    let to = SocketAddrV4::new(b_ip.into(), 7177);
+    match roce_ud::resolve(&a.qp, to, &[]) {
+        Err(ConnectError::Rejected {
+            reason: 28,
+            private_data,
+        }) => assert_eq!(&private_data[..7], b"go away"),
+        other => panic!("{other:?}"),
+    }
+    let (_b, listener) = server.join().unwrap();
+    // An RC REQ to the UD port: as if nothing listened.
+    let rc = side(&a_ctx);
+    match roce::connect(&rc.qp, to, &[], &RcOptions::default()) {
+        Err(ConnectError::Rejected { reason: 8, .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    // QPs that cannot take part.
+    let e = roce_ud::resolve(&rc.qp, to, &[]).unwrap_err();
+    assert!(e.to_string().contains("UD QPs"), "{e}");
+    let e = roce_ud::resolve(&a.qp, to, &[0; 181]).unwrap_err();
+    assert!(e.to_string().contains("180 bytes"), "{e}");
+    let used = ud_side(&a_ctx);
+    used.qp
+        .modify(
+            &QpAttr {
+                state: Some(QpState::Err),
+                ..QpAttr::default()
+            },
+            None,
+        )
+        .unwrap();
+    let e = roce_ud::resolve(&used.qp, to, &[]).unwrap_err();
+    assert!(e.to_string().contains("RESET"), "{e}");
+    let e = listener
+        .accept(&used.qp, |_| Decision::Accept(vec![]), Some(T))
+        .unwrap_err();
+    assert!(e.to_string().contains("RESET"), "{e}");
+    match listener.accept(
+        &ud_side(&b_ctx).qp,
+        |_| Decision::Accept(vec![]),
+        Some(Duration::from_millis(100)),
+    ) {
+        Err(ConnectError::NoClient(_)) => {}
+        other => panic!("{other:?}"),
+    }
+}
+
+fn raw_sidr_req(request_id: u32, port: u16, src: [u8; 4], dst: [u8; 4]) -> [u8; 256] {
+    use softrdma::wire::cm;
+    let mut pd = [0u8; cm::SIDR_REQ_PRIVATE_DATA_LEN];
+    cm::RdmaCmHeader {
+        src_port: 40001,
+        src,
+        dst,
+    }
+    .emit(&mut pd);
+    let mut m = [0u8; 256];
+    cm::SidrReq {
+        request_id,
+        pkey: 0xffff,
+        service_id: cm::rdma_cm_udp_service_id(port),
+        private_data: pd,
+    }
+    .emit(0x77, &mut m);
+    m
+}
+
+/// The passive side answers a repeated SIDR_REQ with the same SIDR_REP
+/// (the first was lost) and takes it only once; the active side asks
+/// again when no answer comes and skips a SIDR_REP for another service.
+#[test]
+fn sidr_requests_are_repeated_and_answered_once() {
+    use softrdma::cm::roce_ud;
+    use softrdma::wire::cm::{self, Body, SidrRep};
+    let (me, peer_ip) = ([127, 0, 0, 105], [127, 0, 0, 106]);
+    let ctx = device(me);
+    let listener = roce_ud::Listener::bind(&ctx, 7178).unwrap();
+    let b = ud_side(&ctx);
+    let peer = RawPeer::new(peer_ip);
+    let req = raw_sidr_req(0x4242, 7178, peer_ip, me);
+    peer.send(me, &req);
+    let got = listener
+        .accept(&b.qp, |_| Decision::Accept(b"rep".to_vec()), Some(T))
+        .unwrap();
+    assert_eq!(got.from, SocketAddrV4::new(peer_ip.into(), 40001));
+    let Some(cm::Message {
+        body: Body::SidrRep(rep),
+        tid: 0x77,
+    }) = peer.recv(Duration::from_secs(5))
+    else {
+        panic!("a SIDR_REP")
+    };
+    assert_eq!(
+        (rep.request_id, rep.status, rep.qpn, rep.qkey),
+        (0x4242, cm::SIDR_VALID, b.qp.qpn(), cm::RDMA_CM_UDP_QKEY)
+    );
+    assert_eq!(rep.service_id, cm::rdma_cm_udp_service_id(7178));
+    assert_eq!(&rep.private_data[..3], b"rep");
+    // Asked again: the same answer, and no second request for the
+    // application.
+    peer.send(me, &req);
+    match peer.recv(Duration::from_secs(3)).map(|m| m.body) {
+        Some(Body::SidrRep(again)) => assert_eq!(again, rep),
+        other => panic!("{other:?}"),
+    }
+    match listener.accept(
+        &b.qp,
+        |_| Decision::Accept(vec![]),
+        Some(Duration::from_millis(300)),
+    ) {
+        Err(ConnectError::NoClient(_)) => {}
+        other => panic!("{other:?}"),
+    }
+
+    // The active side: the raw peer lets the first SIDR_REQ go unanswered,
+    // answers the second for another service, then for this one.
+    let a = ud_side(&ctx);
+    let client = std::thread::spawn(move || {
+        let got = roce_ud::resolve(&a.qp, SocketAddrV4::new(peer_ip.into(), 7179), b"x");
+        (got, a)
+    });
+    let first = peer.recv(Duration::from_secs(3));
+    let Some(cm::Message {
+        body: Body::SidrReq(sidr),
+        tid,
+    }) = first
+    else {
+        panic!("{first:?}")
+    };
+    assert_eq!(sidr.service_id, cm::rdma_cm_udp_service_id(7179));
+    let t = Instant::now();
+    let second = peer.recv(Duration::from_secs(3));
+    assert!(matches!(
+        second.as_ref().map(|m| &m.body),
+        Some(Body::SidrReq(again)) if again.request_id == sidr.request_id
+    ));
+    assert!(
+        t.elapsed() > Duration::from_millis(500),
+        "{:?}",
+        t.elapsed()
+    );
+    let mut m = [0u8; 256];
+    let mut other = SidrRep {
+        qpn: 0x55,
+        qkey: 7,
+        status: cm::SIDR_VALID,
+        ..SidrRep::refusal(&sidr, cm::SIDR_VALID)
+    };
+    other.service_id = cm::rdma_cm_udp_service_id(1);
+    other.emit(tid, &mut m);
+    peer.send(me, &m);
+    SidrRep {
+        qpn: 0x66,
+        qkey: 9,
+        ..SidrRep::refusal(&sidr, cm::SIDR_VALID)
+    }
+    .emit(tid, &mut m);
+    peer.send(me, &m);
+    let (got, _a) = client.join().unwrap();
+    let got = got.unwrap();
+    assert_eq!((got.remote_qpn, got.qkey), (0x66, 9));
+}

@@ -1,7 +1,9 @@
 //! The InfiniBand connection manager's messages (IBTA 12.6): the bodies of
 //! the CM MADs that rdma_cm exchanges over QP1 on RoCE (REQ, REP, RTU, REJ,
-//! MRA, DREQ, DREP). Offsets are from the MAD's start; the layouts are
-//! checked against `rxe_rping.pcap` (WIRE-NOTES 4).
+//! MRA, DREQ, DREP, and SIDR_REQ and SIDR_REP for UD). Offsets are from the
+//! MAD's start; the layouts are checked against `rxe_rping.pcap`
+//! (WIRE-NOTES 4) and, for SIDR, against captures of udaddy between rxe
+//! devices.
 
 use crate::bytes::{get_u16, get_u32, get_u64, set_u16, set_u32, set_u64};
 use crate::mad::{self, HEADER_LEN, Header, MAD_LEN};
@@ -17,6 +19,10 @@ pub const RTU: u16 = 0x0014;
 pub const DREQ: u16 = 0x0015;
 /// DREP attribute ID.
 pub const DREP: u16 = 0x0016;
+/// SIDR_REQ attribute ID: a UD service's QP asked for.
+pub const SIDR_REQ: u16 = 0x0017;
+/// SIDR_REP attribute ID: the answer.
+pub const SIDR_REP: u16 = 0x0018;
 
 /// Bytes of private data a REQ carries.
 pub const REQ_PRIVATE_DATA_LEN: usize = 92;
@@ -24,6 +30,17 @@ pub const REQ_PRIVATE_DATA_LEN: usize = 92;
 pub const REP_PRIVATE_DATA_LEN: usize = 196;
 /// Bytes of private data a REJ carries.
 pub const REJ_PRIVATE_DATA_LEN: usize = 148;
+/// Bytes of private data a SIDR_REQ carries.
+pub const SIDR_REQ_PRIVATE_DATA_LEN: usize = 216;
+/// Bytes of private data a SIDR_REP carries.
+pub const SIDR_REP_PRIVATE_DATA_LEN: usize = 136;
+/// SIDR_REP status 0: the QP is valid.
+pub const SIDR_VALID: u8 = 0;
+/// SIDR_REP status 1: no such service (what Linux's CM answers when
+/// nothing listens).
+pub const SIDR_UNSUPPORTED: u8 = 1;
+/// SIDR_REP status 2: the service's application refused (`rdma_reject`).
+pub const SIDR_REJECT: u8 = 2;
 /// REJ reason 4, "timeout": the other side did not answer in time.
 pub const REJ_TIMEOUT: u16 = 4;
 /// REJ reason 6, "invalid communication ID": a message for no connection.
@@ -46,6 +63,20 @@ pub fn rdma_cm_service_id(port: u16) -> u64 {
 pub fn rdma_cm_port(service_id: u64) -> Option<u16> {
     (service_id >> 16 == 0x0106).then_some(service_id as u16)
 }
+
+/// The rdma_cm service ID of a UDP port-space port (RDMA_PS_UDP: UD QPs,
+/// found with SIDR).
+pub fn rdma_cm_udp_service_id(port: u16) -> u64 {
+    0x0111_0000 | u64::from(port)
+}
+
+/// The rdma_cm port of a UDP port-space service ID, if it is one.
+pub fn rdma_cm_udp_port(service_id: u64) -> Option<u16> {
+    (service_id >> 16 == 0x0111).then_some(service_id as u16)
+}
+
+/// The Q_Key rdma_cm gives UD QPs of its UDP port space (RDMA_UDP_QKEY).
+pub const RDMA_CM_UDP_QKEY: u32 = 0x0123_4567;
 
 /// A CM MAD's header for a message of `attribute`, in transaction `tid`.
 fn emit_header(out: &mut [u8], attribute: u16, tid: u64) {
@@ -97,12 +128,16 @@ pub enum Body {
     Dreq(Dreq),
     /// Disconnection reply.
     Drep(Ids),
+    /// Service ID resolution request (UD).
+    SidrReq(SidrReq),
+    /// Service ID resolution reply.
+    SidrRep(SidrRep),
 }
 
 impl Message {
     /// Parses a whole CM MAD (class, version and method checked); `None`
     /// for a MAD of another class or a CM message softrdma does not speak
-    /// (SIDR, LAP, APR).
+    /// (LAP, APR).
     pub fn parse(m: &[u8]) -> Result<Option<Message>> {
         crate::bytes::check("CM MAD", m, MAD_LEN)?;
         let h = mad::Repr::parse(&Header::new_checked(&m[..HEADER_LEN])?)?;
@@ -126,6 +161,8 @@ impl Message {
             MRA => Body::Mra(Mra::parse(m)),
             DREQ => Body::Dreq(Dreq::parse(m)),
             DREP => Body::Drep(Ids::parse(m)),
+            SIDR_REQ => Body::SidrReq(SidrReq::parse(m)),
+            SIDR_REP => Body::SidrRep(SidrRep::parse(m)),
             _ => return Ok(None),
         };
         Ok(Some(Message {
@@ -463,6 +500,99 @@ impl Dreq {
     }
 }
 
+/// A service ID resolution request: which UD QP serves `service_id`?
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SidrReq {
+    /// The sender's ID of the request (the reply echoes it).
+    pub request_id: u32,
+    /// P_Key.
+    pub pkey: u16,
+    /// The service asked for (rdma_cm: [`rdma_cm_udp_service_id`]).
+    pub service_id: u64,
+    /// Private data (rdma_cm: its header, then the application's).
+    pub private_data: [u8; SIDR_REQ_PRIVATE_DATA_LEN],
+}
+
+impl SidrReq {
+    fn parse(m: &[u8]) -> SidrReq {
+        let mut private_data = [0u8; SIDR_REQ_PRIVATE_DATA_LEN];
+        private_data.copy_from_slice(&m[40..MAD_LEN]);
+        SidrReq {
+            request_id: get_u32(m, 24..28),
+            pkey: get_u16(m, 28..30),
+            service_id: get_u64(m, 32..40),
+            private_data,
+        }
+    }
+
+    /// Writes the SIDR_REQ, a whole MAD, into `out`.
+    pub fn emit(&self, tid: u64, out: &mut [u8]) {
+        emit_header(out, SIDR_REQ, tid);
+        set_u32(out, 24..28, self.request_id);
+        set_u16(out, 28..30, self.pkey);
+        set_u64(out, 32..40, self.service_id);
+        out[40..MAD_LEN].copy_from_slice(&self.private_data);
+    }
+}
+
+/// A service ID resolution reply: the UD QP and Q_Key of the service.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SidrRep {
+    /// The request's ID.
+    pub request_id: u32,
+    /// [`SIDR_VALID`], [`SIDR_UNSUPPORTED`], [`SIDR_REJECT`] or another
+    /// of IBTA table 119.
+    pub status: u8,
+    /// The service's QP (24 bits).
+    pub qpn: u32,
+    /// The service ID answered.
+    pub service_id: u64,
+    /// The Q_Key datagrams to the QP must carry.
+    pub qkey: u32,
+    /// Private data.
+    pub private_data: [u8; SIDR_REP_PRIVATE_DATA_LEN],
+}
+
+impl SidrRep {
+    fn parse(m: &[u8]) -> SidrRep {
+        let mut private_data = [0u8; SIDR_REP_PRIVATE_DATA_LEN];
+        private_data.copy_from_slice(&m[120..MAD_LEN]);
+        SidrRep {
+            request_id: get_u32(m, 24..28),
+            status: m[28],
+            qpn: u24(m, 32),
+            service_id: get_u64(m, 36..44),
+            qkey: get_u32(m, 44..48),
+            private_data,
+        }
+    }
+
+    /// The reply to `req` with `status` and no QP, as Linux's CM answers a
+    /// request nothing listens for.
+    pub fn refusal(req: &SidrReq, status: u8) -> SidrRep {
+        SidrRep {
+            request_id: req.request_id,
+            status,
+            qpn: 0,
+            service_id: req.service_id,
+            qkey: 0,
+            private_data: [0; SIDR_REP_PRIVATE_DATA_LEN],
+        }
+    }
+
+    /// Writes the SIDR_REP, a whole MAD, into `out` (no additional
+    /// information, no ClassPortInfo).
+    pub fn emit(&self, tid: u64, out: &mut [u8]) {
+        emit_header(out, SIDR_REP, tid);
+        set_u32(out, 24..28, self.request_id);
+        out[28] = self.status;
+        set_u24(out, 32, self.qpn);
+        set_u64(out, 36..44, self.service_id);
+        set_u32(out, 44..48, self.qkey);
+        out[120..MAD_LEN].copy_from_slice(&self.private_data);
+    }
+}
+
 /// The rdma_cm header at the start of a REQ's private data (the kernel's
 /// `cma_hdr`, IPv4 form): version 0, IP version 4, the active side's port,
 /// both addresses.
@@ -675,6 +805,81 @@ mod tests {
         assert_eq!(out[..], m[..]);
     }
 
+    /// udaddy's SIDR_REQ and SIDR_REP between two rxe devices
+    /// (10.99.0.3 asks 10.99.0.2 for port 7174), recorded with the
+    /// linux-rdma harness: the MADs, after BTH and DETH, before the ICRC.
+    fn sidr_frame(rep: bool) -> Vec<u8> {
+        let (prefix, zeros) = if rep {
+            (
+                "01070203000000000000000283a2fc180018000000000000\
+                 18fca28300000000000011000000000001111c0601234567",
+                208,
+            )
+        } else {
+            (
+                "01070203000000000000000283a2fc180017000000000000\
+                 18fca283ffff00000000000001111c0600409aec\
+                 0000000000000000000000000a630003\
+                 0000000000000000000000000a630002",
+                180,
+            )
+        };
+        let mut m = hex(prefix);
+        m.resize(m.len() + zeros, 0);
+        assert_eq!(m.len(), MAD_LEN);
+        m
+    }
+
+    #[test]
+    fn golden_sidr_req_and_rep() {
+        let m = sidr_frame(false);
+        let msg = Message::parse(&m).unwrap().unwrap();
+        assert_eq!(msg.tid, 0x2_83a2_fc18);
+        let Body::SidrReq(r) = &msg.body else {
+            panic!("{msg:?}")
+        };
+        assert_eq!((r.request_id, r.pkey), (0x18fc_a283, 0xffff));
+        assert_eq!(r.service_id, rdma_cm_udp_service_id(7174));
+        assert_eq!(rdma_cm_udp_port(r.service_id), Some(7174));
+        assert_eq!(rdma_cm_port(r.service_id), None);
+        assert_eq!(
+            RdmaCmHeader::parse(&r.private_data).unwrap(),
+            RdmaCmHeader {
+                src_port: 39660,
+                src: [10, 99, 0, 3],
+                dst: [10, 99, 0, 2],
+            }
+        );
+        let mut out = [0xaau8; MAD_LEN];
+        r.emit(msg.tid, &mut out);
+        assert_eq!(out[..], m[..]);
+
+        let m = sidr_frame(true);
+        let msg = Message::parse(&m).unwrap().unwrap();
+        assert_eq!(msg.tid, 0x2_83a2_fc18);
+        let Body::SidrRep(rep) = &msg.body else {
+            panic!("{msg:?}")
+        };
+        assert_eq!(
+            (rep.request_id, rep.status, rep.qpn, rep.qkey),
+            (0x18fc_a283, SIDR_VALID, 0x11, RDMA_CM_UDP_QKEY)
+        );
+        assert_eq!(rep.service_id, r.service_id);
+        assert!(rep.private_data.iter().all(|&b| b == 0));
+        rep.emit(msg.tid, &mut out);
+        assert_eq!(out[..], m[..]);
+        // Linux's answer when nothing listens: the request's ID and
+        // service, status 1, no QP.
+        SidrRep::refusal(r, SIDR_UNSUPPORTED).emit(msg.tid, &mut out);
+        let Body::SidrRep(no) = Message::parse(&out).unwrap().unwrap().body else {
+            panic!()
+        };
+        assert_eq!(
+            (no.request_id, no.status, no.qpn, no.qkey, no.service_id),
+            (r.request_id, SIDR_UNSUPPORTED, 0, 0, r.service_id)
+        );
+    }
+
     #[test]
     fn rej_and_mra_round_trip_and_bad_mads_are_refused() {
         let mut pd = [0u8; REJ_PRIVATE_DATA_LEN];
@@ -735,8 +940,8 @@ mod tests {
         req[1] = 0x01;
         assert_eq!(Message::parse(&req).unwrap(), None, "not the CM class");
         req[1] = mad::CLASS_CM;
-        req[17] = 0x17;
-        assert_eq!(Message::parse(&req).unwrap(), None, "SIDR REQ");
+        req[17] = 0x19;
+        assert_eq!(Message::parse(&req).unwrap(), None, "LAP");
         let mut h = [0u8; RDMA_CM_HEADER_LEN];
         h[1] = 0x60;
         assert!(RdmaCmHeader::parse(&h).is_err(), "IPv6");

@@ -18,6 +18,7 @@ mod backlog;
 pub mod iwarp;
 pub mod mpa;
 pub mod roce;
+pub mod roce_ud;
 pub mod shm;
 
 use std::io::{self, Read, Write};

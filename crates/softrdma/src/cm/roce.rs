@@ -84,7 +84,7 @@ fn reason_name(reason: u16) -> &'static str {
 }
 
 /// The RoCEv2 device of `ctx`, if it can do rdma_cm.
-fn device(ctx: &Context) -> Result<&Shared, VerbsError> {
+pub(super) fn rdma_cm_device(ctx: &Context) -> Result<&Shared, VerbsError> {
     let d = ctx.roce_device("rdma_cm over RoCE")?;
     if d.local_addr().port() != softrdma_wire::ROCEV2_UDP_PORT || d.shared.is_shared_port() {
         return Err(VerbsError::Invalid(format!(
@@ -203,7 +203,7 @@ pub fn connect(
     private_data: &[u8],
     o: &RcOptions,
 ) -> Result<Connected, ConnectError> {
-    let shared = device(qp.context())?;
+    let shared = rdma_cm_device(qp.context())?;
     let srq = check_qp(qp)?;
     if private_data.len() > REQ_PRIVATE_DATA_MAX {
         return Err(VerbsError::Invalid(format!(
@@ -380,7 +380,7 @@ fn reject(
 }
 
 /// Unregisters a waiter when dropped.
-struct Unregister<'a>(&'a Shared, Waiter);
+pub(super) struct Unregister<'a>(pub(super) &'a Shared, pub(super) Waiter);
 
 impl Drop for Unregister<'_> {
     fn drop(&mut self) {
@@ -421,7 +421,7 @@ impl Listener {
     /// Listens on rdma_cm port `port` (TCP port space) of `ctx`'s device
     /// (one bound to UDP port 4791).
     pub fn bind(ctx: &Context, port: u16) -> Result<Listener, VerbsError> {
-        let shared = device(ctx)?;
+        let shared = rdma_cm_device(ctx)?;
         if port == 0 {
             return Err(VerbsError::Invalid("an rdma_cm port is 1..=65535".into()));
         }
@@ -459,7 +459,7 @@ impl Listener {
         decide: impl FnOnce(&ConnRequest) -> Decision,
         waited: Option<Duration>,
     ) -> Result<Connected, ConnectError> {
-        let shared = device(&self.ctx)?;
+        let shared = rdma_cm_device(&self.ctx)?;
         let srq = check_qp(qp)?;
         let started = Instant::now();
         let (from, tid, req) = loop {
@@ -678,7 +678,7 @@ impl Listener {
 
 impl Drop for Listener {
     fn drop(&mut self) {
-        if let Ok(shared) = device(&self.ctx) {
+        if let Ok(shared) = rdma_cm_device(&self.ctx) {
             shared.gsi.unregister(self.waiter());
         }
     }
@@ -699,7 +699,7 @@ fn to_error(qp: &Qp) {
 /// peer's DREP, sending the DREQ twice. A QP without a connection is only
 /// moved to ERR. (Dropping a connected QP sends the DREQ too.)
 pub fn disconnect(qp: &Qp) -> Result<(), VerbsError> {
-    let shared = device(qp.context())?;
+    let shared = rdma_cm_device(qp.context())?;
     let mut sent = Ok(());
     if let Some((local, c)) = shared.gsi.take_connection_of(qp.qpn()) {
         let w = Waiter::Exchange(local);

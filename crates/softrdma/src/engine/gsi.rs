@@ -4,8 +4,9 @@
 //! `cm::roce`); a CM REQ for a port nothing listens on gets a REJ at once,
 //! reason 8 ("invalid Service ID"), as Linux answers a REQ that no listener
 //! takes: the peer's rdma_connect fails in milliseconds with
-//! RDMA_CM_EVENT_REJECTED instead of retrying for over a minute. Other MADs
-//! are dropped.
+//! RDMA_CM_EVENT_REJECTED instead of retrying for over a minute. A SIDR_REQ
+//! gets its SIDR_REP "unsupported" as Linux answers it. Other MADs are
+//! dropped.
 
 use softrdma_wire::cm;
 use softrdma_wire::deth::{self, GSI_QKEY};
@@ -47,24 +48,27 @@ pub fn mad_packet(mad: &[u8; MAD_LEN], psn: u32, out: &mut [u8; MAD_PACKET_LEN])
     r.emit(&mut out[..], mad).ok()
 }
 
-/// The REJ answering `packet` (BTH through ICRC, its ICRC checked), if it is
-/// a CM REQ to the GSI: written into `out` with its ICRC left for the
-/// sender to fill; `None` for anything else.
-pub fn reject_req(packet: &[u8], out: &mut [u8; MAD_PACKET_LEN]) -> Option<()> {
+/// The refusal answering `packet` (BTH through ICRC, its ICRC checked) as
+/// if nothing listened, if it is a request to the GSI: a REJ for a CM REQ,
+/// a SIDR_REP "unsupported" for a SIDR_REQ. Written into `out` with its
+/// ICRC left for the sender to fill; `None` for anything else.
+pub fn refuse_request(packet: &[u8], out: &mut [u8; MAD_PACKET_LEN]) -> Option<()> {
     let req = gsi_mad(packet)?;
     let h = mad::Header::new_checked(req).ok()?;
     let is_req = h.base_version() == mad::BASE_VERSION
         && h.mgmt_class() == mad::CLASS_CM
         && h.class_version() == mad::CM_CLASS_VERSION
-        && h.method() == mad::METHOD_SEND
-        && h.attribute_id() == mad::CM_REQ;
-    if !is_req {
-        return None;
+        && h.method() == mad::METHOD_SEND;
+    let mut answer = [0u8; MAD_LEN];
+    match cm::Message::parse(req).ok()??.body {
+        cm::Body::Req(r) if is_req => cm::Rej::of_req(r.local_comm_id, cm::REJ_INVALID_SERVICE_ID)
+            .emit(h.transaction_id(), &mut answer),
+        cm::Body::SidrReq(r) if is_req => {
+            cm::SidrRep::refusal(&r, cm::SIDR_UNSUPPORTED).emit(h.transaction_id(), &mut answer)
+        }
+        _ => return None,
     }
-    let mut rej = [0u8; MAD_LEN];
-    cm::Rej::of_req(cm::Ids::of(req)?.local, cm::REJ_INVALID_SERVICE_ID)
-        .emit(h.transaction_id(), &mut rej);
-    mad_packet(&rej, 0, out)
+    mad_packet(&answer, 0, out)
 }
 
 #[cfg(test)]
@@ -101,7 +105,7 @@ mod tests {
     #[test]
     fn a_cm_req_is_rejected_for_an_invalid_service_id() {
         let mut out = [0u8; MAD_PACKET_LEN];
-        reject_req(&req(mad::CM_REQ), &mut out).expect("a REJ");
+        refuse_request(&req(mad::CM_REQ), &mut out).expect("a REJ");
         let p = Packet::new_checked(&out[..]).unwrap();
         assert_eq!(
             (p.bth().opcode(), p.bth().dest_qp(), p.bth().pkey()),
@@ -119,17 +123,37 @@ mod tests {
     }
 
     #[test]
+    fn a_sidr_req_gets_its_unsupported_answer() {
+        let mut out = [0u8; MAD_PACKET_LEN];
+        let mut p = req(cm::SIDR_REQ);
+        let service = cm::rdma_cm_udp_service_id(7174);
+        p[20 + 32..20 + 40].copy_from_slice(&service.to_be_bytes());
+        refuse_request(&p, &mut out).expect("a SIDR_REP");
+        let p = Packet::new_checked(&out[..]).unwrap();
+        assert_eq!(p.bth().dest_qp(), GSI_QPN);
+        let m = cm::Message::parse(p.payload()).unwrap().unwrap();
+        assert_eq!(m.tid, 0x2_74b8_8d6c);
+        let cm::Body::SidrRep(r) = m.body else {
+            panic!("{m:?}")
+        };
+        assert_eq!(
+            (r.request_id, r.status, r.qpn, r.service_id),
+            (0x6c8d_b874, cm::SIDR_UNSUPPORTED, 0, service)
+        );
+    }
+
+    #[test]
     fn other_mads_and_packets_get_no_answer() {
         let mut out = [0u8; MAD_PACKET_LEN];
-        for attr in [mad::CM_REJ, 0x0013, 0x0015] {
-            assert!(reject_req(&req(attr), &mut out).is_none(), "{attr:#x}");
+        for attr in [mad::CM_REJ, 0x0013, 0x0015, cm::SIDR_REP] {
+            assert!(refuse_request(&req(attr), &mut out).is_none(), "{attr:#x}");
         }
         let mut wrong_qkey = req(mad::CM_REQ);
         wrong_qkey[12] ^= 1;
-        assert!(reject_req(&wrong_qkey, &mut out).is_none());
+        assert!(refuse_request(&wrong_qkey, &mut out).is_none());
         let good = req(mad::CM_REQ);
         for cut in [0, 12, 20, 100, good.len() - 5] {
-            assert!(reject_req(&good[..cut], &mut out).is_none(), "{cut}");
+            assert!(refuse_request(&good[..cut], &mut out).is_none(), "{cut}");
         }
     }
 }

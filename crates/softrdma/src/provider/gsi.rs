@@ -4,18 +4,24 @@
 //! application (a REQ for no listener, a DREQ) and queues the rest for the
 //! exchange waiting for it ([`crate::cm::roce`]).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::Ipv4Addr;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::Instant;
 
-use softrdma_wire::cm::{self, Body, Dreq, Ids, Message, REJ_INVALID_SERVICE_ID, Rej};
+use softrdma_wire::cm::{
+    self, Body, Dreq, Ids, Message, REJ_INVALID_SERVICE_ID, Rej, SIDR_UNSUPPORTED, SidrRep,
+};
 use softrdma_wire::mad::MAD_LEN;
 
 /// Messages a listener or an exchange keeps before it takes them: a peer
 /// that floods one gets the rest dropped.
 const QUEUE_MAX: usize = 64;
+
+/// SIDR answers kept to send again when their request comes again (the
+/// first answer was lost); the oldest go first.
+const SIDR_ANSWERS_KEPT: usize = 64;
 
 /// A CM message and the address it came from.
 #[derive(Debug, Clone)]
@@ -52,6 +58,11 @@ struct State {
     /// ID: a repeated REQ goes to the exchange it started.
     passive: HashMap<(Ipv4Addr, u32), u32>,
     connections: HashMap<u32, Connection>,
+    /// SIDR requests (by sender and request ID) a listener's queue holds or
+    /// an accept is answering: a repeat is dropped.
+    sidr_pending: HashSet<(Ipv4Addr, u32)>,
+    /// SIDR requests answered, and their answers.
+    sidr_answers: VecDeque<((Ipv4Addr, u32), [u8; MAD_LEN])>,
 }
 
 impl State {
@@ -126,7 +137,11 @@ impl Gsi {
     /// Stops taking messages for `w` (and forgets its passive exchange).
     pub fn unregister(&self, w: Waiter) {
         let mut s = self.state.lock().expect("GSI lock");
-        s.queues.remove(&w);
+        for a in s.queues.remove(&w).unwrap_or_default() {
+            if let Body::SidrReq(r) = a.msg.body {
+                s.sidr_pending.remove(&(a.from, r.request_id));
+            }
+        }
         if let Waiter::Exchange(id) = w {
             s.passive.retain(|_, local| *local != id);
         }
@@ -170,6 +185,17 @@ impl Gsi {
         }
     }
 
+    /// The SIDR request `request_id` from `from` is answered with `reply`
+    /// (sent by the caller): repeats of it get the same answer.
+    pub fn sidr_answered(&self, from: Ipv4Addr, request_id: u32, reply: &[u8; MAD_LEN]) {
+        let mut s = self.state.lock().expect("GSI lock");
+        s.sidr_pending.remove(&(from, request_id));
+        if s.sidr_answers.len() == SIDR_ANSWERS_KEPT {
+            s.sidr_answers.pop_front();
+        }
+        s.sidr_answers.push_back(((from, request_id), *reply));
+    }
+
     /// Records a connection (replacing any of the same QP: one reset and
     /// connected again).
     pub fn establish(&self, local_comm_id: u32, c: Connection) {
@@ -200,7 +226,8 @@ impl Gsi {
                 None if s.connected_to(from, r.local_comm_id) => return out,
                 None => {
                     let w = Waiter::Service(r.service_id);
-                    if !s.queues.contains_key(&w) {
+                    // A UD service's listener takes SIDR requests only.
+                    if !s.queues.contains_key(&w) || cm::rdma_cm_udp_port(r.service_id).is_some() {
                         // As Linux's CM answers a REQ no listener takes.
                         let mut rej = [0u8; MAD_LEN];
                         Rej::of_req(r.local_comm_id, REJ_INVALID_SERVICE_ID)
@@ -256,6 +283,36 @@ impl Gsi {
                 }
                 Some(w)
             }
+            Body::SidrReq(r) => {
+                let key = (from, r.request_id);
+                if let Some((_, answer)) = s.sidr_answers.iter().find(|(k, _)| *k == key) {
+                    // The answer was lost: the same again.
+                    out.reply = Some(*answer);
+                    return out;
+                }
+                if s.sidr_pending.contains(&key) {
+                    return out;
+                }
+                let w = Waiter::Service(r.service_id);
+                // Only rdma_cm's UDP port space has UD services.
+                let listened = cm::rdma_cm_udp_port(r.service_id).and(s.queues.get(&w));
+                match listened {
+                    None => {
+                        // As Linux's CM answers a SIDR_REQ no listener takes.
+                        let mut rep = [0u8; MAD_LEN];
+                        SidrRep::refusal(r, SIDR_UNSUPPORTED).emit(msg.tid, &mut rep);
+                        out.reply = Some(rep);
+                        return out;
+                    }
+                    Some(q) if q.len() < QUEUE_MAX => {
+                        s.sidr_pending.insert(key);
+                    }
+                    // A full queue drops it; a repeat may find room.
+                    Some(_) => return out,
+                }
+                Some(w)
+            }
+            Body::SidrRep(r) => Some(Waiter::Exchange(r.request_id)),
             Body::Rtu(ids) | Body::Drep(ids) => Some(Waiter::Exchange(ids.remote)),
             Body::Rej(r) => Some(Waiter::Exchange(r.ids.remote)),
             Body::Mra(r) => Some(Waiter::Exchange(r.ids.remote)),
@@ -472,5 +529,85 @@ mod tests {
         // Garbage is no message.
         let out = g.dispatch(PEER, &[0u8; MAD_LEN]);
         assert!(out.reply.is_none() && out.disconnected_qp.is_none());
+    }
+
+    fn sidr_req(request_id: u32, service_id: u64) -> [u8; MAD_LEN] {
+        let mut m = [0u8; MAD_LEN];
+        cm::SidrReq {
+            request_id,
+            pkey: 0xffff,
+            service_id,
+            private_data: [0; cm::SIDR_REQ_PRIVATE_DATA_LEN],
+        }
+        .emit(3, &mut m);
+        m
+    }
+
+    #[test]
+    fn sidr_requests_are_queued_once_and_answered_again_when_repeated() {
+        let g = Gsi::new(7);
+        let (udp, tcp) = (
+            cm::rdma_cm_udp_service_id(7174),
+            cm::rdma_cm_service_id(7174),
+        );
+        // Nothing listens, or only the TCP port space's listener: status 1.
+        assert!(g.register(Waiter::Service(tcp)));
+        for service in [udp, tcp] {
+            let out = g.dispatch(PEER, &sidr_req(1, service));
+            let Body::SidrRep(r) = parse(&out.reply.unwrap()) else {
+                panic!()
+            };
+            assert_eq!(
+                (r.request_id, r.status, r.service_id),
+                (1, SIDR_UNSUPPORTED, service)
+            );
+        }
+        let w = Waiter::Service(udp);
+        assert!(g.register(w));
+        let soon = Instant::now() + std::time::Duration::from_millis(10);
+        // Queued once: a repeat while it waits is dropped.
+        for _ in 0..2 {
+            assert!(g.dispatch(PEER, &sidr_req(1, udp)).reply.is_none());
+        }
+        assert!(matches!(
+            g.wait(w, soon).unwrap().msg.body,
+            Body::SidrReq(_)
+        ));
+        assert!(g.wait(w, soon).is_none());
+        // Answered: a repeat gets the same answer, and is not queued.
+        let mut answer = [0u8; MAD_LEN];
+        answer[0] = 9;
+        g.sidr_answered(PEER, 1, &answer);
+        assert_eq!(g.dispatch(PEER, &sidr_req(1, udp)).reply, Some(answer));
+        assert!(g.wait(w, soon).is_none());
+        // The same ID from another peer is another request.
+        let other = Ipv4Addr::new(10, 99, 0, 9);
+        assert!(g.dispatch(other, &sidr_req(1, udp)).reply.is_none());
+        assert_eq!(g.wait(w, soon).unwrap().from, other);
+        // A listener that goes with requests queued forgets them: a new
+        // one takes their repeats.
+        assert!(g.dispatch(PEER, &sidr_req(2, udp)).reply.is_none());
+        g.unregister(w);
+        assert!(g.register(w));
+        assert!(g.dispatch(PEER, &sidr_req(2, udp)).reply.is_none());
+        assert!(g.wait(w, soon).is_some());
+        // An RC REQ for the UDP port space is refused as for no listener.
+        let mut req = [0u8; MAD_LEN];
+        cm::Ids {
+            local: 5,
+            remote: 0,
+        }
+        .emit_as(cm::REP, 3, &mut req);
+        req[16..18].copy_from_slice(&softrdma_wire::mad::CM_REQ.to_be_bytes());
+        req[32..40].copy_from_slice(&udp.to_be_bytes());
+        let Body::Rej(rej) = parse(&g.dispatch(PEER, &req).reply.unwrap()) else {
+            panic!()
+        };
+        assert_eq!(rej.reason, REJ_INVALID_SERVICE_ID);
+        // Answers kept are bounded: the oldest go first.
+        for id in 100..100 + SIDR_ANSWERS_KEPT as u32 {
+            g.sidr_answered(PEER, id, &answer);
+        }
+        assert!(g.dispatch(PEER, &sidr_req(1, udp)).reply.is_none());
     }
 }

@@ -374,7 +374,7 @@ impl Hostd {
     }
 
     /// A packet for QP 1, its ICRC not yet checked (the daemon checks no
-    /// other's): a CM REQ whose ICRC holds gets its REJ.
+    /// other's): a CM REQ or SIDR_REQ whose ICRC holds gets its refusal.
     fn answer_gsi(&self, packet: &[u8], from: SocketAddrV4) {
         let udp_len = (8 + packet.len()) as u16;
         let ip = Ipv4Pseudo::df(*from.ip(), *self.addr.ip());
@@ -383,7 +383,7 @@ impl Hostd {
             icrc::solve_ipv4_identification(&ip.header(udp_len), &udp, packet),
             Ok(Some(_))
         );
-        let sent = sound.then(|| super::udp::send_cm_rej(&self.udp, self.addr, packet, from));
+        let sent = sound.then(|| super::udp::send_cm_refusal(&self.udp, self.addr, packet, from));
         match sent.flatten() {
             Some(true) => self.stats.cm_rejects.fetch_add(1, Ordering::Relaxed),
             // Not a sound REQ, or a REJ the socket would not take (the

@@ -2115,17 +2115,18 @@ fn qp_to_error(shared: &Shared, qpn: u32) {
     transmit(shared, &slot);
 }
 
-/// Sends the REJ for `packet` (BTH through ICRC, its ICRC checked) from
+/// Sends the refusal for `packet` (BTH through ICRC, its ICRC checked) from
 /// `sock`, bound to `local`, to `from`'s RoCEv2 port, if `packet` is a CM
-/// REQ for QP 1: `Some(sent)`; `None` for anything else.
-pub(crate) fn send_cm_rej(
+/// REQ or SIDR_REQ for QP 1 (as if nothing listened): `Some(sent)`; `None`
+/// for anything else.
+pub(crate) fn send_cm_refusal(
     sock: &UdpSocket,
     local: SocketAddrV4,
     packet: &[u8],
     from: SocketAddrV4,
 ) -> Option<bool> {
     let mut rej = [0u8; gsi::MAD_PACKET_LEN];
-    gsi::reject_req(packet, &mut rej)?;
+    gsi::refuse_request(packet, &mut rej)?;
     let to = SocketAddrV4::new(*from.ip(), ROCE_PORT);
     seal_gsi(local, to, &mut rej)?;
     Some(sock.send_to(&rej, to).is_ok())

@@ -1756,6 +1756,14 @@ impl Qp {
         }
     }
 
+    /// For `cm::roce_ud`: whether this is a UD QP of a RoCEv2 device.
+    pub(crate) fn is_roce_ud(&self) -> bool {
+        match &self.kind {
+            QpKind::Roce(s) => matches!(*s.engine.lock().expect("QP lock"), QpEngine::Ud(_)),
+            _ => false,
+        }
+    }
+
     /// The iWARP slot, for `cm::iwarp`.
     pub(crate) fn iwarp_slot(&self) -> Option<&Arc<iwarp::IwarpSlot>> {
         match &self.kind {
