@@ -530,6 +530,13 @@ def cases(mtu4200=False):
     perf("write-lat", 64, 100, **roce_cm)
     perf("read-lat", 64, 100, **roce_cm)
     perf("send-lat", 64, 100, **roce_cm)
+    # rdma_cm's UD mode: the data QPs found by SIDR (SIDR_REQ, SIDR_REP) in
+    # rdma_cm's UDP port space; in latency and -b runs the client first
+    # sends the server its address (a 4-byte SEND with immediate).
+    perf("send-bw", 1024, 50, "-c UD", **roce_cm)
+    perf("send-bw", 512, 30, "-c UD -q 2", **roce_cm)
+    perf("send-bw", 512, 30, "-c UD -b", **roce_cm)
+    perf("send-lat", 64, 50, "-c UD", **roce_cm)
     # A REQ for a port nothing of softrdma's listens on gets a REJ at once,
     # so rping fails in well under its CM's minute of retries.
     out.append(Case("rping over RoCE: rejected at once", "rping -c -v -C 1 -S 64",

@@ -697,7 +697,8 @@ fn perf_over_iwarp_with_rdma_cm_between_two_processes() {
 #[test]
 fn perf_over_roce_with_rdma_cm_between_two_processes() {
     // -R --provider roce: the IB CM on QP 1 (REQ, REP, RTU) for the control
-    // connection and each data QP; the devices on UDP port 4791.
+    // connection and each RC data QP, SIDR for UD ones; the devices on UDP
+    // port 4791.
     for (k, (test, extra)) in [
         ("write-bw", vec!["-s", "5000", "-q", "2", "--verify"]),
         ("read-bw", vec!["-s", "70000", "--verify"]),
@@ -707,6 +708,13 @@ fn perf_over_roce_with_rdma_cm_between_two_processes() {
         ),
         ("atomic-bw", vec!["--verify"]),
         ("read-lat", vec!["-s", "100", "--verify"]),
+        // UD: the data QPs found by SIDR; a latency test's client first
+        // sends the server its address.
+        (
+            "send-bw",
+            vec!["-c", "UD", "-s", "1000", "-q", "2", "-n", "200", "--verify"],
+        ),
+        ("send-lat", vec!["-c", "UD", "-s", "64", "--verify"]),
     ]
     .into_iter()
     .enumerate()
@@ -873,10 +881,6 @@ fn perf_refuses_bad_flags_as_perftest_does() {
             "no shared receive queues",
         ),
         (vec!["perf", "send-bw", "-R", "-c", "UD"], "iWARP has no UD"),
-        (
-            vec!["perf", "send-bw", "-R", "--provider", "roce", "-c", "UD"],
-            "SIDR",
-        ),
         (
             vec![
                 "perf",

@@ -19,7 +19,7 @@ use quanta::Instant;
 
 use softrdma::cm::iwarp::{self, ConnectError, Listener};
 use softrdma::cm::mpa::{Decision, MpaConfig};
-use softrdma::cm::{self, ConnInfo, RcOptions, roce};
+use softrdma::cm::{self, ConnInfo, RcOptions, roce, roce_ud};
 use softrdma::verbs::*;
 
 use oob::{Control, Key, Oob, Report};
@@ -375,11 +375,6 @@ fn config(a: &PerfArgs) -> Result<Config, String> {
         }
     }
     if rdma_cm && roce_cm {
-        if ud {
-            return Err(
-                " -R with -c UD: rdma_cm's UD mode (SIDR) is not implemented over RoCE".into(),
-            );
-        }
         if a.shared_port {
             return Err(
                 " -R over RoCE needs the device of its own on UDP port 4791 (no --shared-port)"
@@ -397,7 +392,9 @@ fn config(a: &PerfArgs) -> Result<Config, String> {
         }
         if ud {
             return Err(
-                " -R with -c UD: iWARP has no UD (rdma_cm's UD mode is not implemented)".into(),
+                " -R with -c UD: iWARP has no UD (rdma_cm's UD mode runs over RoCEv2: \
+                        --provider roce)"
+                    .into(),
             );
         }
         if a.bidir && verb == Verb::Send {
@@ -590,6 +587,22 @@ const GRH: usize = 40;
 const QKEY: u32 = 0x1111_1111;
 
 impl Config {
+    /// The UD QPs' Q_Key: perftest's, or rdma_cm's with `-R`.
+    fn qkey(&self) -> u32 {
+        if self.roce_cm {
+            softrdma::wire::cm::RDMA_CM_UDP_QKEY
+        } else {
+            QKEY
+        }
+    }
+
+    /// Whether a UD client over rdma_cm sends the server its address first
+    /// (a 4-byte SEND with its QPN as the immediate), for a server that
+    /// answers: perftest's latency tests and `-b`.
+    fn ud_cm_handshake(&self) -> bool {
+        self.ud && self.roce_cm && (self.test.is_lat() || self.duplex)
+    }
+
     /// Receives posted for each QP: rx-depth, or with `--use-srq` its share
     /// of the SRQ's (as perftest).
     fn rx_share(&self) -> u32 {
@@ -830,7 +843,13 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
             }))
             .map_err(|e| e.to_string())?;
         if cfg.roce_cm {
-            to_init(&qp)?;
+            if cfg.ud {
+                // As rdma_create_qp readies a UD QP: it can take the
+                // handshake's receive before SIDR answers.
+                cm::ready_ud(&qp, cfg.qkey(), 0).map_err(|e| e.to_string())?;
+            } else {
+                to_init(&qp)?;
+            }
         }
         let (rkey, vaddr) = match (&credit, verb) {
             (Some(c), _) => (c.mr.rkey(), c.addr(i)),
@@ -878,13 +897,30 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
             // give the listener a retry interval to come up.
             std::thread::sleep(DATA_CONNECT_RETRY);
         }
-        for qp in &qps {
-            match (peer_ip, &listener) {
-                (Some(ip), _) => {
-                    connect_data_qp(qp, SocketAddrV4::new(ip, a.port), &mpa, cfg.roce_cm)?;
+        if cfg.ud {
+            match peer_ip {
+                Some(ip) => {
+                    for qp in &qps {
+                        resolve_data_qp(&cfg, (&pd, &mr, &scq), qp, SocketAddrV4::new(ip, a.port))?;
+                    }
                 }
-                (None, Some(l)) => l.accept(qp, &mpa)?,
-                (None, None) => unreachable!("an rdma_cm server listens"),
+                None => {
+                    let l = roce_ud::Listener::bind(&ctx, a.port)
+                        .map_err(|e| format!("rdma_cm UD listener: {e}"))?;
+                    for qp in &qps {
+                        accept_data_qp(&cfg, &l, &rcq, &mr, qp)?;
+                    }
+                }
+            }
+        } else {
+            for qp in &qps {
+                match (peer_ip, &listener) {
+                    (Some(ip), _) => {
+                        connect_data_qp(qp, SocketAddrV4::new(ip, a.port), &mpa, cfg.roce_cm)?;
+                    }
+                    (None, Some(l)) => l.accept(qp, &mpa)?,
+                    (None, None) => unreachable!("an rdma_cm server listens"),
+                }
             }
         }
         oob.key(&Key::default())?;
@@ -894,7 +930,7 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
     }
     let connect = |rem: &[Key]| -> Result<Vec<Ah>, String> {
         let mut ahs = Vec::new();
-        if cfg.cm || cfg.shm {
+        if (cfg.cm && !cfg.ud) || cfg.shm {
             return Ok(ahs); // connected by rdma_cm or cm::shm
         }
         for (i, qp) in qps.iter().enumerate() {
@@ -906,7 +942,10 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
             }
             let ip = Ipv4Addr::new(r.gid[12], r.gid[13], r.gid[14], r.gid[15]);
             if cfg.ud {
-                cm::ready_ud(qp, QKEY, mine[i].psn).map_err(|e| e.to_string())?;
+                // With rdma_cm the QPs are ready already (SIDR found the peer's).
+                if !cfg.cm {
+                    cm::ready_ud(qp, QKEY, mine[i].psn).map_err(|e| e.to_string())?;
+                }
                 ahs.push(
                     pd.create_ah(AhAttr {
                         addr: SocketAddrV4::new(ip, 4791),
@@ -1254,6 +1293,89 @@ fn connect_data_qp(qp: &Qp, to: SocketAddrV4, mpa: &MpaConfig, roce: bool) -> Re
             tries += 1;
             std::thread::sleep(DATA_CONNECT_RETRY);
         }
+    }
+}
+
+/// How long a UD server over rdma_cm waits for the client's handshake
+/// datagram after answering its SIDR request.
+const UD_HANDSHAKE_WAIT: Duration = Duration::from_secs(10);
+/// The handshake's work requests.
+const UD_HANDSHAKE_WR: u64 = u64::MAX;
+
+/// Finds the server's UD QP for `qp` with rdma_cm (SIDR), retried as
+/// [`connect_data_qp`] while nothing listens; then, where the server
+/// answers ([`Config::ud_cm_handshake`]), sends it the 4-byte SEND with
+/// this QP's number as the immediate that tells it where to.
+fn resolve_data_qp(
+    cfg: &Config,
+    (pd, mr, scq): (&Pd, &Mr, &Cq),
+    qp: &Qp,
+    to: SocketAddrV4,
+) -> Result<(), String> {
+    let mut tries = 0;
+    let peer = loop {
+        match roce_ud::resolve(qp, to, &[]) {
+            Ok(p) => break p,
+            Err(roce::ConnectError::Rejected { reason: 8, .. }) if tries < 9 => {
+                tries += 1;
+                std::thread::sleep(DATA_CONNECT_RETRY);
+            }
+            Err(e) => return Err(format!("rdma_cm UD resolution of {to}: {e}")),
+        }
+    };
+    if !cfg.ud_cm_handshake() {
+        return Ok(());
+    }
+    let ah = pd
+        .create_ah(AhAttr {
+            addr: SocketAddrV4::new(peer.peer, 4791),
+        })
+        .map_err(|e| e.to_string())?;
+    qp.post_send(
+        SendWr::new(
+            UD_HANDSHAKE_WR,
+            SendOp::SendWithImm(qp.qpn()),
+            [mr.sge(0, 4)],
+        )
+        .to(ah.dest(peer.remote_qpn, peer.qkey)),
+    )
+    .map_err(|e| format!("the rdma_cm UD handshake: {e}"))?;
+    match wait_one(scq, None, "client")? {
+        Some(wc) if wc.wr_id == UD_HANDSHAKE_WR => Ok(()),
+        other => Err(format!("the rdma_cm UD handshake: unexpected {other:?}")),
+    }
+}
+
+/// Answers the next SIDR request with `qp`; where the client sends a
+/// handshake ([`Config::ud_cm_handshake`]), takes it (the receive posted
+/// before the answer, as perftest's server does).
+fn accept_data_qp(
+    cfg: &Config,
+    l: &roce_ud::Listener,
+    rcq: &Cq,
+    mr: &Mr,
+    qp: &Qp,
+) -> Result<(), String> {
+    let handshake = cfg.ud_cm_handshake();
+    if handshake {
+        let at = mr.len() - (GRH + 4);
+        qp.post_recv(RecvWr::new(UD_HANDSHAKE_WR, [mr.sge(at, (GRH + 4) as u32)]))
+            .map_err(|e| e.to_string())?;
+    }
+    l.accept(qp, |_| roce::Decision::Accept(vec![]), None)
+        .map_err(|e| format!("rdma_cm UD connection: {e}"))?;
+    if !handshake {
+        return Ok(());
+    }
+    match rcq.wait(UD_HANDSHAKE_WAIT).map_err(|e| e.to_string())? {
+        Some(wc) if wc.wr_id == UD_HANDSHAKE_WR && wc.status == WcStatus::Success => Ok(()),
+        Some(wc) => Err(format!(
+            "the rdma_cm UD handshake: {:?} ({:?})",
+            wc.status, wc.opcode
+        )),
+        None => Err(format!(
+            "the rdma_cm UD handshake: no datagram from the client within {UD_HANDSHAKE_WAIT:?}"
+        )),
     }
 }
 
@@ -1691,7 +1813,7 @@ fn send_op(s: &Setup, i: usize, size: u64, k: u64, signaled: bool) -> SendWr {
             inline: inline.is_some(),
         },
         inline_data: inline.unwrap_or_default(),
-        ud: s.ahs.get(i).map(|ah| ah.dest(s.rem[i].qpn, QKEY)),
+        ud: s.ahs.get(i).map(|ah| ah.dest(s.rem[i].qpn, s.cfg.qkey())),
     }
 }
 
