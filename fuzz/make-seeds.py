@@ -76,6 +76,8 @@ def main():
                     put(t, ib[:64])
                 put("aeth", ib[12:48])
                 put("mad", ib[20:64])
+                if ib[4:8] == b"\x00\x00\x00\x01" and len(ib) >= 280:
+                    put("cm_mad", ib[20:276])
                 put("icrc", bytes([len(ip)]) + ip + l4[:8] + ib[:80])
                 put("rc_responder", bytes([0x3e]) + struct.pack("<H", len(ib)) + ib)
                 if ib[0] >> 5 == 3:  # UD
