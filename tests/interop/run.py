@@ -541,6 +541,12 @@ def cases(mtu4200=False):
     # so rping fails in well under its CM's minute of retries.
     out.append(Case("rping over RoCE: rejected at once", "rping -c -v -C 1 -S 64",
                     "perf write-bw -x 1", check=None, timeout=30, tool_roles=(False,)))
+    # Its UD mode likewise: udaddy's SIDR_REQ (port 7174, which nothing of
+    # softrdma's listens on) earns a SIDR_REP "unsupported" at once.
+    udaddy = Case("udaddy over RoCE: refused at once", "udaddy", "perf write-bw -x 1",
+                  check=None, timeout=30, tool_roles=(False,))
+    udaddy.refusal = ("udaddy -s {host}", r"RDMA_CM_EVENT_UNREACHABLE")
+    out.append(udaddy)
     return out, p
 
 
@@ -719,7 +725,10 @@ CLOCK_FAILED = "Correlation coefficient r^2"
 
 def run_cm_reject(guest, case, port, job):
     """rdma_cm over RoCE to softrdma (a perf server holding HOST_IP:4791):
-    the tool's REQ earns a REJ, reason 8, and the tool fails within seconds."""
+    the tool's REQ earns a REJ, reason 8 (its SIDR_REQ a SIDR_REP
+    "unsupported"), and the tool fails within seconds."""
+    command, refused = getattr(case, "refusal", (
+        f"{case.tool} -a {{host}} -p {port}", r"RDMA_CM_EVENT_REJECTED, error 8\b"))
     bin_ = str(REPO / "target/release/softrdma")
     with tempfile.TemporaryFile("w+") as out:
         h = subprocess.Popen(["ip", "netns", "exec", NS, "timeout", str(case.timeout), bin_]
@@ -729,7 +738,7 @@ def run_cm_reject(guest, case, port, job):
         while not host_listening(port) and time.time() < end and h.poll() is None:
             time.sleep(0.1)
         t = time.time()
-        guest.start(job, f"{case.tool} -a {HOST_IP} -p {port}")
+        guest.start(job, command.format(host=HOST_IP))
         rc, tout = guest.wait(job, case.timeout)
         took = time.time() - t
         # `timeout` passes a TERM on to the server (a KILL would leave it
@@ -747,8 +756,8 @@ def run_cm_reject(guest, case, port, job):
         problems.append(f"the tool did not end in {case.timeout} s")
     elif rc == 0:
         problems.append("the tool succeeded")
-    if not re.search(r"RDMA_CM_EVENT_REJECTED, error 8\b", tout):
-        problems.append("no RDMA_CM_EVENT_REJECTED with reason 8")
+    if not re.search(refused, tout):
+        problems.append(f"no {refused} in the tool's output")
     if took > 10:
         problems.append(f"the refusal took {took:.1f} s")
     if problems:
@@ -761,7 +770,7 @@ def run_case(guest, case, port, tool_is_server, keep_going=True):
     job = re.sub(r"[^A-Za-z0-9]+", "_", case.name) + ("_tsrv" if tool_is_server else "_tcli")
     if getattr(case, "in_guest", False):
         return run_guest_pair(guest, case, port, not tool_is_server, job)
-    if case.name.startswith("rping over RoCE"):
+    if case.name.startswith(("rping over RoCE", "udaddy over RoCE")):
         return run_cm_reject(guest, case, port, job)
     if case.ours.startswith("rping"):
         return run_rping(guest, case, port, tool_is_server, job)

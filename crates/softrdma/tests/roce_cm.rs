@@ -612,7 +612,7 @@ fn sidr_finds_a_ud_qp_and_datagrams_flow_both_ways() {
 
 /// SIDR's refusals: nothing listens (at once), the application refuses
 /// (with its data), an RC QP or a QP in use is refused, and an RC REQ to a
-/// UD port is rejected as for a port nobody listens on.
+/// UD listener's port finds no listener (another port space).
 #[test]
 fn sidr_refusals_come_back_at_once() {
     use softrdma::cm::roce_ud;
@@ -652,7 +652,8 @@ fn sidr_refusals_come_back_at_once() {
         other => panic!("{other:?}"),
     }
     let (_b, listener) = server.join().unwrap();
-    // An RC REQ to the UD port: as if nothing listened.
+    // An RC REQ to the same port: nothing listens on it in the TCP port
+    // space.
     let rc = side(&a_ctx);
     match roce::connect(&rc.qp, to, &[], &RcOptions::default()) {
         Err(ConnectError::Rejected { reason: 8, .. }) => {}
@@ -687,6 +688,27 @@ fn sidr_refusals_come_back_at_once() {
         Err(ConnectError::NoClient(_)) => {}
         other => panic!("{other:?}"),
     }
+    // A QP moved on while its accept waits: the accept gives up.
+    let waiting = ud_side(&b_ctx);
+    std::thread::scope(|sc| {
+        let t = Instant::now();
+        let accepting =
+            sc.spawn(|| listener.accept(&waiting.qp, |_| Decision::Accept(vec![]), Some(T)));
+        std::thread::sleep(Duration::from_millis(200));
+        waiting
+            .qp
+            .modify(
+                &QpAttr {
+                    state: Some(QpState::Err),
+                    ..QpAttr::default()
+                },
+                None,
+            )
+            .unwrap();
+        let e = accepting.join().unwrap().unwrap_err();
+        assert!(e.to_string().contains("moved on"), "{e}");
+        assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    });
 }
 
 fn raw_sidr_req(request_id: u32, port: u16, src: [u8; 4], dst: [u8; 4]) -> [u8; 256] {
@@ -711,7 +733,8 @@ fn raw_sidr_req(request_id: u32, port: u16, src: [u8; 4], dst: [u8; 4]) -> [u8; 
 
 /// The passive side answers a repeated SIDR_REQ with the same SIDR_REP
 /// (the first was lost) and takes it only once; the active side asks
-/// again when no answer comes and skips a SIDR_REP for another service.
+/// again when no answer comes, skips a SIDR_REP for another service and
+/// refuses one whose Q_Key is not its QP's.
 #[test]
 fn sidr_requests_are_repeated_and_answered_once() {
     use softrdma::cm::roce_ud;
@@ -783,24 +806,39 @@ fn sidr_requests_are_repeated_and_answered_once() {
         "{:?}",
         t.elapsed()
     );
-    let mut m = [0u8; 256];
-    let mut other = SidrRep {
-        qpn: 0x55,
-        qkey: 7,
-        status: cm::SIDR_VALID,
-        ..SidrRep::refusal(&sidr, cm::SIDR_VALID)
+    let answer = |sidr: &cm::SidrReq, tid: u64, service_id: u64, qkey: u32| {
+        let mut m = [0u8; 256];
+        SidrRep {
+            service_id,
+            ..SidrRep::answer(sidr, cm::SIDR_VALID, 0x66, qkey)
+        }
+        .emit(tid, &mut m);
+        peer.send(me, &m);
     };
-    other.service_id = cm::rdma_cm_udp_service_id(1);
-    other.emit(tid, &mut m);
-    peer.send(me, &m);
-    SidrRep {
-        qpn: 0x66,
-        qkey: 9,
-        ..SidrRep::refusal(&sidr, cm::SIDR_VALID)
+    answer(
+        &sidr,
+        tid,
+        cm::rdma_cm_udp_service_id(1),
+        cm::RDMA_CM_UDP_QKEY,
+    );
+    answer(&sidr, tid, sidr.service_id, 9);
+    let (got, a) = client.join().unwrap();
+    match got {
+        Err(ConnectError::Protocol { what, .. }) => assert!(what.contains("Q_Key"), "{what}"),
+        other => panic!("{other:?}"),
     }
-    .emit(tid, &mut m);
-    peer.send(me, &m);
-    let (got, _a) = client.join().unwrap();
-    let got = got.unwrap();
-    assert_eq!((got.remote_qpn, got.qkey), (0x66, 9));
+    // Asked again, answered with rdma_cm's Q_Key: found.
+    let client = std::thread::spawn(move || {
+        roce_ud::resolve(&a.qp, SocketAddrV4::new(peer_ip.into(), 7179), b"x")
+    });
+    while let Some(m) = peer.recv(Duration::from_secs(3)) {
+        if let Body::SidrReq(r) = m.body
+            && r.request_id != sidr.request_id
+        {
+            answer(&r, m.tid, r.service_id, cm::RDMA_CM_UDP_QKEY);
+            break;
+        }
+    }
+    let got = client.join().unwrap().unwrap();
+    assert_eq!((got.remote_qpn, got.qkey), (0x66, cm::RDMA_CM_UDP_QKEY));
 }

@@ -567,17 +567,23 @@ impl SidrRep {
         }
     }
 
-    /// The reply to `req` with `status` and no QP, as Linux's CM answers a
-    /// request nothing listens for.
-    pub fn refusal(req: &SidrReq, status: u8) -> SidrRep {
+    /// The reply to `req` with `status`, QP `qpn` and Q_Key `qkey`, no
+    /// private data.
+    pub fn answer(req: &SidrReq, status: u8, qpn: u32, qkey: u32) -> SidrRep {
         SidrRep {
             request_id: req.request_id,
             status,
-            qpn: 0,
+            qpn,
             service_id: req.service_id,
-            qkey: 0,
+            qkey,
             private_data: [0; SIDR_REP_PRIVATE_DATA_LEN],
         }
+    }
+
+    /// The reply to `req` with `status` and no QP, as Linux's CM answers a
+    /// request nothing listens for.
+    pub fn refusal(req: &SidrReq, status: u8) -> SidrRep {
+        SidrRep::answer(req, status, 0, 0)
     }
 
     /// Writes the SIDR_REP, a whole MAD, into `out` (no additional

@@ -21,6 +21,7 @@ use softrdma::cm::iwarp::{self, ConnectError, Listener};
 use softrdma::cm::mpa::{Decision, MpaConfig};
 use softrdma::cm::{self, ConnInfo, RcOptions, roce, roce_ud};
 use softrdma::verbs::*;
+use softrdma::wire::cm::REJ_INVALID_SERVICE_ID;
 
 use oob::{Control, Key, Oob, Report};
 use report::*;
@@ -374,13 +375,10 @@ fn config(a: &PerfArgs) -> Result<Config, String> {
             return Err(" --shared-port and --pcap are for RoCEv2, not --provider shm".into());
         }
     }
-    if rdma_cm && roce_cm {
-        if a.shared_port {
-            return Err(
-                " -R over RoCE needs the device of its own on UDP port 4791 (no --shared-port)"
-                    .into(),
-            );
-        }
+    if roce_cm && a.shared_port {
+        return Err(
+            " -R over RoCE needs the device of its own on UDP port 4791 (no --shared-port)".into(),
+        );
     }
     if rdma_cm && !roce_cm {
         if verb == Verb::Atomic {
@@ -877,6 +875,9 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
             .map_err(|e| format!("shm connection: {e}"))?;
         }
     }
+    // UD over rdma_cm: the peers' QPs as SIDR and the client's handshake
+    // found them (perftest sends its data there, not to its records' QPs).
+    let mut ud_peer_qpns = Vec::new();
     if cfg.cm {
         // perftest's rdma_cm connection step: a handshake (with empty keys)
         // on each side of connecting the data QPs through the listener.
@@ -901,14 +902,17 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
             match peer_ip {
                 Some(ip) => {
                     for qp in &qps {
-                        resolve_data_qp(&cfg, (&pd, &mr, &scq), qp, SocketAddrV4::new(ip, a.port))?;
+                        let to = SocketAddrV4::new(ip, a.port);
+                        let peer = resolve_data_qp(&cfg, (&pd, &mr, &scq), qp, to)?;
+                        ud_peer_qpns.push(Some(peer.remote_qpn));
                     }
                 }
                 None => {
                     let l = roce_ud::Listener::bind(&ctx, a.port)
                         .map_err(|e| format!("rdma_cm UD listener: {e}"))?;
                     for qp in &qps {
-                        accept_data_qp(&cfg, &l, &rcq, &mr, qp)?;
+                        let handshake = (&rcq, &mr, srq.as_ref());
+                        ud_peer_qpns.push(accept_data_qp(&cfg, &l, handshake, qp)?);
                     }
                 }
             }
@@ -995,7 +999,7 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
             .try_for_each(|(k, before)| oob.key_again(k, before))
     };
     // The handshakes before traffic, in each test's order.
-    let (rem, ahs) = match cfg.test {
+    let (mut rem, ahs) = match cfg.test {
         Test::WriteBw | Test::ReadBw | Test::AtomicBw => {
             let r = keys_round(&mut oob)?;
             let ahs = connect(&r)?;
@@ -1027,6 +1031,11 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
         }
     };
     oob.setup_done();
+    for (r, found) in rem.iter_mut().zip(&ud_peer_qpns) {
+        if let Some(qpn) = *found {
+            r.qpn = qpn;
+        }
+    }
     for k in &rem {
         print_addr("remote", k, verb);
     }
@@ -1275,7 +1284,11 @@ fn connect_data_qp(qp: &Qp, to: SocketAddrV4, mpa: &MpaConfig, roce: bool) -> Re
             match roce::connect(qp, to, &[], &rc_options(mpa)) {
                 Ok(_) => return Ok(()),
                 // Nothing listens on the port (yet).
-                Err(roce::ConnectError::Rejected { reason: 8, .. }) if tries < 9 => true,
+                Err(roce::ConnectError::Rejected { reason, .. })
+                    if reason == REJ_INVALID_SERVICE_ID && tries < 9 =>
+                {
+                    true
+                }
                 Err(e) => return Err(format!("rdma_cm connection to {to}: {e}")),
             }
         } else {
@@ -1311,12 +1324,14 @@ fn resolve_data_qp(
     (pd, mr, scq): (&Pd, &Mr, &Cq),
     qp: &Qp,
     to: SocketAddrV4,
-) -> Result<(), String> {
+) -> Result<roce_ud::Resolved, String> {
     let mut tries = 0;
     let peer = loop {
         match roce_ud::resolve(qp, to, &[]) {
             Ok(p) => break p,
-            Err(roce::ConnectError::Rejected { reason: 8, .. }) if tries < 9 => {
+            Err(roce::ConnectError::Rejected { reason, .. })
+                if reason == REJ_INVALID_SERVICE_ID && tries < 9 =>
+            {
                 tries += 1;
                 std::thread::sleep(DATA_CONNECT_RETRY);
             }
@@ -1324,7 +1339,7 @@ fn resolve_data_qp(
         }
     };
     if !cfg.ud_cm_handshake() {
-        return Ok(());
+        return Ok(peer);
     }
     let ah = pd
         .create_ah(AhAttr {
@@ -1341,34 +1356,41 @@ fn resolve_data_qp(
     )
     .map_err(|e| format!("the rdma_cm UD handshake: {e}"))?;
     match wait_one(scq, None, "client")? {
-        Some(wc) if wc.wr_id == UD_HANDSHAKE_WR => Ok(()),
+        Some(wc) if wc.wr_id == UD_HANDSHAKE_WR => Ok(peer),
         other => Err(format!("the rdma_cm UD handshake: unexpected {other:?}")),
     }
 }
 
 /// Answers the next SIDR request with `qp`; where the client sends a
 /// handshake ([`Config::ud_cm_handshake`]), takes it (the receive posted
-/// before the answer, as perftest's server does).
+/// before the answer, to the SRQ if there is one, as perftest's server
+/// does) and returns the QP it names in its immediate, as perftest's
+/// server takes it.
 fn accept_data_qp(
     cfg: &Config,
     l: &roce_ud::Listener,
-    rcq: &Cq,
-    mr: &Mr,
+    (rcq, mr, srq): (&Cq, &Mr, Option<&Srq>),
     qp: &Qp,
-) -> Result<(), String> {
+) -> Result<Option<u32>, String> {
     let handshake = cfg.ud_cm_handshake();
     if handshake {
         let at = mr.len() - (GRH + 4);
-        qp.post_recv(RecvWr::new(UD_HANDSHAKE_WR, [mr.sge(at, (GRH + 4) as u32)]))
-            .map_err(|e| e.to_string())?;
+        let wr = RecvWr::new(UD_HANDSHAKE_WR, [mr.sge(at, (GRH + 4) as u32)]);
+        match srq {
+            Some(srq) => srq.post_recv(wr),
+            None => qp.post_recv(wr),
+        }
+        .map_err(|e| e.to_string())?;
     }
     l.accept(qp, |_| roce::Decision::Accept(vec![]), None)
         .map_err(|e| format!("rdma_cm UD connection: {e}"))?;
     if !handshake {
-        return Ok(());
+        return Ok(None);
     }
     match rcq.wait(UD_HANDSHAKE_WAIT).map_err(|e| e.to_string())? {
-        Some(wc) if wc.wr_id == UD_HANDSHAKE_WR && wc.status == WcStatus::Success => Ok(()),
+        Some(wc) if wc.wr_id == UD_HANDSHAKE_WR && wc.status == WcStatus::Success => {
+            Ok(Some(wc.imm.unwrap_or(wc.src_qp) & 0xff_ffff))
+        }
         Some(wc) => Err(format!(
             "the rdma_cm UD handshake: {:?} ({:?})",
             wc.status, wc.opcode

@@ -285,6 +285,15 @@ impl Control {
 /// not a hang. The end-of-test barrier waits as long as the run takes.
 pub const SETUP_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// TCP keepalive on the exchange's stream, which waits untimed for the
+/// peer's end of the run: a peer host that vanishes without a FIN or RST
+/// (powered off, cut off) fails the read after about 30 s of silence
+/// instead of leaving this side waiting for good. The kernel answers the
+/// probes of a live peer, however long its run.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(15);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+const KEEPALIVE_PROBES: u32 = 3;
+
 fn ctx(what: &'static str) -> impl Fn(io::Error) -> String {
     move |e| match e.kind() {
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => format!(
@@ -299,6 +308,12 @@ fn ctx(what: &'static str) -> impl Fn(io::Error) -> String {
 impl Oob {
     pub fn new(stream: TcpStream, client: bool) -> Oob {
         let _ = stream.set_nodelay(true);
+        let keepalive = socket2::TcpKeepalive::new()
+            .with_time(KEEPALIVE_IDLE)
+            .with_interval(KEEPALIVE_INTERVAL)
+            .with_retries(KEEPALIVE_PROBES);
+        // Without it the run goes on as perftest's does.
+        let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);
         let _ = stream.set_read_timeout(Some(SETUP_TIMEOUT));
         let _ = stream.set_write_timeout(Some(SETUP_TIMEOUT));
         Oob {
@@ -595,6 +610,21 @@ mod tests {
             assert!(err.contains("out of range"), "{cycle}/{line}: {err}");
             peer.join().unwrap();
         }
+    }
+
+    #[test]
+    fn the_exchange_stream_probes_a_silent_peer() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let oob = Oob::new(TcpStream::connect(addr).unwrap(), true);
+        let Link::Tcp(stream) = &oob.link else {
+            panic!("a TCP exchange")
+        };
+        let s = socket2::SockRef::from(stream);
+        assert!(s.keepalive().unwrap());
+        assert_eq!(s.tcp_keepalive_time().unwrap(), KEEPALIVE_IDLE);
+        assert_eq!(s.tcp_keepalive_interval().unwrap(), KEEPALIVE_INTERVAL);
+        assert_eq!(s.tcp_keepalive_retries().unwrap(), KEEPALIVE_PROBES);
     }
 
     #[test]

@@ -117,11 +117,27 @@ fn check_qp(qp: &Qp) -> Result<bool, VerbsError> {
     Ok(srq)
 }
 
-fn send(shared: &Shared, to: Ipv4Addr, m: &[u8; MAD_LEN]) -> Result<(), VerbsError> {
+pub(super) fn send(shared: &Shared, to: Ipv4Addr, m: &[u8; MAD_LEN]) -> Result<(), VerbsError> {
     send_mad(shared, to, m).map_err(|source| VerbsError::Io {
         what: format!("sending a CM message to {to}"),
         source,
     })
+}
+
+/// rdma_cm's header of a request from `me` to `peer` in exchange `id`.
+pub(super) fn rdma_cm_header(me: Ipv4Addr, peer: Ipv4Addr, id: u32) -> wire::RdmaCmHeader {
+    wire::RdmaCmHeader {
+        // rdma_cm's own port on this side: any, as an ephemeral one.
+        src_port: 0xc000 | (id as u16 & 0x3fff),
+        src: me.octets(),
+        dst: peer.octets(),
+    }
+}
+
+/// The transaction ID of exchange `id` for QP `qpn` (any value the peer
+/// echoes; unique while both are).
+pub(super) fn transaction_id(id: u32, qpn: u32) -> u64 {
+    u64::from(id) | u64::from(qpn) << 32
 }
 
 /// An IPv4-mapped GID.
@@ -215,16 +231,10 @@ pub fn connect(
     let peer = *to.ip();
     let psn = random_psn()?;
     let local_comm_id = shared.gsi.new_comm_id();
-    let tid = u64::from(local_comm_id) | u64::from(qp.qpn()) << 32;
+    let tid = transaction_id(local_comm_id, qp.qpn());
     let mtu = qp.context().query_port().active_mtu;
     let mut pd = [0u8; wire::REQ_PRIVATE_DATA_LEN];
-    wire::RdmaCmHeader {
-        // rdma_cm's own port on this side: any, as an ephemeral one.
-        src_port: 0xc000 | (local_comm_id as u16 & 0x3fff),
-        src: me.octets(),
-        dst: peer.octets(),
-    }
-    .emit(&mut pd);
+    rdma_cm_header(me, peer, local_comm_id).emit(&mut pd);
     pd[wire::RDMA_CM_HEADER_LEN..][..private_data.len()].copy_from_slice(private_data);
     let req = Req {
         local_comm_id,

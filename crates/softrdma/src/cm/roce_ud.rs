@@ -16,8 +16,10 @@ use std::time::{Duration, Instant};
 use softrdma_wire::cm::{self as wire, Body, SidrRep, SidrReq};
 use softrdma_wire::mad::MAD_LEN;
 
-use super::roce::{ConnectError, Decision};
-use crate::provider::gsi::{Arrival, Waiter};
+use super::roce::{
+    ConnectError, Decision, Unregister, rdma_cm_device, rdma_cm_header, send, transaction_id,
+};
+use crate::provider::gsi::{Arrival, SidrKey, Waiter};
 use crate::provider::udp::{Shared, send_mad};
 use crate::verbs::{Context, Qp, QpState, VerbsError};
 
@@ -54,10 +56,6 @@ pub struct Request {
     pub private_data: Vec<u8>,
 }
 
-fn device(ctx: &Context) -> Result<&Shared, VerbsError> {
-    super::roce::rdma_cm_device(ctx)
-}
-
 /// Checks `qp` is a UD QP of a RoCEv2 device and brings it to RTS with
 /// rdma_cm's Q_Key if it is new.
 fn ready(qp: &Qp) -> Result<(), VerbsError> {
@@ -75,19 +73,13 @@ fn ready(qp: &Qp) -> Result<(), VerbsError> {
     }
 }
 
-fn send(shared: &Shared, to: Ipv4Addr, m: &[u8; MAD_LEN]) -> Result<(), VerbsError> {
-    send_mad(shared, to, m).map_err(|source| VerbsError::Io {
-        what: format!("sending a CM message to {to}"),
-        source,
-    })
-}
-
 /// Asks the rdma_cm listener at `to` (the peer's IPv4 address and port of
 /// the UDP port space) for its UD QP, with `private_data` (at most
 /// [`REQ_PRIVATE_DATA_MAX`] bytes). `qp`, the UD QP that will send to it,
-/// is brought to RTS with rdma_cm's Q_Key if it is in RESET.
+/// is brought to RTS with rdma_cm's Q_Key if it is in RESET. The peer's
+/// Q_Key must be this QP's (Linux's rdma_cm refuses the answer too).
 pub fn resolve(qp: &Qp, to: SocketAddrV4, private_data: &[u8]) -> Result<Resolved, ConnectError> {
-    let shared = device(qp.context())?;
+    let shared = rdma_cm_device(qp.context())?;
     if private_data.len() > REQ_PRIVATE_DATA_MAX {
         return Err(VerbsError::Invalid(format!(
             "at most {REQ_PRIVATE_DATA_MAX} bytes of private data in a SIDR_REQ"
@@ -99,12 +91,7 @@ pub fn resolve(qp: &Qp, to: SocketAddrV4, private_data: &[u8]) -> Result<Resolve
     let peer = *to.ip();
     let request_id = shared.gsi.new_comm_id();
     let mut pd = [0u8; wire::SIDR_REQ_PRIVATE_DATA_LEN];
-    wire::RdmaCmHeader {
-        src_port: 0xc000 | (request_id as u16 & 0x3fff),
-        src: me.octets(),
-        dst: peer.octets(),
-    }
-    .emit(&mut pd);
+    rdma_cm_header(me, peer, request_id).emit(&mut pd);
     pd[wire::RDMA_CM_HEADER_LEN..][..private_data.len()].copy_from_slice(private_data);
     let req = SidrReq {
         request_id,
@@ -112,12 +99,12 @@ pub fn resolve(qp: &Qp, to: SocketAddrV4, private_data: &[u8]) -> Result<Resolve
         service_id: wire::rdma_cm_udp_service_id(to.port()),
         private_data: pd,
     };
-    let tid = u64::from(request_id) | u64::from(qp.qpn()) << 32;
+    let tid = transaction_id(request_id, qp.qpn());
     let mut m = [0u8; MAD_LEN];
     req.emit(tid, &mut m);
     let w = Waiter::Exchange(request_id);
     shared.gsi.register(w);
-    let _unregister = super::roce::Unregister(shared, w);
+    let _unregister = Unregister(shared, w);
     let started = Instant::now();
     let mut sends = 0;
     let mut deadline = started;
@@ -145,7 +132,17 @@ pub fn resolve(qp: &Qp, to: SocketAddrV4, private_data: &[u8]) -> Result<Resolve
             break rep;
         }
     };
+    let qkey = qp.query().qkey.unwrap_or(wire::RDMA_CM_UDP_QKEY);
     match rep.status {
+        wire::SIDR_VALID if rep.qpn > 1 && rep.qkey != qkey => Err(ConnectError::Protocol {
+            peer,
+            what: format!(
+                "the peer's QP takes Q_Key {:#010x}, this one {qkey:#010x} (rdma_cm gives both \
+                 {:#010x})",
+                rep.qkey,
+                wire::RDMA_CM_UDP_QKEY
+            ),
+        }),
         wire::SIDR_VALID if rep.qpn > 1 => Ok(Resolved {
             peer,
             remote_qpn: rep.qpn,
@@ -178,7 +175,7 @@ impl Listener {
     /// Listens on port `port` of rdma_cm's UDP port space of `ctx`'s
     /// device (one bound to UDP port 4791).
     pub fn bind(ctx: &Context, port: u16) -> Result<Listener, VerbsError> {
-        let shared = device(ctx)?;
+        let shared = rdma_cm_device(ctx)?;
         if port == 0 {
             return Err(VerbsError::Invalid("an rdma_cm port is 1..=65535".into()));
         }
@@ -215,10 +212,16 @@ impl Listener {
         decide: impl FnOnce(&Request) -> Decision,
         waited: Option<Duration>,
     ) -> Result<Request, ConnectError> {
-        let shared = device(&self.ctx)?;
+        let shared = rdma_cm_device(&self.ctx)?;
         ready(qp)?;
         let started = Instant::now();
         let (from, tid, req) = loop {
+            if qp.state() != QpState::Rts {
+                return Err(VerbsError::Invalid(
+                    "the QP was moved on while it waited for a request".into(),
+                )
+                .into());
+            }
             let slice = Instant::now() + Duration::from_secs(1);
             let deadline = waited
                 .and_then(|w| started.checked_add(w))
@@ -235,17 +238,17 @@ impl Listener {
                 break (a.from, a.msg.tid, req);
             }
         };
+        let key = (from, req.request_id, req.service_id);
+        // Whatever happens to this accept (`decide` may panic), the request
+        // is answered or forgotten, so that its repeats are not dropped.
+        let pending = Pending { shared, key };
         let answer = |status: u8, qpn: u32, qkey: u32, pd: &[u8]| {
-            let mut rep = SidrRep {
-                qpn,
-                qkey,
-                ..SidrRep::refusal(&req, status)
-            };
+            let mut rep = SidrRep::answer(&req, status, qpn, qkey);
             let n = pd.len().min(REP_PRIVATE_DATA_MAX);
             rep.private_data[..n].copy_from_slice(&pd[..n]);
             let mut m = [0u8; MAD_LEN];
             rep.emit(tid, &mut m);
-            shared.gsi.sidr_answered(from, req.request_id, &m);
+            pending.answered(&m);
             let _ = send_mad(shared, from, &m);
         };
         let header = match wire::RdmaCmHeader::parse(&req.private_data) {
@@ -288,8 +291,27 @@ impl Listener {
 
 impl Drop for Listener {
     fn drop(&mut self) {
-        if let Ok(shared) = device(&self.ctx) {
+        if let Ok(shared) = rdma_cm_device(&self.ctx) {
             shared.gsi.unregister(self.waiter());
         }
+    }
+}
+
+/// A SIDR request an accept took: forgotten when dropped unless answered.
+struct Pending<'a> {
+    shared: &'a Shared,
+    key: SidrKey,
+}
+
+impl Pending<'_> {
+    fn answered(&self, reply: &[u8; MAD_LEN]) {
+        self.shared.gsi.sidr_answered(self.key, reply);
+    }
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        // A no-op once answered (the answer removed it).
+        self.shared.gsi.sidr_forget(self.key);
     }
 }

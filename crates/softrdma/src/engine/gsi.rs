@@ -10,7 +10,7 @@
 
 use softrdma_wire::cm;
 use softrdma_wire::deth::{self, GSI_QKEY};
-use softrdma_wire::mad::{self, MAD_LEN};
+use softrdma_wire::mad::MAD_LEN;
 use softrdma_wire::packet::{Packet, Repr};
 use softrdma_wire::{Opcode, Psn};
 
@@ -53,18 +53,15 @@ pub fn mad_packet(mad: &[u8; MAD_LEN], psn: u32, out: &mut [u8; MAD_PACKET_LEN])
 /// a SIDR_REP "unsupported" for a SIDR_REQ. Written into `out` with its
 /// ICRC left for the sender to fill; `None` for anything else.
 pub fn refuse_request(packet: &[u8], out: &mut [u8; MAD_PACKET_LEN]) -> Option<()> {
-    let req = gsi_mad(packet)?;
-    let h = mad::Header::new_checked(req).ok()?;
-    let is_req = h.base_version() == mad::BASE_VERSION
-        && h.mgmt_class() == mad::CLASS_CM
-        && h.class_version() == mad::CM_CLASS_VERSION
-        && h.method() == mad::METHOD_SEND;
+    // A CM Send of class version 2 (what `parse` takes) from here on.
+    let m = cm::Message::parse(gsi_mad(packet)?).ok()??;
     let mut answer = [0u8; MAD_LEN];
-    match cm::Message::parse(req).ok()??.body {
-        cm::Body::Req(r) if is_req => cm::Rej::of_req(r.local_comm_id, cm::REJ_INVALID_SERVICE_ID)
-            .emit(h.transaction_id(), &mut answer),
-        cm::Body::SidrReq(r) if is_req => {
-            cm::SidrRep::refusal(&r, cm::SIDR_UNSUPPORTED).emit(h.transaction_id(), &mut answer)
+    match m.body {
+        cm::Body::Req(r) => {
+            cm::Rej::of_req(r.local_comm_id, cm::REJ_INVALID_SERVICE_ID).emit(m.tid, &mut answer)
+        }
+        cm::Body::SidrReq(r) => {
+            cm::SidrRep::refusal(&r, cm::SIDR_UNSUPPORTED).emit(m.tid, &mut answer)
         }
         _ => return None,
     }
@@ -74,6 +71,7 @@ pub fn refuse_request(packet: &[u8], out: &mut [u8; MAD_PACKET_LEN]) -> Option<(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use softrdma_wire::mad;
     use softrdma_wire::packet::Packet;
 
     /// A CM REQ as rxe's GSI sends it, with the REQ's local communication

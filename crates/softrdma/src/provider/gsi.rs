@@ -11,7 +11,8 @@ use std::sync::{Condvar, Mutex};
 use std::time::Instant;
 
 use softrdma_wire::cm::{
-    self, Body, Dreq, Ids, Message, REJ_INVALID_SERVICE_ID, Rej, SIDR_UNSUPPORTED, SidrRep,
+    self, Body, Dreq, Ids, Message, REJ_INVALID_SERVICE_ID, Rej, SIDR_REJECT, SIDR_UNSUPPORTED,
+    SidrRep,
 };
 use softrdma_wire::mad::MAD_LEN;
 
@@ -58,11 +59,11 @@ struct State {
     /// ID: a repeated REQ goes to the exchange it started.
     passive: HashMap<(Ipv4Addr, u32), u32>,
     connections: HashMap<u32, Connection>,
-    /// SIDR requests (by sender and request ID) a listener's queue holds or
-    /// an accept is answering: a repeat is dropped.
-    sidr_pending: HashSet<(Ipv4Addr, u32)>,
+    /// SIDR requests a listener's queue holds or an accept is answering: a
+    /// repeat is dropped.
+    sidr_pending: HashSet<SidrKey>,
     /// SIDR requests answered, and their answers.
-    sidr_answers: VecDeque<((Ipv4Addr, u32), [u8; MAD_LEN])>,
+    sidr_answers: VecDeque<(SidrKey, [u8; MAD_LEN])>,
 }
 
 impl State {
@@ -73,6 +74,10 @@ impl State {
             .any(|c| c.peer == from && c.remote_comm_id == remote)
     }
 }
+
+/// A SIDR request: its sender, request ID and service ID (a request ID
+/// reused for another service is another request).
+pub(crate) type SidrKey = (Ipv4Addr, u32, u64);
 
 /// What the progress thread does after a dispatch.
 #[derive(Debug, Default)]
@@ -139,8 +144,14 @@ impl Gsi {
         let mut s = self.state.lock().expect("GSI lock");
         for a in s.queues.remove(&w).unwrap_or_default() {
             if let Body::SidrReq(r) = a.msg.body {
-                s.sidr_pending.remove(&(a.from, r.request_id));
+                s.sidr_pending.remove(&(a.from, r.request_id, r.service_id));
             }
+        }
+        // A service that goes takes its answers along: a late repeat is
+        // asked of whatever listens then, as a new request.
+        if let Waiter::Service(service) = w {
+            s.sidr_answers
+                .retain(|((_, _, answered), _)| *answered != service);
         }
         if let Waiter::Exchange(id) = w {
             s.passive.retain(|_, local| *local != id);
@@ -185,15 +196,25 @@ impl Gsi {
         }
     }
 
-    /// The SIDR request `request_id` from `from` is answered with `reply`
-    /// (sent by the caller): repeats of it get the same answer.
-    pub fn sidr_answered(&self, from: Ipv4Addr, request_id: u32, reply: &[u8; MAD_LEN]) {
+    /// The SIDR request `key` is answered with `reply` (sent by the
+    /// caller): repeats of it get the same answer.
+    pub fn sidr_answered(&self, key: SidrKey, reply: &[u8; MAD_LEN]) {
         let mut s = self.state.lock().expect("GSI lock");
-        s.sidr_pending.remove(&(from, request_id));
+        s.sidr_pending.remove(&key);
         if s.sidr_answers.len() == SIDR_ANSWERS_KEPT {
             s.sidr_answers.pop_front();
         }
-        s.sidr_answers.push_back(((from, request_id), *reply));
+        s.sidr_answers.push_back((key, *reply));
+    }
+
+    /// The SIDR request `key` was taken and will not be answered (its
+    /// accept failed): a repeat is a new request.
+    pub fn sidr_forget(&self, key: SidrKey) {
+        self.state
+            .lock()
+            .expect("GSI lock")
+            .sidr_pending
+            .remove(&key);
     }
 
     /// Records a connection (replacing any of the same QP: one reset and
@@ -226,12 +247,18 @@ impl Gsi {
                 None if s.connected_to(from, r.local_comm_id) => return out,
                 None => {
                     let w = Waiter::Service(r.service_id);
-                    // A UD service's listener takes SIDR requests only.
-                    if !s.queues.contains_key(&w) || cm::rdma_cm_udp_port(r.service_id).is_some() {
+                    let reason = if !s.queues.contains_key(&w) {
                         // As Linux's CM answers a REQ no listener takes.
+                        Some(REJ_INVALID_SERVICE_ID)
+                    } else if cm::rdma_cm_udp_port(r.service_id).is_some() {
+                        // A UD service's: as Linux's rdma_cm refuses it.
+                        Some(cm::REJ_CONSUMER)
+                    } else {
+                        None
+                    };
+                    if let Some(reason) = reason {
                         let mut rej = [0u8; MAD_LEN];
-                        Rej::of_req(r.local_comm_id, REJ_INVALID_SERVICE_ID)
-                            .emit(msg.tid, &mut rej);
+                        Rej::of_req(r.local_comm_id, reason).emit(msg.tid, &mut rej);
                         out.reply = Some(rej);
                         return out;
                     }
@@ -284,7 +311,7 @@ impl Gsi {
                 Some(w)
             }
             Body::SidrReq(r) => {
-                let key = (from, r.request_id);
+                let key = (from, r.request_id, r.service_id);
                 if let Some((_, answer)) = s.sidr_answers.iter().find(|(k, _)| *k == key) {
                     // The answer was lost: the same again.
                     out.reply = Some(*answer);
@@ -294,16 +321,22 @@ impl Gsi {
                     return out;
                 }
                 let w = Waiter::Service(r.service_id);
-                // Only rdma_cm's UDP port space has UD services.
-                let listened = cm::rdma_cm_udp_port(r.service_id).and(s.queues.get(&w));
-                match listened {
-                    None => {
-                        // As Linux's CM answers a SIDR_REQ no listener takes.
-                        let mut rep = [0u8; MAD_LEN];
-                        SidrRep::refusal(r, SIDR_UNSUPPORTED).emit(msg.tid, &mut rep);
-                        out.reply = Some(rep);
-                        return out;
-                    }
+                let refusal = match s.queues.get(&w) {
+                    // As Linux's CM answers a SIDR_REQ no listener takes.
+                    None => Some(SIDR_UNSUPPORTED),
+                    // An RC listener's service: as Linux's rdma_cm refuses
+                    // a QP type its port space does not have.
+                    Some(_) if cm::rdma_cm_udp_port(r.service_id).is_none() => Some(SIDR_REJECT),
+                    Some(_) => None,
+                };
+                if let Some(status) = refusal {
+                    let mut rep = [0u8; MAD_LEN];
+                    SidrRep::refusal(r, status).emit(msg.tid, &mut rep);
+                    out.reply = Some(rep);
+                    return out;
+                }
+                match s.queues.get(&w) {
+                    None => return out,
                     Some(q) if q.len() < QUEUE_MAX => {
                         s.sidr_pending.insert(key);
                     }
@@ -550,24 +583,28 @@ mod tests {
             cm::rdma_cm_udp_service_id(7174),
             cm::rdma_cm_service_id(7174),
         );
-        // Nothing listens, or only the TCP port space's listener: status 1.
+        let status = |out: Outcome| match out.reply.map(|r| parse(&r)) {
+            Some(Body::SidrRep(r)) => Some(r.status),
+            None => None,
+            other => panic!("{other:?}"),
+        };
+        // Nothing listens: status 1; an RC listener's service: status 2,
+        // as Linux's rdma_cm answers there.
+        assert_eq!(
+            status(g.dispatch(PEER, &sidr_req(1, udp))),
+            Some(SIDR_UNSUPPORTED)
+        );
         assert!(g.register(Waiter::Service(tcp)));
-        for service in [udp, tcp] {
-            let out = g.dispatch(PEER, &sidr_req(1, service));
-            let Body::SidrRep(r) = parse(&out.reply.unwrap()) else {
-                panic!()
-            };
-            assert_eq!(
-                (r.request_id, r.status, r.service_id),
-                (1, SIDR_UNSUPPORTED, service)
-            );
-        }
+        assert_eq!(
+            status(g.dispatch(PEER, &sidr_req(1, tcp))),
+            Some(SIDR_REJECT)
+        );
         let w = Waiter::Service(udp);
         assert!(g.register(w));
         let soon = Instant::now() + std::time::Duration::from_millis(10);
         // Queued once: a repeat while it waits is dropped.
         for _ in 0..2 {
-            assert!(g.dispatch(PEER, &sidr_req(1, udp)).reply.is_none());
+            assert_eq!(status(g.dispatch(PEER, &sidr_req(1, udp))), None);
         }
         assert!(matches!(
             g.wait(w, soon).unwrap().msg.body,
@@ -577,21 +614,28 @@ mod tests {
         // Answered: a repeat gets the same answer, and is not queued.
         let mut answer = [0u8; MAD_LEN];
         answer[0] = 9;
-        g.sidr_answered(PEER, 1, &answer);
+        g.sidr_answered((PEER, 1, udp), &answer);
         assert_eq!(g.dispatch(PEER, &sidr_req(1, udp)).reply, Some(answer));
         assert!(g.wait(w, soon).is_none());
         // The same ID from another peer is another request.
         let other = Ipv4Addr::new(10, 99, 0, 9);
-        assert!(g.dispatch(other, &sidr_req(1, udp)).reply.is_none());
+        assert_eq!(status(g.dispatch(other, &sidr_req(1, udp))), None);
         assert_eq!(g.wait(w, soon).unwrap().from, other);
-        // A listener that goes with requests queued forgets them: a new
-        // one takes their repeats.
-        assert!(g.dispatch(PEER, &sidr_req(2, udp)).reply.is_none());
+        // One taken and forgotten (its accept failed): a repeat is new.
+        g.sidr_forget((other, 1, udp));
+        assert_eq!(status(g.dispatch(other, &sidr_req(1, udp))), None);
+        assert_eq!(g.wait(w, soon).unwrap().from, other);
+        // A listener that goes takes its queued requests and its answers
+        // along: a new one takes their repeats.
+        assert_eq!(status(g.dispatch(PEER, &sidr_req(2, udp))), None);
         g.unregister(w);
         assert!(g.register(w));
-        assert!(g.dispatch(PEER, &sidr_req(2, udp)).reply.is_none());
-        assert!(g.wait(w, soon).is_some());
-        // An RC REQ for the UDP port space is refused as for no listener.
+        for id in [2, 1] {
+            assert_eq!(status(g.dispatch(PEER, &sidr_req(id, udp))), None);
+            assert!(g.wait(w, soon).is_some(), "{id}");
+        }
+        // An RC REQ for the UDP port space: with a UD listener there, the
+        // REJ Linux's rdma_cm sends (consumer), else "invalid service ID".
         let mut req = [0u8; MAD_LEN];
         cm::Ids {
             local: 5,
@@ -600,14 +644,37 @@ mod tests {
         .emit_as(cm::REP, 3, &mut req);
         req[16..18].copy_from_slice(&softrdma_wire::mad::CM_REQ.to_be_bytes());
         req[32..40].copy_from_slice(&udp.to_be_bytes());
-        let Body::Rej(rej) = parse(&g.dispatch(PEER, &req).reply.unwrap()) else {
-            panic!()
+        let rej = |g: &Gsi| match parse(&g.dispatch(PEER, &req).reply.unwrap()) {
+            Body::Rej(r) => r.reason,
+            other => panic!("{other:?}"),
         };
-        assert_eq!(rej.reason, REJ_INVALID_SERVICE_ID);
-        // Answers kept are bounded: the oldest go first.
-        for id in 100..100 + SIDR_ANSWERS_KEPT as u32 {
-            g.sidr_answered(PEER, id, &answer);
+        assert_eq!(rej(&g), cm::REJ_CONSUMER);
+        g.unregister(w);
+        assert_eq!(rej(&g), REJ_INVALID_SERVICE_ID);
+    }
+
+    #[test]
+    fn a_flood_of_sidr_requests_is_bounded() {
+        let g = Gsi::new(7);
+        let udp = cm::rdma_cm_udp_service_id(7174);
+        let w = Waiter::Service(udp);
+        assert!(g.register(w));
+        let answer = [1u8; MAD_LEN];
+        for id in 0..1000 {
+            g.dispatch(PEER, &sidr_req(id, udp));
+            if id % 3 == 0 {
+                g.sidr_answered((PEER, id, udp), &answer);
+            }
         }
-        assert!(g.dispatch(PEER, &sidr_req(1, udp)).reply.is_none());
+        let s = g.state.lock().unwrap();
+        assert!(
+            s.sidr_pending.len() <= QUEUE_MAX,
+            "{}",
+            s.sidr_pending.len()
+        );
+        assert_eq!(s.queues[&w].len(), QUEUE_MAX);
+        assert_eq!(s.sidr_answers.len(), SIDR_ANSWERS_KEPT);
+        // The oldest answers went first.
+        assert_eq!(s.sidr_answers.front().unwrap().0.1, 999 - 3 * 63);
     }
 }

@@ -76,7 +76,8 @@ pub struct HostdStats {
     pub connected: AtomicU64,
     /// Processes of another user turned away.
     pub refused: AtomicU64,
-    /// CM REQs (rdma_cm connecting over RoCEv2) answered with a REJ.
+    /// CM requests (rdma_cm over RoCEv2) refused: REQs with a REJ,
+    /// SIDR_REQs with a SIDR_REP "unsupported".
     pub cm_rejects: AtomicU64,
 }
 
@@ -386,8 +387,8 @@ impl Hostd {
         let sent = sound.then(|| super::udp::send_cm_refusal(&self.udp, self.addr, packet, from));
         match sent.flatten() {
             Some(true) => self.stats.cm_rejects.fetch_add(1, Ordering::Relaxed),
-            // Not a sound REQ, or a REJ the socket would not take (the
-            // peer's CM retries): dropped as no process's.
+            // Not a sound request, or a refusal the socket would not take
+            // (the peer's CM retries): dropped as no process's.
             _ => self.stats.no_owner.fetch_add(1, Ordering::Relaxed),
         };
     }

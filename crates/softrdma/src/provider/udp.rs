@@ -220,7 +220,8 @@ pub struct DeviceStats {
     /// Dropped: a BTH transport version other than 0, or a P_Key outside
     /// the default partition.
     pub bad_header: AtomicU64,
-    /// CM REQs (rdma_cm connecting over RoCEv2) answered with a REJ.
+    /// CM requests (rdma_cm over RoCEv2) refused: REQs with a REJ,
+    /// SIDR_REQs with a SIDR_REP that finds no QP.
     pub cm_rejects: AtomicU64,
     /// Dropped: for an RC QP, from an address that is not its peer's.
     pub wrong_source: AtomicU64,
@@ -2067,7 +2068,16 @@ fn answer_gsi(shared: &Shared, packet: &[u8], from: SocketAddrV4) {
     };
     let out = shared.gsi.dispatch(*from.ip(), mad);
     if let Some(reply) = out.reply {
-        if reply[16..18] == softrdma_wire::mad::CM_REJ.to_be_bytes() {
+        use softrdma_wire::cm::{Body, Message};
+        let refusal = match Message::parse(&reply) {
+            Ok(Some(m)) => match m.body {
+                Body::Rej(_) => true,
+                Body::SidrRep(r) => r.status != softrdma_wire::cm::SIDR_VALID,
+                _ => false,
+            },
+            _ => false,
+        };
+        if refusal {
             shared.stats.cm_rejects.fetch_add(1, Ordering::Relaxed);
         }
         if send_mad(shared, *from.ip(), &reply).is_err() {
