@@ -344,6 +344,21 @@ def rping_result(out, role, count):
     return None
 
 
+def udaddy_result(out, role):
+    """udaddy's own lines, in order: a client sends, then receives the
+    replies; a server receives, then replies; both end with status 0."""
+    want = (["initiating data transfers", "receiving data transfers"] if role == "client"
+            else ["receiving data transfers", "sending replies"])
+    want += ["data transfers complete", "return status 0"]
+    lines = [l.strip() for l in out.splitlines()]
+    at = 0
+    for w in want:
+        if w not in lines[at:]:
+            return f"no {w!r} (in order)"
+        at = lines.index(w, at) + 1
+    return None
+
+
 def fpdus_within_a_segment(out):
     """softrdma rping -d's FPDU line: towards siw (which does not confirm
     large FPDUs) each ULPDU fits a 1500-byte link's segment (1442, as siw's)."""
@@ -537,6 +552,11 @@ def cases(mtu4200=False):
     perf("send-bw", 512, 30, "-c UD -q 2", **roce_cm)
     perf("send-bw", 512, 30, "-c UD -b", **roce_cm)
     perf("send-lat", 64, 50, "-c UD", **roce_cm)
+    # librdmacm's own UD example: SIDR on port 7174, SENDs with immediate
+    # both ways (the server answers the QP the immediate names).
+    for extra in ("", "-c 2 -C 20 -S 1000"):
+        out.append(Case(f"udaddy {extra}".strip(), f"udaddy {extra}".strip(),
+                        f"udaddy {extra}".strip(), check=udaddy_result))
     # A REQ for a port nothing of softrdma's listens on gets a REJ at once,
     # so rping fails in well under its CM's minute of retries.
     out.append(Case("rping over RoCE: rejected at once", "rping -c -v -C 1 -S 64",
@@ -774,6 +794,8 @@ def run_case(guest, case, port, tool_is_server, keep_going=True):
         return run_cm_reject(guest, case, port, job)
     if case.ours.startswith("rping"):
         return run_rping(guest, case, port, tool_is_server, job)
+    if case.ours.startswith("udaddy"):
+        return run_udaddy(guest, case, tool_is_server, job)
     ours = [str(REPO / "target/release/softrdma")] + case.ours.split() + ["-p", str(port)]
     pcap = Path(guest.share) / f"{job}.pcap"
     if case.pcap:
@@ -904,6 +926,39 @@ def run_rping(guest, case, port, tool_is_server, job):
             problems.append(f"softrdma: {err}")
     if problems:
         return "; ".join(problems) + f"\n--- rping:\n{tout}\n--- softrdma:\n{host.stdout}{host.stderr}"
+    return None
+
+
+def run_udaddy(guest, case, tool_is_server, job):
+    """udaddy's roles: the server (no -s) listens on rdma_cm's UDP port
+    7174 (udaddy has no flag for another), the client names it with -s."""
+    bin_ = str(REPO / "target/release/softrdma")
+    ours = case.ours.split()
+    if tool_is_server:
+        err = guest_server(guest, job, case.tool, 7174, give_up_after=5)
+        if err:
+            return err
+        time.sleep(0.5)
+        host = subprocess.run(["ip", "netns", "exec", NS, "timeout", str(case.timeout), bin_]
+                              + ours + ["-s", GUEST_IP, "-b", HOST_IP],
+                              capture_output=True, text=True)
+        rc, tout = guest.wait(job, case.timeout)
+        roles = ("server", "client")
+    else:
+        rc, tout, host = host_server(guest, job, [bin_] + ours + ["-b", HOST_IP], 7174,
+                                     f"{case.tool} -s {HOST_IP}", case.timeout, roce_cm=True)
+        roles = ("client", "server")
+    problems = []
+    if rc != 0:
+        problems.append(f"udaddy exit status {rc}")
+    if host.returncode != 0:
+        problems.append(f"softrdma exit status {host.returncode}")
+    for (who, text), role in zip((("udaddy", tout), ("softrdma", host.stdout)), roles):
+        err = case.check(text, role)
+        if err:
+            problems.append(f"{who}: {err}")
+    if problems:
+        return "; ".join(problems) + f"\n--- udaddy:\n{tout}\n--- softrdma:\n{host.stdout}{host.stderr}"
     return None
 
 

@@ -35,6 +35,7 @@ mod exchange;
 mod perf;
 mod ping;
 mod rping;
+mod udaddy;
 
 /// RDMA verbs in Rust over RoCEv2, iWARP and shared memory.
 #[derive(Debug, Parser)]
@@ -83,6 +84,11 @@ enum Command {
     /// address, the server READs it, then WRITEs it back; compatible with
     /// rping on Linux siw in both roles.
     Rping(rping::RpingArgs),
+    /// rdma-core's udaddy over RoCEv2: the client finds the server's UD QP
+    /// with rdma_cm (SIDR, port 7174 of the UDP port space) and SENDs it
+    /// messages, which the server answers; compatible with udaddy on Linux
+    /// rxe in both roles.
+    Udaddy(udaddy::UdaddyArgs),
     /// List the RoCEv2 devices (one per IPv4 address of each interface that
     /// is up, named roce_<netdev>) with their GID tables.
     Devices,
@@ -128,6 +134,7 @@ fn main() -> ExitCode {
         Command::Devices => device::list(),
         Command::Perf(args) => perf::run(&args),
         Command::Rping(args) => rping::run(&args),
+        Command::Udaddy(args) => udaddy::run(&args),
         Command::Demo {
             addr,
             busy_poll,

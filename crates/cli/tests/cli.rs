@@ -935,6 +935,49 @@ fn assert_refused(args: &[&str], code: i32, says: &str) {
     assert!(err.contains(says), "{args:?}: {err}");
 }
 
+/// `softrdma udaddy` in both roles (rdma_cm's SIDR, then SENDs with
+/// immediate both ways), with one and two connections; a message larger
+/// than the path MTU is refused.
+#[test]
+fn udaddy_between_two_processes() {
+    for (k, extra) in [vec![], vec!["-c", "2", "-C", "30", "-S", "2000"]]
+        .into_iter()
+        .enumerate()
+    {
+        let port = (7300 + k).to_string();
+        let common = [&["udaddy", "--port", port.as_str()][..], &extra].concat();
+        let server = [&common[..], &["-b", "127.0.1.81"]].concat();
+        let client = [&common[..], &["-s", "127.0.1.81", "-b", "127.0.1.82"]].concat();
+        let (s, c) = spawn_pair(&server, &client);
+        assert_both_succeeded("udaddy", &s, &c);
+        for (o, want) in [
+            (&s, &["receiving data transfers", "sending replies"]),
+            (
+                &c,
+                &["initiating data transfers", "receiving data transfers"],
+            ),
+        ] {
+            let out = stdout(o);
+            let mut at = 0;
+            for w in want
+                .iter()
+                .chain(&["data transfers complete", "return status 0"])
+            {
+                at += out[at..]
+                    .find(w)
+                    .unwrap_or_else(|| panic!("{w:?} in {out}"));
+            }
+        }
+    }
+    let o = Command::new(env!("CARGO_BIN_EXE_softrdma"))
+        .args(["udaddy", "-b", "127.0.1.83", "-S", "5000"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("larger than the path MTU"));
+    assert!(stdout(&o).contains("return status 1"));
+}
+
 /// Two sides that disagree on the number of QPs find out in the handshake,
 /// both fail with a message, and neither reads the other's key as a report.
 #[test]
