@@ -5,7 +5,9 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 /// Fills `buf` from `stream`, whole within `limit` if one is given: a peer
-/// that sends a byte a minute must not hold the setup for hours.
+/// that sends a byte a minute must not hold the setup for hours. The limit's
+/// end is `WouldBlock`, as a read timeout's (`TimedOut` is the kernel's: a
+/// connection that stopped answering).
 pub fn read_whole(
     stream: &mut TcpStream,
     buf: &mut [u8],
@@ -19,7 +21,7 @@ pub fn read_whole(
     while got < buf.len() {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(io::ErrorKind::TimedOut.into());
+            return Err(io::ErrorKind::WouldBlock.into());
         }
         stream.set_read_timeout(Some(left))?;
         match stream.read(&mut buf[got..]) {

@@ -73,12 +73,13 @@ pub fn run(a: &UdaddyArgs) -> ExitCode {
 /// One connection's QP, CQ and buffers: the receive buffer (GRH and
 /// message) at 0, the send buffer after it.
 struct Node {
-    pd: Pd,
-    mr: Mr,
-    cq: Cq,
-    qp: Qp,
     /// Where to send: the peer's address, QP and Q_Key.
     dest: Option<(Ah, u32, u32)>,
+    // Dropped in this order: the QP before the memory its receives use.
+    qp: Qp,
+    cq: Cq,
+    mr: Mr,
+    pd: Pd,
 }
 
 impl Node {
@@ -102,11 +103,11 @@ impl Node {
         // As rdma_create_qp readies a UD QP: it takes receives before SIDR.
         softrdma::cm::ready_ud(&qp, RDMA_CM_UDP_QKEY, 0).map_err(e)?;
         Ok(Node {
-            pd,
-            mr,
-            cq,
-            qp,
             dest: None,
+            qp,
+            cq,
+            mr,
+            pd,
         })
     }
 
@@ -145,18 +146,21 @@ impl Node {
         Ok(())
     }
 
-    /// Waits for `n` completions, each within [`WAIT`]; returns the first.
+    /// Waits for `n` completions, each within [`WAIT`] of the last;
+    /// returns the first receive's.
     fn completions(&self, n: u32, what: &str) -> Result<Option<WorkCompletion>, String> {
         let mut first = None;
         for got in 0..n {
             match self.cq.wait(WAIT).map_err(|e| e.to_string())? {
                 Some(wc) if wc.status == WcStatus::Success => {
-                    first.get_or_insert(wc);
+                    if wc.opcode == WcOpcode::Recv {
+                        first.get_or_insert(wc);
+                    }
                 }
                 Some(wc) => return Err(format!("{what}: {:?} ({:?})", wc.status, wc.opcode)),
                 None => {
                     return Err(format!(
-                        "{what}: {got} of {n} in {} s, then nothing",
+                        "{what}: {got} of {n}, then none for {} s",
                         WAIT.as_secs()
                     ));
                 }
@@ -211,8 +215,10 @@ fn client(a: &UdaddyArgs, server: Ipv4Addr) -> Result<(), String> {
     }
     println!("receiving data transfers");
     for node in &nodes {
-        // The last send's completion, and the server's messages.
-        node.completions(a.count + 1, "the server's messages")?;
+        node.completions(
+            a.count + 1,
+            "the server's messages and this side's last send",
+        )?;
     }
     println!("data transfers complete");
     Ok(())
@@ -226,12 +232,15 @@ fn serve(a: &UdaddyArgs) -> Result<(), String> {
     let ctx = open(ip, a)?;
     let listener = Listener::bind(&ctx, a.port).map_err(|e| e.to_string())?;
     let mut nodes = Vec::new();
-    for _ in 0..a.connections {
+    for k in 0..a.connections {
         let node = Node::new(&ctx, a)?;
         node.post_recvs(a)?;
+        // The first client may take as long as it likes, as udaddy's; its
+        // other connections come at once.
+        let waited = (k > 0).then_some(WAIT);
         let request = listener
-            .accept(&node.qp, |_| roce::Decision::Accept(vec![]), None)
-            .map_err(|e| format!("rdma_cm UD connection: {e}"))?;
+            .accept(&node.qp, |_| roce::Decision::Accept(vec![]), waited)
+            .map_err(|e| format!("rdma_cm UD connection {}: {e}", k + 1))?;
         nodes.push((node, request));
     }
     if a.count == 0 || a.size == 0 {
@@ -242,8 +251,7 @@ fn serve(a: &UdaddyArgs) -> Result<(), String> {
         let first = node
             .completions(a.count, "the client's messages")?
             .ok_or("no message from the client")?;
-        // The client's QP is the immediate (its source QP without one).
-        let qpn = first.imm.unwrap_or(first.src_qp) & 0xff_ffff;
+        let qpn = crate::perf::sender_qpn(&first);
         let ah = node
             .pd
             .create_ah(AhAttr {

@@ -965,7 +965,8 @@ fn udaddy_between_two_processes() {
             {
                 at += out[at..]
                     .find(w)
-                    .unwrap_or_else(|| panic!("{w:?} in {out}"));
+                    .unwrap_or_else(|| panic!("{w:?} in {out}"))
+                    + w.len();
             }
         }
     }

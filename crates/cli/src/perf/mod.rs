@@ -537,6 +537,9 @@ struct Setup {
     rem: Vec<Key>,
     /// UD: the address handle of each QP's peer.
     ahs: Vec<Ah>,
+    /// UD over rdma_cm: each QP's peer QP as SIDR or the client's handshake
+    /// found it (perftest sends there, not to its records' QP).
+    ud_peer_qpns: Vec<Option<u32>>,
     /// send-bw over iWARP: the receive credits.
     credit: Option<Credit>,
     /// `--use-srq` on a receiving side: the SRQ, and each QP's index by
@@ -878,6 +881,7 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
     // UD over rdma_cm: the peers' QPs as SIDR and the client's handshake
     // found them (perftest sends its data there, not to its records' QPs).
     let mut ud_peer_qpns = Vec::new();
+    let mut ud_listener = None;
     if cfg.cm {
         // perftest's rdma_cm connection step: a handshake (with empty keys)
         // on each side of connecting the data QPs through the listener.
@@ -914,6 +918,9 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
                         let handshake = (&rcq, &mr, srq.as_ref());
                         ud_peer_qpns.push(accept_data_qp(&cfg, &l, handshake, qp)?);
                     }
+                    // Kept to the handshake's end: a client whose answer was
+                    // lost asks again, and the listener's cache answers.
+                    ud_listener = Some(l);
                 }
             }
         } else {
@@ -928,6 +935,7 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
             }
         }
         oob.key(&Key::default())?;
+        drop(ud_listener);
     }
     for k in &mine {
         print_addr("local", k, verb);
@@ -999,7 +1007,7 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
             .try_for_each(|(k, before)| oob.key_again(k, before))
     };
     // The handshakes before traffic, in each test's order.
-    let (mut rem, ahs) = match cfg.test {
+    let (rem, ahs) = match cfg.test {
         Test::WriteBw | Test::ReadBw | Test::AtomicBw => {
             let r = keys_round(&mut oob)?;
             let ahs = connect(&r)?;
@@ -1031,11 +1039,6 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
         }
     };
     oob.setup_done();
-    for (r, found) in rem.iter_mut().zip(&ud_peer_qpns) {
-        if let Some(qpn) = *found {
-            r.qpn = qpn;
-        }
-    }
     for k in &rem {
         print_addr("remote", k, verb);
     }
@@ -1054,6 +1057,7 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
         cache_line,
         rem,
         ahs,
+        ud_peer_qpns,
         credit,
         srq,
     };
@@ -1389,7 +1393,7 @@ fn accept_data_qp(
     }
     match rcq.wait(UD_HANDSHAKE_WAIT).map_err(|e| e.to_string())? {
         Some(wc) if wc.wr_id == UD_HANDSHAKE_WR && wc.status == WcStatus::Success => {
-            Ok(Some(wc.imm.unwrap_or(wc.src_qp) & 0xff_ffff))
+            Ok(Some(sender_qpn(&wc)))
         }
         Some(wc) => Err(format!(
             "the rdma_cm UD handshake: {:?} ({:?})",
@@ -1399,6 +1403,12 @@ fn accept_data_qp(
             "the rdma_cm UD handshake: no datagram from the client within {UD_HANDSHAKE_WAIT:?}"
         )),
     }
+}
+
+/// The QP a UD message's sender names in its immediate (udaddy's and
+/// perftest's rdma_cm handshakes), else the one it came from.
+pub(crate) fn sender_qpn(wc: &WorkCompletion) -> u32 {
+    wc.imm.unwrap_or(wc.src_qp) & 0xff_ffff
 }
 
 /// Moves a RoCE QP to INIT, as rdma_create_qp leaves it: it takes
@@ -1835,7 +1845,10 @@ fn send_op(s: &Setup, i: usize, size: u64, k: u64, signaled: bool) -> SendWr {
             inline: inline.is_some(),
         },
         inline_data: inline.unwrap_or_default(),
-        ud: s.ahs.get(i).map(|ah| ah.dest(s.rem[i].qpn, s.cfg.qkey())),
+        ud: s.ahs.get(i).map(|ah| {
+            let qpn = s.ud_peer_qpns.get(i).copied().flatten();
+            ah.dest(qpn.unwrap_or(s.rem[i].qpn), s.cfg.qkey())
+        }),
     }
 }
 

@@ -246,7 +246,7 @@ impl Control {
         let wc = loop {
             match self.rcq.wait(wait) {
                 Ok(Some(wc)) => break wc,
-                Ok(None) if limit.is_some() => return Err(io::ErrorKind::TimedOut.into()),
+                Ok(None) if limit.is_some() => return Err(io::ErrorKind::WouldBlock.into()),
                 Ok(None) => {}
                 Err(e) => return Err(io(e.to_string())),
             }
@@ -289,14 +289,22 @@ pub const SETUP_TIMEOUT: Duration = Duration::from_secs(60);
 /// peer's end of the run: a peer host that vanishes without a FIN or RST
 /// (powered off, cut off) fails the read after about 30 s of silence
 /// instead of leaving this side waiting for good. The kernel answers the
-/// probes of a live peer, however long its run.
+/// probes of a live peer, however long its run. Probes wait while a message
+/// sent is unacknowledged: the user timeout covers that case.
 const KEEPALIVE_IDLE: Duration = Duration::from_secs(15);
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
 const KEEPALIVE_PROBES: u32 = 3;
+const USER_TIMEOUT: Duration = Duration::from_secs(30);
 
 fn ctx(what: &'static str) -> impl Fn(io::Error) -> String {
     move |e| match e.kind() {
-        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => format!(
+        // The keepalive's or the user timeout's end (ETIMEDOUT).
+        io::ErrorKind::TimedOut => format!(
+            "out-of-band exchange ({what}): the peer stopped answering for about {} s \
+             (its host is gone or cut off)",
+            USER_TIMEOUT.as_secs()
+        ),
+        io::ErrorKind::WouldBlock => format!(
             "out-of-band exchange ({what}): no whole message from the peer in {} s (is it \
              running a matching test?)",
             SETUP_TIMEOUT.as_secs()
@@ -312,8 +320,10 @@ impl Oob {
             .with_time(KEEPALIVE_IDLE)
             .with_interval(KEEPALIVE_INTERVAL)
             .with_retries(KEEPALIVE_PROBES);
-        // Without it the run goes on as perftest's does.
-        let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);
+        // Without them the run goes on as perftest's does.
+        let sock = socket2::SockRef::from(&stream);
+        let _ = sock.set_tcp_keepalive(&keepalive);
+        let _ = sock.set_tcp_user_timeout(Some(USER_TIMEOUT));
         let _ = stream.set_read_timeout(Some(SETUP_TIMEOUT));
         let _ = stream.set_write_timeout(Some(SETUP_TIMEOUT));
         Oob {
@@ -625,6 +635,7 @@ mod tests {
         assert_eq!(s.tcp_keepalive_time().unwrap(), KEEPALIVE_IDLE);
         assert_eq!(s.tcp_keepalive_interval().unwrap(), KEEPALIVE_INTERVAL);
         assert_eq!(s.tcp_keepalive_retries().unwrap(), KEEPALIVE_PROBES);
+        assert_eq!(s.tcp_user_timeout().unwrap(), Some(USER_TIMEOUT));
     }
 
     #[test]

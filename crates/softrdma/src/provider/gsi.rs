@@ -84,6 +84,9 @@ pub(crate) type SidrKey = (Ipv4Addr, u32, u64);
 pub(crate) struct Outcome {
     /// A MAD to send back to the sender.
     pub reply: Option<[u8; MAD_LEN]>,
+    /// The reply refuses a request nothing here takes (a REJ, a SIDR_REP
+    /// without a QP): counted in the device's stats.
+    pub refused: bool,
     /// A QP whose peer disconnected: to the error state.
     pub disconnected_qp: Option<u32>,
 }
@@ -260,6 +263,7 @@ impl Gsi {
                         let mut rej = [0u8; MAD_LEN];
                         Rej::of_req(r.local_comm_id, reason).emit(msg.tid, &mut rej);
                         out.reply = Some(rej);
+                        out.refused = true;
                         return out;
                     }
                     Some(w)
@@ -306,6 +310,7 @@ impl Gsi {
                     }
                     .emit(msg.tid, &mut rej);
                     out.reply = Some(rej);
+                    out.refused = true;
                     return out;
                 }
                 Some(w)
@@ -321,39 +326,43 @@ impl Gsi {
                     return out;
                 }
                 let w = Waiter::Service(r.service_id);
-                let refusal = match s.queues.get(&w) {
+                let status = match s.queues.get(&w).map(VecDeque::len) {
                     // As Linux's CM answers a SIDR_REQ no listener takes.
-                    None => Some(SIDR_UNSUPPORTED),
+                    None => SIDR_UNSUPPORTED,
                     // An RC listener's service: as Linux's rdma_cm refuses
                     // a QP type its port space does not have.
-                    Some(_) if cm::rdma_cm_udp_port(r.service_id).is_none() => Some(SIDR_REJECT),
-                    Some(_) => None,
-                };
-                if let Some(status) = refusal {
-                    let mut rep = [0u8; MAD_LEN];
-                    SidrRep::refusal(r, status).emit(msg.tid, &mut rep);
-                    out.reply = Some(rep);
-                    return out;
-                }
-                match s.queues.get(&w) {
-                    None => return out,
-                    Some(q) if q.len() < QUEUE_MAX => {
+                    Some(_) if cm::rdma_cm_udp_port(r.service_id).is_none() => SIDR_REJECT,
+                    Some(queued) if queued < QUEUE_MAX => {
                         s.sidr_pending.insert(key);
+                        return self.queue(&mut s, w, Arrival { from, msg }, out);
                     }
                     // A full queue drops it; a repeat may find room.
                     Some(_) => return out,
-                }
-                Some(w)
+                };
+                let mut rep = [0u8; MAD_LEN];
+                SidrRep::refusal(r, status).emit(msg.tid, &mut rep);
+                out.reply = Some(rep);
+                out.refused = true;
+                return out;
             }
             Body::SidrRep(r) => Some(Waiter::Exchange(r.request_id)),
             Body::Rtu(ids) | Body::Drep(ids) => Some(Waiter::Exchange(ids.remote)),
             Body::Rej(r) => Some(Waiter::Exchange(r.ids.remote)),
             Body::Mra(r) => Some(Waiter::Exchange(r.ids.remote)),
         };
-        if let Some(q) = target.and_then(|w| s.queues.get_mut(&w))
+        match target {
+            Some(w) => self.queue(&mut s, w, Arrival { from, msg }, out),
+            None => out,
+        }
+    }
+
+    /// Queues `a` for `w`, if it waits and has room (a peer that floods
+    /// one gets the rest dropped).
+    fn queue(&self, s: &mut State, w: Waiter, a: Arrival, out: Outcome) -> Outcome {
+        if let Some(q) = s.queues.get_mut(&w)
             && q.len() < QUEUE_MAX
         {
-            q.push_back(Arrival { from, msg });
+            q.push_back(a);
             self.arrived.notify_all();
         }
         out

@@ -1471,16 +1471,23 @@ fn receive_one(
     } else {
         true
     };
-    let (wants, lone_response) = {
+    let (wants, lone_response, terminated) = {
         let mrs = s.mrs.read().expect("MR table lock");
         let mut qp = s.engine.lock().expect("QP lock");
         qp.segment_done(control, crc_ok, &mrs);
         (
             qp.wants_transmit(),
             qp.lone_response_within(POSTER_SENDS_UP_TO),
+            qp.peer_terminate().is_some(),
         )
     };
     s.drain();
+    if terminated && s.write_ended.load(Ordering::Acquire) == 0 {
+        // The peer ended the QP: this side ends its half of the stream, and
+        // the connection after `LINGER` if the peer keeps its half open (a
+        // socket held for the QP's life otherwise).
+        s.end_writing();
+    }
     if wants {
         answer_or_kick(s, lone_response);
     }

@@ -2068,16 +2068,7 @@ fn answer_gsi(shared: &Shared, packet: &[u8], from: SocketAddrV4) {
     };
     let out = shared.gsi.dispatch(*from.ip(), mad);
     if let Some(reply) = out.reply {
-        use softrdma_wire::cm::{Body, Message};
-        let refusal = match Message::parse(&reply) {
-            Ok(Some(m)) => match m.body {
-                Body::Rej(_) => true,
-                Body::SidrRep(r) => r.status != softrdma_wire::cm::SIDR_VALID,
-                _ => false,
-            },
-            _ => false,
-        };
-        if refusal {
+        if out.refused {
             shared.stats.cm_rejects.fetch_add(1, Ordering::Relaxed);
         }
         if send_mad(shared, *from.ip(), &reply).is_err() {

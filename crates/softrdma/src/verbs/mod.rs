@@ -897,9 +897,10 @@ pub struct DeviceCounters {
     /// Received with a BTH transport version other than 0 or a P_Key
     /// outside the default partition (dropped, as rxe does).
     pub bad_header: u64,
-    /// CM requests refused at once: REQs answered with a REJ, SIDR_REQs
-    /// with a SIDR_REP that finds no QP (nothing listens, or the
-    /// application said no).
+    /// CM messages the device refused itself, nothing here taking them:
+    /// REQs (and REPs for no exchange) answered with a REJ, SIDR_REQs with
+    /// a SIDR_REP that finds no QP. (An application's refusals are not
+    /// counted.)
     pub cm_rejects: u64,
     /// Dropped: for an RC QP, from an address that is not its peer's.
     pub wrong_source: u64,

@@ -791,6 +791,52 @@ fn a_silent_peer_fails_the_qp_after_the_peer_timeout() {
     assert_eq!(a.qp.with_engine(|q| q.state()), crate::engine::QpState::Err);
 }
 
+/// A peer that sends a Terminate and keeps its half of the stream open:
+/// this side ends the stream (its FIN at once, the connection within
+/// `LINGER`) instead of holding the socket for the QP's life.
+#[test]
+fn a_peer_terminate_ends_the_stream_even_if_the_peer_keeps_it_open() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let (c, crc, mut theirs) = through_mpa_to_a_made_up_peer(l);
+    let a = end_with(0, c, crc, None);
+    a.qp.post_recv(RecvWr::new(50, [sge(&a, 0, 64)])).unwrap();
+    // An untagged DDP segment to queue 2 (MSN 1, last), RDMAP version 1
+    // opcode Terminate, its control: layer RDMAP, remote protection error,
+    // invalid STag, no headers copied.
+    let mut t = vec![
+        0x00, 22, 0x41, 0x47, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 1, 0, 0, 0, 0,
+    ];
+    t.extend_from_slice(&[0x01, 0x00, 0x00, 0x00]);
+    t.resize(t.len() + mpa::pad_len(22), 0);
+    let sum = if crc {
+        let mut c = Crc32c::default();
+        c.update(&t);
+        c.finish()
+    } else {
+        0
+    };
+    t.extend_from_slice(&sum.to_le_bytes());
+    std::io::Write::write_all(&mut theirs, &t).unwrap();
+    let r = one(&a.rcq);
+    assert_eq!((r.wr_id, r.status), (50, WcStatus::WrFlushErr));
+    assert!(a.qp.with_engine(|q| q.peer_terminate().is_some()));
+    // The peer keeps its half open; this side's end comes within LINGER.
+    theirs
+        .set_read_timeout(Some(LINGER + Duration::from_secs(3)))
+        .unwrap();
+    let mut rest = Vec::new();
+    let t0 = std::time::Instant::now();
+    let read = std::io::Read::read_to_end(&mut theirs, &mut rest);
+    assert!(
+        read.is_ok()
+            || read
+                .as_ref()
+                .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+        "the stream was not ended: {read:?} after {:?}",
+        t0.elapsed()
+    );
+}
+
 /// A busy-polling application whose peer (after MPA) sends `bytes` and
 /// then, if `close`, closes: the poll that takes them fails the QP, which
 /// flushes the receive the application spins for; no poll blocks in a
