@@ -172,7 +172,7 @@ fn hostd(addr: std::net::SocketAddrV4, exit_when_idle: Option<f64>) -> ExitCode 
     eprintln!(
         "softrdma hostd {addr}: {} processes joined ({} of another user refused), {} \
          datagrams forwarded, {} with no owner, {} dropped on a full connection, {} CM \
-         REQs rejected",
+         requests refused",
         n(&stats.joined),
         n(&stats.refused),
         n(&stats.forwarded),

@@ -3,7 +3,7 @@
 //! Terminates, a rejected connection, and a peer that goes away
 //! mid-transfer.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use softrdma::cm::iwarp::{self, ConnectError, Listener};
 use softrdma::cm::mpa::{CrcPolicy, Decision, MpaConfig, MpaError, Rtr};
@@ -11,7 +11,7 @@ use softrdma::verbs::*;
 use softrdma::wire::rdmap::Layer;
 
 mod common;
-use common::{End, iwarp_end as end, iwarp_pair as pair, one, wait_state};
+use common::{End, T, iwarp_end as end, iwarp_pair as pair, one, wait_state};
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
@@ -341,12 +341,21 @@ fn peer_to_peer_mode_sends_and_awaits_the_rtr_message() {
         );
         assert_eq!(client.mr.read_vec(0, 13).unwrap(), b"after the RTR");
         assert_eq!(one(&server.scq).status, WcStatus::Success);
-        // The client's only FPDU so far is the RTR; a READ RTR was answered.
-        let (c, s) = (
-            client.qp.iwarp_stats().unwrap().fpdus,
-            server.qp.iwarp_stats().unwrap().fpdus,
-        );
+        // The client's only FPDU so far is the RTR; a READ RTR was answered
+        // (its response may leave after the SEND, from another thread: the
+        // counts are awaited).
         let answer = u64::from(rtr == Rtr::Read);
+        let stats = || {
+            (
+                client.qp.iwarp_stats().unwrap().fpdus,
+                server.qp.iwarp_stats().unwrap().fpdus,
+            )
+        };
+        let t0 = Instant::now();
+        while stats().0.fpdus_received < 1 + answer && t0.elapsed() < T {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let (c, s) = stats();
         assert_eq!((c.fpdus_sent, s.fpdus_received), (1, 1), "{rtr:?}");
         assert_eq!(
             (s.fpdus_sent, c.fpdus_received),

@@ -1282,35 +1282,48 @@ fn rc_options(mpa: &MpaConfig) -> RcOptions {
 /// connection is retried (10 times, [`DATA_CONNECT_RETRY`] apart, as
 /// perftest's client does).
 fn connect_data_qp(qp: &Qp, to: SocketAddrV4, mpa: &MpaConfig, roce: bool) -> Result<(), String> {
+    let failed = |e: &dyn std::fmt::Display| format!("rdma_cm connection to {to}: {e}");
+    if roce {
+        retried(
+            || roce::connect(qp, to, &[], &rc_options(mpa)),
+            nothing_listens,
+        )
+        .map(drop)
+        .map_err(|e| failed(&e))
+    } else {
+        retried(
+            || iwarp::connect(qp, to, mpa),
+            |e| {
+                matches!(e, ConnectError::Tcp { source, .. }
+                    if source.kind() == std::io::ErrorKind::ConnectionRefused)
+            },
+        )
+        .map(drop)
+        .map_err(|e| failed(&e))
+    }
+}
+
+/// Runs `attempt` again while `unlistened` says nothing listens yet: 10
+/// tries, [`DATA_CONNECT_RETRY`] apart, as perftest's client makes.
+fn retried<T, E>(
+    mut attempt: impl FnMut() -> Result<T, E>,
+    unlistened: impl Fn(&E) -> bool,
+) -> Result<T, E> {
     let mut tries = 0;
     loop {
-        let refused = if roce {
-            match roce::connect(qp, to, &[], &rc_options(mpa)) {
-                Ok(_) => return Ok(()),
-                // Nothing listens on the port (yet).
-                Err(roce::ConnectError::Rejected { reason, .. })
-                    if reason == REJ_INVALID_SERVICE_ID && tries < 9 =>
-                {
-                    true
-                }
-                Err(e) => return Err(format!("rdma_cm connection to {to}: {e}")),
+        match attempt() {
+            Err(e) if unlistened(&e) && tries < 9 => {
+                tries += 1;
+                std::thread::sleep(DATA_CONNECT_RETRY);
             }
-        } else {
-            match iwarp::connect(qp, to, mpa) {
-                Ok(_) => return Ok(()),
-                Err(ConnectError::Tcp { source, .. })
-                    if source.kind() == std::io::ErrorKind::ConnectionRefused && tries < 9 =>
-                {
-                    true
-                }
-                Err(e) => return Err(format!("rdma_cm connection to {to}: {e}")),
-            }
-        };
-        if refused {
-            tries += 1;
-            std::thread::sleep(DATA_CONNECT_RETRY);
+            done => return done,
         }
     }
+}
+
+/// Over RoCE: nothing listens on the port (yet).
+fn nothing_listens(e: &roce::ConnectError) -> bool {
+    matches!(e, roce::ConnectError::Rejected { reason, .. } if *reason == REJ_INVALID_SERVICE_ID)
 }
 
 /// How long a UD server over rdma_cm waits for the client's handshake
@@ -1329,19 +1342,8 @@ fn resolve_data_qp(
     qp: &Qp,
     to: SocketAddrV4,
 ) -> Result<roce_ud::Resolved, String> {
-    let mut tries = 0;
-    let peer = loop {
-        match roce_ud::resolve(qp, to, &[]) {
-            Ok(p) => break p,
-            Err(roce::ConnectError::Rejected { reason, .. })
-                if reason == REJ_INVALID_SERVICE_ID && tries < 9 =>
-            {
-                tries += 1;
-                std::thread::sleep(DATA_CONNECT_RETRY);
-            }
-            Err(e) => return Err(format!("rdma_cm UD resolution of {to}: {e}")),
-        }
-    };
+    let peer = retried(|| roce_ud::resolve(qp, to, &[]), nothing_listens)
+        .map_err(|e| format!("rdma_cm UD resolution of {to}: {e}"))?;
     if !cfg.ud_cm_handshake() {
         return Ok(peer);
     }
@@ -1386,8 +1388,14 @@ fn accept_data_qp(
         }
         .map_err(|e| e.to_string())?;
     }
-    l.accept(qp, |_| roce::Decision::Accept(vec![]), None)
-        .map_err(|e| format!("rdma_cm UD connection: {e}"))?;
+    // The client is there (the exchange's handshake came): its requests
+    // come at once.
+    l.accept(
+        qp,
+        |_| roce::Decision::Accept(vec![]),
+        Some(oob::SETUP_TIMEOUT),
+    )
+    .map_err(|e| format!("rdma_cm UD connection: {e}"))?;
     if !handshake {
         return Ok(None);
     }

@@ -12,7 +12,8 @@
 //! when none). rdma-core's and perftest's own exchanges live with the tools
 //! (`softrdma ping`, `softrdma perf`); [`mpa`] is iWARP's establishment
 //! ([`iwarp`] connects as rdma_cm does there), [`roce`] is rdma_cm's over
-//! RoCEv2 (the IB connection manager), [`shm`] connects shared-memory QPs.
+//! RoCEv2 (the IB connection manager), [`roce_ud`] its UD mode (SIDR),
+//! [`shm`] connects shared-memory QPs.
 
 mod backlog;
 pub mod iwarp;

@@ -28,12 +28,12 @@ pub const REP_PRIVATE_DATA_MAX: usize = wire::REP_PRIVATE_DATA_LEN;
 
 /// How long each side waits for an answer before it sends its message
 /// again, and how many times it sends it.
-const RESEND_AFTER: Duration = Duration::from_millis(1000);
-const SENDS: u32 = 6;
+pub(super) const RESEND_AFTER: Duration = Duration::from_millis(1000);
+pub(super) const SENDS: u32 = 6;
 /// The longest extra wait an MRA may ask for.
 const MRA_MAX: Duration = Duration::from_secs(60);
 
-/// Why a connection failed.
+/// Why a connection (or a UD resolution, `cm::roce_ud`) failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConnectError {
@@ -61,7 +61,7 @@ pub enum ConnectError {
         /// How long it waited.
         waited: Duration,
     },
-    /// No REQ came within the time given.
+    /// No request (REQ, SIDR_REQ) came within the time given.
     #[error("no connection request came within {0:?}")]
     NoClient(Duration),
     /// The peer's message was not one that fits.

@@ -17,7 +17,8 @@ use softrdma_wire::cm::{self as wire, Body, SidrRep, SidrReq};
 use softrdma_wire::mad::MAD_LEN;
 
 use super::roce::{
-    ConnectError, Decision, Unregister, rdma_cm_device, rdma_cm_header, send, transaction_id,
+    ConnectError, Decision, RESEND_AFTER, SENDS, Unregister, rdma_cm_device, rdma_cm_header, send,
+    transaction_id,
 };
 use crate::provider::gsi::{Arrival, SidrKey, Waiter};
 use crate::provider::udp::{Shared, send_mad};
@@ -28,11 +29,6 @@ use crate::verbs::{Context, Qp, QpState, VerbsError};
 pub const REQ_PRIVATE_DATA_MAX: usize = wire::SIDR_REQ_PRIVATE_DATA_LEN - wire::RDMA_CM_HEADER_LEN;
 /// Bytes of private data a SIDR_REP may carry.
 pub const REP_PRIVATE_DATA_MAX: usize = wire::SIDR_REP_PRIVATE_DATA_LEN;
-
-/// How long the active side waits for the answer before it asks again,
-/// and how many times it asks.
-const RESEND_AFTER: Duration = Duration::from_millis(1000);
-const SENDS: u32 = 6;
 
 /// What the active side learnt: where to send its datagrams.
 #[derive(Debug, Clone, PartialEq, Eq)]

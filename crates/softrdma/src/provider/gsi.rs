@@ -1,8 +1,9 @@
 //! QP 1 of a RoCEv2 device: where the IB connection manager's messages
 //! (rdma_cm over RoCE) arrive and whom they are for. The progress thread
 //! hands each CM MAD to [`Gsi::dispatch`], which answers what needs no
-//! application (a REQ for no listener, a DREQ) and queues the rest for the
-//! exchange waiting for it ([`crate::cm::roce`]).
+//! application (a REQ or SIDR_REQ nothing here takes, a DREQ, a repeated
+//! SIDR_REQ already answered) and queues the rest for the exchange or
+//! listener waiting for it ([`crate::cm::roce`], [`crate::cm::roce_ud`]).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::Ipv4Addr;
@@ -84,8 +85,9 @@ pub(crate) type SidrKey = (Ipv4Addr, u32, u64);
 pub(crate) struct Outcome {
     /// A MAD to send back to the sender.
     pub reply: Option<[u8; MAD_LEN]>,
-    /// The reply refuses a request nothing here takes (a REJ, a SIDR_REP
-    /// without a QP): counted in the device's stats.
+    /// The reply refuses a message nothing here takes (a REJ of a REQ or of
+    /// a REP for no exchange, a SIDR_REP without a QP; not a cached replay):
+    /// counted in the device's stats.
     pub refused: bool,
     /// A QP whose peer disconnected: to the error state.
     pub disconnected_qp: Option<u32>,
@@ -142,7 +144,8 @@ impl Gsi {
         true
     }
 
-    /// Stops taking messages for `w` (and forgets its passive exchange).
+    /// Stops taking messages for `w` (and forgets its passive exchange; a
+    /// service's queued SIDR requests and cached answers go with it).
     pub fn unregister(&self, w: Waiter) {
         let mut s = self.state.lock().expect("GSI lock");
         for a in s.queues.remove(&w).unwrap_or_default() {

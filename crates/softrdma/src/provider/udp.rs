@@ -220,8 +220,7 @@ pub struct DeviceStats {
     /// Dropped: a BTH transport version other than 0, or a P_Key outside
     /// the default partition.
     pub bad_header: AtomicU64,
-    /// CM requests (rdma_cm over RoCEv2) refused: REQs with a REJ,
-    /// SIDR_REQs with a SIDR_REP that finds no QP.
+    /// CM messages the device refused itself (see `DeviceStats::cm_rejects`).
     pub cm_rejects: AtomicU64,
     /// Dropped: for an RC QP, from an address that is not its peer's.
     pub wrong_source: AtomicU64,

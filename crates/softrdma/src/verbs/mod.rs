@@ -899,8 +899,8 @@ pub struct DeviceCounters {
     pub bad_header: u64,
     /// CM messages the device refused itself, nothing here taking them:
     /// REQs (and REPs for no exchange) answered with a REJ, SIDR_REQs with
-    /// a SIDR_REP that finds no QP. (An application's refusals are not
-    /// counted.)
+    /// a SIDR_REP that finds no QP, each once (not its replays). An
+    /// application's refusals are not counted.
     pub cm_rejects: u64,
     /// Dropped: for an RC QP, from an address that is not its peer's.
     pub wrong_source: u64,

@@ -820,7 +820,7 @@ fn a_peer_terminate_ends_the_stream_even_if_the_peer_keeps_it_open() {
     let r = one(&a.rcq);
     assert_eq!((r.wr_id, r.status), (50, WcStatus::WrFlushErr));
     assert!(a.qp.with_engine(|q| q.peer_terminate().is_some()));
-    // The peer keeps its half open; this side's end comes within LINGER.
+    // This side's half ends at once (its FIN) ...
     theirs
         .set_read_timeout(Some(LINGER + Duration::from_secs(3)))
         .unwrap();
@@ -835,6 +835,16 @@ fn a_peer_terminate_ends_the_stream_even_if_the_peer_keeps_it_open() {
         "the stream was not ended: {read:?} after {:?}",
         t0.elapsed()
     );
+    // ... and, the peer keeping its own half open, the connection within
+    // LINGER.
+    while !a.qp.shared.lingered.load(Ordering::Acquire) {
+        assert!(
+            t0.elapsed() < LINGER + Duration::from_secs(3),
+            "the connection was not ended"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(theirs);
 }
 
 /// A busy-polling application whose peer (after MPA) sends `bytes` and
