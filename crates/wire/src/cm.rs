@@ -39,7 +39,8 @@ pub const SIDR_VALID: u8 = 0;
 /// SIDR_REP status 1: no such service (what Linux's CM answers when
 /// nothing listens).
 pub const SIDR_UNSUPPORTED: u8 = 1;
-/// SIDR_REP status 2: the service's application refused (`rdma_reject`).
+/// SIDR_REP status 2: refused by the service's application (`rdma_reject`)
+/// or by its rdma_cm (a QP type its port space does not have).
 pub const SIDR_REJECT: u8 = 2;
 /// REJ reason 4, "timeout": the other side did not answer in time.
 pub const REJ_TIMEOUT: u16 = 4;

@@ -41,7 +41,8 @@ pub enum ConnectError {
     #[error(transparent)]
     Verbs(#[from] VerbsError),
     /// The peer rejected it (IBTA reason; 8: nothing listens on that port,
-    /// 28: the application said no).
+    /// 28: its application or rdma_cm said no; a SIDR_REP's status 1 and 2
+    /// read as these).
     #[error("the peer rejected the connection (CM reason {reason}{})", reason_name(*.reason))]
     Rejected {
         /// Why.
@@ -78,7 +79,9 @@ fn reason_name(reason: u16) -> &'static str {
     match reason {
         wire::REJ_TIMEOUT => ": timeout",
         wire::REJ_INVALID_SERVICE_ID => ": nothing listens on that port",
-        wire::REJ_CONSUMER => ": the application refused it",
+        // Linux's rdma_cm sends it for its own refusals too (a QP type the
+        // port space does not have, a request it cannot take).
+        wire::REJ_CONSUMER => ": the peer's application or rdma_cm refused it",
         _ => "",
     }
 }
