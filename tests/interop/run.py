@@ -817,13 +817,29 @@ def run_case(guest, case, port, tool_is_server, keep_going=True):
         rc, tout, host = host_server(guest, job, ours + ["--bind", HOST_IP], port,
                                      f"{tool} {HOST_IP}", case.timeout,
                                      roce_cm="-R" in ours and "roce" in ours)
+    roles = ("server", "client") if tool_is_server else ("client", "server")
+    problems = both_sides(case, "tool", rc, tout, host, roles)
+    if case.pcap and not problems:
+        problems += check_pcap(pcap)
+    if problems:
+        return failed(problems, "tool", tout, host)
+    # The transport's own account (perf --stats): resends and the window
+    # against a slow peer show here even when the case passes.
+    for line in host.stderr.splitlines():
+        if "transport:" in line:
+            log(f"    softrdma {line.strip()}")
+    return None
+
+
+def both_sides(case, tool, rc, tout, host, roles):
+    """What went wrong on either side: exit statuses, then each side's
+    output as the case checks it (`roles`: the tool's, softrdma's)."""
     problems = []
     if rc != 0:
-        problems.append(f"tool exit status {rc}")
+        problems.append(f"{tool} exit status {rc}")
     if host.returncode != 0:
         problems.append(f"softrdma exit status {host.returncode}")
-    roles = ("server", "client") if tool_is_server else ("client", "server")
-    for (who, text), role in zip((("tool", tout), ("softrdma", host.stdout)), roles):
+    for (who, text), role in zip(((tool, tout), ("softrdma", host.stdout)), roles):
         err = case.check(text, role)
         if err:
             problems.append(f"{who}: {err}")
@@ -831,16 +847,12 @@ def run_case(guest, case, port, tool_is_server, keep_going=True):
         err = case.ours_check(host.stdout)
         if err:
             problems.append(f"softrdma: {err}")
-    if case.pcap and not problems:
-        problems += check_pcap(pcap)
-    if problems:
-        return "; ".join(problems) + f"\n--- tool:\n{tout}\n--- softrdma:\n{host.stdout}{host.stderr}"
-    # The transport's own account (perf --stats): resends and the window
-    # against a slow peer show here even when the case passes.
-    for line in host.stderr.splitlines():
-        if "transport:" in line:
-            log(f"    softrdma {line.strip()}")
-    return None
+    return problems
+
+
+def failed(problems, tool, tout, host):
+    """A case's failure: what went wrong, then both sides' output."""
+    return "; ".join(problems) + f"\n--- {tool}:\n{tout}\n--- softrdma:\n{host.stdout}{host.stderr}"
 
 
 def bad_rkey_problems(rc, tout, host, tool_is_server):
@@ -898,12 +910,9 @@ def run_rping(guest, case, port, tool_is_server, job):
                                      f"{case.tool} -c -a {HOST_IP} -p {port}", case.timeout,
                                      roce_cm="--roce" in ours)
         roles = ("client", "server")
-    problems = []
     if "--bad-rkey" in case.ours:
         problems = bad_rkey_problems(rc, tout, host, tool_is_server)
-        if problems:
-            return "; ".join(problems) + f"\n--- rping:\n{tout}\n--- softrdma:\n{host.stdout}{host.stderr}"
-        return None
+        return failed(problems, "rping", tout, host) if problems else None
     if rc == 255 and RPING_TEARDOWN_RACE in tout:
         # rping before rdma-core 61 can fail a clean run on its way out: its
         # CM event thread reads the event channel the main thread is
@@ -912,21 +921,8 @@ def run_rping(guest, case, port, tool_is_server, job):
         # below still decide the case.
         log(f"{case.name}: rping's exit status 255 is its teardown race (EBADF), not a failure")
         rc = 0
-    if rc != 0:
-        problems.append(f"rping exit status {rc}")
-    if host.returncode != 0:
-        problems.append(f"softrdma exit status {host.returncode}")
-    for (who, text), role in zip((("rping", tout), ("softrdma", host.stdout)), roles):
-        err = case.check(text, role)
-        if err:
-            problems.append(f"{who}: {err}")
-    if case.ours_check:
-        err = case.ours_check(host.stdout)
-        if err:
-            problems.append(f"softrdma: {err}")
-    if problems:
-        return "; ".join(problems) + f"\n--- rping:\n{tout}\n--- softrdma:\n{host.stdout}{host.stderr}"
-    return None
+    problems = both_sides(case, "rping", rc, tout, host, roles)
+    return failed(problems, "rping", tout, host) if problems else None
 
 
 def run_udaddy(guest, case, tool_is_server, job):
@@ -948,18 +944,8 @@ def run_udaddy(guest, case, tool_is_server, job):
         rc, tout, host = host_server(guest, job, [bin_] + ours + ["-b", HOST_IP], 7174,
                                      f"{case.tool} -s {HOST_IP}", case.timeout, roce_cm=True)
         roles = ("client", "server")
-    problems = []
-    if rc != 0:
-        problems.append(f"udaddy exit status {rc}")
-    if host.returncode != 0:
-        problems.append(f"softrdma exit status {host.returncode}")
-    for (who, text), role in zip((("udaddy", tout), ("softrdma", host.stdout)), roles):
-        err = case.check(text, role)
-        if err:
-            problems.append(f"{who}: {err}")
-    if problems:
-        return "; ".join(problems) + f"\n--- udaddy:\n{tout}\n--- softrdma:\n{host.stdout}{host.stderr}"
-    return None
+    problems = both_sides(case, "udaddy", rc, tout, host, roles)
+    return failed(problems, "udaddy", tout, host) if problems else None
 
 
 def main():

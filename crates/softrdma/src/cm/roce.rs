@@ -423,42 +423,103 @@ pub enum Decision {
     Reject(Vec<u8>),
 }
 
-/// A listener on an rdma_cm port of a RoCEv2 device.
+/// A listened-on rdma_cm service (a port of its TCP or UDP port space) of a
+/// RoCEv2 device: the GSI queues its requests until this goes.
 #[derive(Debug)]
-pub struct Listener {
+pub(super) struct Service {
     ctx: Context,
     port: u16,
+    id: u64,
 }
+
+impl Service {
+    /// Listens on `port` of the port space whose service IDs `id_of` makes
+    /// (`space`: how errors name it).
+    pub(super) fn bind(
+        ctx: &Context,
+        port: u16,
+        id_of: fn(u16) -> u64,
+        space: &str,
+    ) -> Result<Service, VerbsError> {
+        let shared = rdma_cm_device(ctx)?;
+        if port == 0 {
+            return Err(VerbsError::Invalid("an rdma_cm port is 1..=65535".into()));
+        }
+        let id = id_of(port);
+        if !shared.gsi.register(Waiter::Service(id)) {
+            return Err(VerbsError::Invalid(format!(
+                "rdma_cm {space}port {port} is listened on already"
+            )));
+        }
+        Ok(Service {
+            ctx: ctx.clone(),
+            port,
+            id,
+        })
+    }
+
+    pub(super) fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub(super) fn shared(&self) -> Result<&Shared, VerbsError> {
+        rdma_cm_device(&self.ctx)
+    }
+
+    /// The next request `take` keeps (it drops the others), waiting as
+    /// long as `waited` (`None`: for ever); `usable` is asked every second
+    /// and its error ends the wait (the QP moved on).
+    pub(super) fn next<T>(
+        &self,
+        waited: Option<Duration>,
+        usable: impl Fn() -> Result<(), VerbsError>,
+        mut take: impl FnMut(Arrival) -> Option<T>,
+    ) -> Result<T, ConnectError> {
+        let shared = self.shared()?;
+        let started = Instant::now();
+        loop {
+            usable()?;
+            let slice = Instant::now() + Duration::from_secs(1);
+            let deadline = waited
+                .and_then(|w| started.checked_add(w))
+                .map_or(slice, |end| end.min(slice));
+            let Some(a) = shared.gsi.wait(Waiter::Service(self.id), deadline) else {
+                if let Some(w) = waited
+                    && started.elapsed() >= w
+                {
+                    return Err(ConnectError::NoClient(w));
+                }
+                continue;
+            };
+            if let Some(t) = take(a) {
+                return Ok(t);
+            }
+        }
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        if let Ok(shared) = self.shared() {
+            shared.gsi.unregister(Waiter::Service(self.id));
+        }
+    }
+}
+
+/// A listener on an rdma_cm port of a RoCEv2 device.
+#[derive(Debug)]
+pub struct Listener(Service);
 
 impl Listener {
     /// Listens on rdma_cm port `port` (TCP port space) of `ctx`'s device
     /// (one bound to UDP port 4791).
     pub fn bind(ctx: &Context, port: u16) -> Result<Listener, VerbsError> {
-        let shared = rdma_cm_device(ctx)?;
-        if port == 0 {
-            return Err(VerbsError::Invalid("an rdma_cm port is 1..=65535".into()));
-        }
-        if !shared
-            .gsi
-            .register(Waiter::Service(wire::rdma_cm_service_id(port)))
-        {
-            return Err(VerbsError::Invalid(format!(
-                "rdma_cm port {port} is listened on already"
-            )));
-        }
-        Ok(Listener {
-            ctx: ctx.clone(),
-            port,
-        })
+        Service::bind(ctx, port, wire::rdma_cm_service_id, "").map(Listener)
     }
 
     /// The port it listens on.
     pub fn port(&self) -> u16 {
-        self.port
-    }
-
-    fn waiter(&self) -> Waiter {
-        Waiter::Service(wire::rdma_cm_service_id(self.port))
+        self.0.port()
     }
 
     /// Takes the next REQ for `qp` (new, RC, in RESET or INIT), lets `decide`
@@ -472,34 +533,23 @@ impl Listener {
         decide: impl FnOnce(&ConnRequest) -> Decision,
         waited: Option<Duration>,
     ) -> Result<Connected, ConnectError> {
-        let shared = rdma_cm_device(&self.ctx)?;
+        let shared = self.0.shared()?;
         let srq = check_qp(qp)?;
-        let started = Instant::now();
-        let (from, tid, req) = loop {
-            if !matches!(qp.state(), QpState::Reset | QpState::Init) {
-                return Err(VerbsError::Invalid(
+        let usable = || {
+            if matches!(qp.state(), QpState::Reset | QpState::Init) {
+                Ok(())
+            } else {
+                Err(VerbsError::Invalid(
                     "the QP was moved on while it waited for a connection".into(),
-                )
-                .into());
-            }
-            let slice = Instant::now() + Duration::from_secs(1);
-            let deadline = waited
-                .and_then(|w| started.checked_add(w))
-                .map_or(slice, |end| end.min(slice));
-            let Some(a) = shared.gsi.wait(self.waiter(), deadline) else {
-                if let Some(w) = waited
-                    && started.elapsed() >= w
-                {
-                    return Err(ConnectError::NoClient(w));
-                }
-                continue;
-            };
-            if let Body::Req(req) = a.msg.body
-                && !shared.gsi.is_taken(a.from, req.local_comm_id)
-            {
-                break (a.from, a.msg.tid, req);
+                ))
             }
         };
+        let (from, tid, req) = self.0.next(waited, usable, |a| match a.msg.body {
+            Body::Req(req) if !shared.gsi.is_taken(a.from, req.local_comm_id) => {
+                Some((a.from, a.msg.tid, req))
+            }
+            _ => None,
+        })?;
         // A REJ of the REQ (this side has no communication ID yet).
         let reject_req = |reason: u16, private_data: &[u8]| {
             reject(
@@ -686,14 +736,6 @@ impl Listener {
             sends: SENDS,
             waited: begun.elapsed(),
         })
-    }
-}
-
-impl Drop for Listener {
-    fn drop(&mut self) {
-        if let Ok(shared) = rdma_cm_device(&self.ctx) {
-            shared.gsi.unregister(self.waiter());
-        }
     }
 }
 

@@ -17,8 +17,8 @@ use softrdma_wire::cm::{self as wire, Body, SidrRep, SidrReq};
 use softrdma_wire::mad::MAD_LEN;
 
 use super::roce::{
-    ConnectError, Decision, RESEND_AFTER, SENDS, Unregister, rdma_cm_device, rdma_cm_header, send,
-    transaction_id,
+    ConnectError, Decision, RESEND_AFTER, SENDS, Service, Unregister, rdma_cm_device,
+    rdma_cm_header, send, transaction_id,
 };
 use crate::provider::gsi::{Arrival, SidrKey, Waiter};
 use crate::provider::udp::{Shared, send_mad};
@@ -162,40 +162,18 @@ pub fn resolve(qp: &Qp, to: SocketAddrV4, private_data: &[u8]) -> Result<Resolve
 
 /// A listener on a port of rdma_cm's UDP port space of a RoCEv2 device.
 #[derive(Debug)]
-pub struct Listener {
-    ctx: Context,
-    port: u16,
-}
+pub struct Listener(Service);
 
 impl Listener {
     /// Listens on port `port` of rdma_cm's UDP port space of `ctx`'s
     /// device (one bound to UDP port 4791).
     pub fn bind(ctx: &Context, port: u16) -> Result<Listener, VerbsError> {
-        let shared = rdma_cm_device(ctx)?;
-        if port == 0 {
-            return Err(VerbsError::Invalid("an rdma_cm port is 1..=65535".into()));
-        }
-        if !shared
-            .gsi
-            .register(Waiter::Service(wire::rdma_cm_udp_service_id(port)))
-        {
-            return Err(VerbsError::Invalid(format!(
-                "rdma_cm UDP port {port} is listened on already"
-            )));
-        }
-        Ok(Listener {
-            ctx: ctx.clone(),
-            port,
-        })
+        Service::bind(ctx, port, wire::rdma_cm_udp_service_id, "UDP ").map(Listener)
     }
 
     /// The port it listens on.
     pub fn port(&self) -> u16 {
-        self.port
-    }
-
-    fn waiter(&self) -> Waiter {
-        Waiter::Service(wire::rdma_cm_udp_service_id(self.port))
+        self.0.port()
     }
 
     /// Takes the next SIDR_REQ and lets `decide` answer it: with UD `qp`
@@ -208,32 +186,21 @@ impl Listener {
         decide: impl FnOnce(&Request) -> Decision,
         waited: Option<Duration>,
     ) -> Result<Request, ConnectError> {
-        let shared = rdma_cm_device(&self.ctx)?;
+        let shared = self.0.shared()?;
         ready(qp)?;
-        let started = Instant::now();
-        let (from, tid, req) = loop {
-            if qp.state() != QpState::Rts {
-                return Err(VerbsError::Invalid(
+        let usable = || {
+            if qp.state() == QpState::Rts {
+                Ok(())
+            } else {
+                Err(VerbsError::Invalid(
                     "the QP was moved on while it waited for a request".into(),
-                )
-                .into());
-            }
-            let slice = Instant::now() + Duration::from_secs(1);
-            let deadline = waited
-                .and_then(|w| started.checked_add(w))
-                .map_or(slice, |end| end.min(slice));
-            let Some(a) = shared.gsi.wait(self.waiter(), deadline) else {
-                if let Some(w) = waited
-                    && started.elapsed() >= w
-                {
-                    return Err(ConnectError::NoClient(w));
-                }
-                continue;
-            };
-            if let Body::SidrReq(req) = a.msg.body {
-                break (a.from, a.msg.tid, req);
+                ))
             }
         };
+        let (from, tid, req) = self.0.next(waited, usable, |a| match a.msg.body {
+            Body::SidrReq(req) => Some((a.from, a.msg.tid, req)),
+            _ => None,
+        })?;
         let key = (from, req.request_id, req.service_id);
         // Whatever happens to this accept (`decide` may panic), the request
         // is answered or forgotten, so that its repeats are not dropped.
@@ -281,14 +248,6 @@ impl Listener {
                 answer(wire::SIDR_VALID, qp.qpn(), qkey, &pd);
                 Ok(request)
             }
-        }
-    }
-}
-
-impl Drop for Listener {
-    fn drop(&mut self) {
-        if let Ok(shared) = rdma_cm_device(&self.ctx) {
-            shared.gsi.unregister(self.waiter());
         }
     }
 }

@@ -732,6 +732,23 @@ fn a_read_answered_into_a_full_socket_leaves_the_receiving_thread_free() {
     }
 }
 
+/// A made-up peer's FPDU of `ulpdu`: its length, the pad, the CRC (zero
+/// without `crc`).
+fn made_up_fpdu(ulpdu: &[u8], crc: bool) -> Vec<u8> {
+    let mut f = (ulpdu.len() as u16).to_be_bytes().to_vec();
+    f.extend_from_slice(ulpdu);
+    f.resize(f.len() + mpa::pad_len(ulpdu.len()), 0);
+    let sum = if crc {
+        let mut c = Crc32c::default();
+        c.update(&f);
+        c.finish()
+    } else {
+        0
+    };
+    f.extend_from_slice(&sum.to_le_bytes());
+    f
+}
+
 /// A client stream through MPA to a made-up peer accepted on `l`: the
 /// stream, whether CRC is on, and the peer's stream.
 fn through_mpa_to_a_made_up_peer(l: TcpListener) -> (TcpStream, bool, TcpStream) {
@@ -803,19 +820,9 @@ fn a_peer_terminate_ends_the_stream_even_if_the_peer_keeps_it_open() {
     // An untagged DDP segment to queue 2 (MSN 1, last), RDMAP version 1
     // opcode Terminate, its control: layer RDMAP, remote protection error,
     // invalid STag, no headers copied.
-    let mut t = vec![
-        0x00, 22, 0x41, 0x47, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 1, 0, 0, 0, 0,
-    ];
-    t.extend_from_slice(&[0x01, 0x00, 0x00, 0x00]);
-    t.resize(t.len() + mpa::pad_len(22), 0);
-    let sum = if crc {
-        let mut c = Crc32c::default();
-        c.update(&t);
-        c.finish()
-    } else {
-        0
-    };
-    t.extend_from_slice(&sum.to_le_bytes());
+    let mut ulpdu = vec![0x41, 0x47, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 1, 0, 0, 0, 0];
+    ulpdu.extend_from_slice(&[0x01, 0x00, 0x00, 0x00]);
+    let t = made_up_fpdu(&ulpdu, crc);
     std::io::Write::write_all(&mut theirs, &t).unwrap();
     let r = one(&a.rcq);
     assert_eq!((r.wr_id, r.status), (50, WcStatus::WrFlushErr));
@@ -868,16 +875,9 @@ fn a_poller_meets(bytes: &'static [u8], close: bool) {
     // Good FPDUs first (zero-length WRITEs, which place nothing): the
     // receive thread, waiting in its read, takes the first, then stands by
     // while the application polls, whose polls take the rest.
-    let mut good = vec![0x00, 14, 0xc1, 0x40];
-    good.resize(good.len() + 12 + mpa::pad_len(14), 0);
-    let crc = if crc {
-        let mut c = Crc32c::default();
-        c.update(&good);
-        c.finish()
-    } else {
-        0
-    };
-    good.extend_from_slice(&crc.to_le_bytes());
+    let mut write = vec![0xc1, 0x40];
+    write.resize(14, 0);
+    let good = made_up_fpdu(&write, crc);
     for _ in 0..2 {
         std::thread::sleep(Duration::from_millis(50));
         std::io::Write::write_all(&mut theirs, &good).unwrap();
