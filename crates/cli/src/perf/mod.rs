@@ -1069,9 +1069,21 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
     run
 }
 
-/// Prints the transport counters of the RoCEv2 RC QPs.
+/// Prints the transport counters of the RoCEv2 QPs.
 fn print_transport_stats(qps: &[Qp]) {
     for (i, qp) in qps.iter().enumerate() {
+        if let Some(u) = qp.ud_stats() {
+            eprintln!(
+                "QP {i} (0x{:06x}) UD: {} datagrams sent, {} received; dropped: {} with no \
+                 receive posted, {} with another Q_Key, {} others",
+                qp.qpn(),
+                u.sent,
+                u.received,
+                u.no_receive,
+                u.qkey_mismatch,
+                u.dropped,
+            );
+        }
         if let Some(t) = qp.stats() {
             eprintln!(
                 "QP {i} (0x{:06x}) transport: {} requests sent, {} resent, {} timeouts, {} \
@@ -1711,24 +1723,40 @@ fn reap_batch(s: &Setup, n: u64, scnt: &[u64], ccnt: &[u64]) -> usize {
 
 /// How a wait for a completion ends after 60 s with none.
 const NO_COMPLETION: &str = "no completion in 60 s: is the peer gone, or running another test?";
+const NO_COMPLETION_LIMIT: Duration = Duration::from_secs(60);
+/// How long a UD server waits for the next datagram once they flow: a
+/// sender streams without pause, so a silence this long means the rest were
+/// dropped (UD resends nothing). perftest waits 120 s to say so.
+const UD_SILENCE: Duration = Duration::from_secs(10);
 
-/// Waits for at least `need` completions on `cq` (at least one) and takes
-/// what is there; `Ok(false)` when `end` came first.
+/// How a wait in [`reap_until`] ended.
+#[derive(Debug, PartialEq)]
+enum Reaped {
+    /// Completions are in the list.
+    Some,
+    /// The run's end came first.
+    Ended,
+    /// Nothing came within the limit.
+    Silence,
+}
+
+/// Waits for at least `need` completions on `cq` (at least one), at most
+/// `limit` or until `end`, and takes what is there.
 fn reap_until(
     cq: &Cq,
     out: &mut Vec<WorkCompletion>,
     end: Option<Instant>,
     need: usize,
-) -> Result<bool, String> {
+    limit: Duration,
+) -> Result<Reaped, String> {
     out.clear();
     let mut more = [WorkCompletion::new(0, WcStatus::Success, WcOpcode::Send, 0); 64];
     // What is there already needs no clock (shm completes while posting).
     let n = cq.poll(&mut more).map_err(|e| e.to_string())?;
     if n > 0 {
         out.extend_from_slice(&more[..n]);
-        return Ok(true);
+        return Ok(Reaped::Some);
     }
-    let limit = Duration::from_secs(60);
     let wait = end.map_or(limit, |e| {
         e.saturating_duration_since(Instant::now()).min(limit)
     });
@@ -1740,13 +1768,13 @@ fn reap_until(
     }
     if out.is_empty() {
         if end.is_some_and(|e| Instant::now() >= e) {
-            return Ok(false);
+            return Ok(Reaped::Ended);
         }
-        return Err(NO_COMPLETION.into());
+        return Ok(Reaped::Silence);
     }
     let n = cq.poll(&mut more).map_err(|e| e.to_string())?;
     out.extend_from_slice(&more[..n]);
-    Ok(true)
+    Ok(Reaped::Some)
 }
 
 /// Waits for one completion (at most 60 s, or until `end`: then `None`).
@@ -1957,13 +1985,18 @@ fn bw_client(s: &Setup, size: u64) -> Result<Report, String> {
                 std::thread::sleep(Duration::from_micros(20));
                 continue;
             }
-        } else if !reap_until(
-            &s.scq,
-            &mut wcs,
-            clock.map(|c| c.end),
-            reap_batch(s, n, &scnt, &ccnt),
-        )? {
-            break;
+        } else {
+            match reap_until(
+                &s.scq,
+                &mut wcs,
+                clock.map(|c| c.end),
+                reap_batch(s, n, &scnt, &ccnt),
+                NO_COMPLETION_LIMIT,
+            )? {
+                Reaped::Some => {}
+                Reaped::Ended => break,
+                Reaped::Silence => return Err(NO_COMPLETION.into()),
+            }
         }
         // The clock only where a figure needs it (perftest reads it per
         // completion only for the peak): at 64 KiB on shared memory a
@@ -2089,8 +2122,33 @@ fn send_bw_server(s: &Setup, size: u64, first_rx: Option<&AtomicBool>) -> Result
     let mut last = waiting_since;
     let mut wcs = Vec::new();
     while got < n.saturating_mul(q as u64) {
-        if !reap_until(&s.rcq, &mut wcs, clock.map(|c| c.end), 1)? {
-            break;
+        let ud_flowing = cfg.ud && got > 0 && clock.is_none();
+        let limit = if ud_flowing {
+            UD_SILENCE
+        } else {
+            NO_COMPLETION_LIMIT
+        };
+        match reap_until(&s.rcq, &mut wcs, clock.map(|c| c.end), 1, limit)? {
+            Reaped::Some => {}
+            Reaped::Ended => break,
+            Reaped::Silence if ud_flowing => {
+                let no_receive: u64 = s
+                    .qps
+                    .iter()
+                    .filter_map(|qp| qp.ud_stats())
+                    .map(|u| u.no_receive)
+                    .sum();
+                return Err(format!(
+                    "received {got} of {} datagrams, then none for {} s: UD resends nothing, \
+                     and this side took them slower than the peer sent ({no_receive} found \
+                     no receive posted; any others were lost to a full socket buffer). \
+                     Fewer iterations (-n), a deeper receive queue (-r), busy polling or RC \
+                     avoid it",
+                    n.saturating_mul(q as u64),
+                    UD_SILENCE.as_secs()
+                ));
+            }
+            Reaped::Silence => return Err(NO_COMPLETION.into()),
         }
         let now = Instant::now();
         if clock.is_some_and(|c| c.contains(now)) {
