@@ -545,6 +545,10 @@ def cases(mtu4200=False):
     perf("write-lat", 64, 100, **roce_cm)
     perf("read-lat", 64, 100, **roce_cm)
     perf("send-lat", 64, 100, **roce_cm)
+    # softrdma's server waits on its control QP for the run's end longer than
+    # its probe interval (5 s): its zero-length RDMA WRITEs, which find a
+    # vanished host, must be ACKed by perftest's control QP.
+    perf("write-bw", 4096, None, "-D 8", **roce_cm)
     # rdma_cm's UD mode: the data QPs found by SIDR (SIDR_REQ, SIDR_REP) in
     # rdma_cm's UDP port space; in latency and -b runs the client first
     # sends the server its address (a 4-byte SEND with immediate).

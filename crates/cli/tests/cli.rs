@@ -737,6 +737,65 @@ fn perf_over_roce_with_rdma_cm_between_two_processes() {
 }
 
 #[test]
+fn perf_over_roce_with_rdma_cm_finds_a_stopped_peer_at_the_end_barrier() {
+    // The server of a WRITE test waits on its control QP for the client's
+    // end of the run. A client stopped mid-run (as a host gone) is found by
+    // the server's probes, not waited for until the run's 30 s are over.
+    let bin = env!("CARGO_BIN_EXE_softrdma");
+    let common = [
+        "perf",
+        "write-bw",
+        "-R",
+        "--provider",
+        "roce",
+        "-D",
+        "30",
+        "-p",
+        "19391",
+    ];
+    let mut server = spawn_server(&[&common[..], &["--bind", "127.0.1.91"]].concat());
+    let mut client = None;
+    for _ in 0..30 {
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let mut c = Command::new(bin)
+            .args([&common[..], &["--bind", "127.0.1.92", "127.0.1.91"]].concat())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        // A client that finds nobody listening ends at once.
+        std::thread::sleep(std::time::Duration::from_secs(2));
+        if c.try_wait().unwrap().is_none() {
+            client = Some(c);
+            break;
+        }
+    }
+    let mut client = client.expect("the client connected and ran");
+    let stopped = Command::new("kill")
+        .args(["-STOP", &client.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(stopped.success());
+    let since = std::time::Instant::now();
+    let limit = std::time::Duration::from_secs(25);
+    while server.try_wait().unwrap().is_none() && since.elapsed() < limit {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let took = since.elapsed();
+    let _ = server.kill();
+    let _ = client.kill();
+    let _ = client.wait();
+    let server = server.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&server.stderr);
+    assert!(
+        took < limit,
+        "the server still waited after {took:?}: {err}"
+    );
+    assert_eq!(server.status.code(), Some(1), "{err}");
+    assert!(err.contains("stopped answering on the control QP"), "{err}");
+}
+
+#[test]
 fn perf_over_shared_memory_between_two_processes() {
     for (k, (test, extra)) in [
         ("write-bw", vec!["-s", "70000", "-q", "2", "--verify"]),

@@ -152,6 +152,9 @@ pub struct Control {
     scq: Cq,
     rcq: Cq,
     _pd: Pd,
+    /// RoCEv2: an untimed wait probes the peer (see [`PROBE_EVERY`]).
+    /// iWARP's TCP connection has keepalives of its own.
+    probes: bool,
 }
 
 const CONTROL_MSG: usize = 64;
@@ -170,6 +173,13 @@ fn cm_linger(client: bool) -> Duration {
 /// repost.
 const CONTROL_RECVS: usize = 2;
 const SEND_AT: usize = CONTROL_RECVS * CONTROL_MSG;
+/// An RC QP waiting for a receive cannot tell a busy peer from a dead host:
+/// the end-of-test barrier sends a zero-length RDMA WRITE after this much
+/// silence, which the peer's transport acknowledges (rxe and softrdma
+/// check no key for it, C9-88; rdma_cm grants remote writes) and a vanished
+/// host leaves to the transport's retries.
+const PROBE_EVERY: Duration = Duration::from_secs(5);
+const PROBE_ID: u64 = u64::MAX;
 
 impl Control {
     /// A control QP on `ctx` (an iWARP or RoCEv2 device) with its receives
@@ -200,6 +210,7 @@ impl Control {
             scq,
             rcq,
             _pd: pd,
+            probes: !ctx.is_iwarp(),
         };
         for slot in 0..CONTROL_RECVS {
             c.post_recv(slot)?;
@@ -237,16 +248,54 @@ impl Control {
         Ok(())
     }
 
+    /// A zero-length RDMA WRITE, waited for: an error if the peer's
+    /// transport does not acknowledge it.
+    fn probe(&self) -> io::Result<()> {
+        let io = |e: String| io::Error::other(e);
+        self.qp
+            .post_send(SendWr::new(
+                PROBE_ID,
+                SendOp::Write {
+                    remote_addr: 0,
+                    rkey: 0,
+                },
+                vec![],
+            ))
+            .map_err(|e| io(e.to_string()))?;
+        let wc = self
+            .scq
+            .wait(Duration::from_secs(60))
+            .map_err(|e| io(e.to_string()))?
+            .ok_or_else(|| io("no completion of a probe of the peer in 60 s".into()))?;
+        match wc.status {
+            WcStatus::Success => Ok(()),
+            // The peer disconnected (its receive here flushes too).
+            WcStatus::WrFlushErr => Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "the peer closed the control connection",
+            )),
+            s => Err(io(format!(
+                "the peer stopped answering on the control QP ({s}): its host is gone or \
+                 cut off"
+            ))),
+        }
+    }
+
     /// Waits for the peer's next message, within `limit` if one is given,
     /// else as long as the connection lives (a lost connection flushes the
-    /// receive).
+    /// receive; on RoCEv2 probes find a vanished host).
     fn recv(&self, out: &mut [u8], limit: Option<Duration>) -> io::Result<()> {
         let io = |e: String| io::Error::other(e);
-        let wait = limit.unwrap_or(Duration::from_secs(3600));
+        let wait = limit.unwrap_or(if self.probes {
+            PROBE_EVERY
+        } else {
+            Duration::from_secs(3600)
+        });
         let wc = loop {
             match self.rcq.wait(wait) {
                 Ok(Some(wc)) => break wc,
                 Ok(None) if limit.is_some() => return Err(io::ErrorKind::WouldBlock.into()),
+                Ok(None) if self.probes => self.probe()?,
                 Ok(None) => {}
                 Err(e) => return Err(io(e.to_string())),
             }
