@@ -751,7 +751,7 @@ fn perf_over_roce_with_rdma_cm_finds_a_stopped_peer_at_the_end_barrier() {
         "-D",
         "30",
         "-p",
-        "19391",
+        "19395",
     ];
     let mut server = spawn_server(&[&common[..], &["--bind", "127.0.1.91"]].concat());
     let mut client = None;
@@ -1058,6 +1058,31 @@ fn perf_sides_with_different_numbers_of_qps_fail_in_the_handshake() {
         assert!(said.iter().any(|e| e.contains("the same -q")), "{said:?}");
         assert!(perf_rows(&s).is_empty() && perf_rows(&c).is_empty());
     }
+}
+
+#[test]
+fn perf_a_send_test_against_a_write_test_fails_within_seconds() {
+    // The WRITE server posts no receives: the client's SENDs draw RNR NAKs,
+    // which rnr_retry 7 retries for good. The client says so after 10 s.
+    let started = std::time::Instant::now();
+    let (s, c) = tool_pair(
+        &["perf"],
+        &["write-bw", "-n", "50", "-s", "4096"],
+        &["send-bw", "-n", "50", "-s", "4096"],
+        "127.0.1.93",
+        "127.0.1.94",
+        "19396",
+    );
+    let took = started.elapsed();
+    let said = [&s, &c].map(|o| String::from_utf8_lossy(&o.stderr).into_owned());
+    assert_eq!(c.status.code(), Some(1), "{said:?}");
+    assert!(said[1].contains("RNR NAKs"), "{said:?}");
+    assert_eq!(s.status.code(), Some(1), "{said:?}");
+    assert!(
+        said[0].contains("the peer closed the connection"),
+        "{said:?}"
+    );
+    assert!(took < std::time::Duration::from_secs(30), "{took:?}");
 }
 
 #[test]

@@ -1729,6 +1729,22 @@ const NO_COMPLETION_LIMIT: Duration = Duration::from_secs(60);
 /// dropped (UD resends nothing). perftest waits 120 s to say so.
 const UD_SILENCE: Duration = Duration::from_secs(10);
 
+/// A sender that sees only RNR NAKs this long gives up: with rnr_retry 7
+/// (perftest's, "retry for good") a peer that posts no receives, such as
+/// one running a WRITE test, would hold it for good.
+const NO_RECEIVE_CHECK: Duration = Duration::from_secs(10);
+const NO_RECEIVES: &str = "nothing completed in 10 s, and the peer answered with RNR NAKs \
+     (it has no receive posted): does it run a SEND test too?";
+
+/// RNR NAKs the RC QPs on RoCEv2 took (0 elsewhere).
+fn rnr_naks_received(s: &Setup) -> u64 {
+    s.qps
+        .iter()
+        .filter_map(|qp| qp.stats())
+        .map(|t| t.rnr_naks_received)
+        .sum()
+}
+
 /// How a wait in [`reap_until`] ended.
 #[derive(Debug, PartialEq)]
 enum Reaped {
@@ -1986,16 +2002,31 @@ fn bw_client(s: &Setup, size: u64) -> Result<Report, String> {
                 continue;
             }
         } else {
-            match reap_until(
-                &s.scq,
-                &mut wcs,
-                clock.map(|c| c.end),
-                reap_batch(s, n, &scnt, &ccnt),
-                NO_COMPLETION_LIMIT,
-            )? {
-                Reaped::Some => {}
-                Reaped::Ended => break,
-                Reaped::Silence => return Err(NO_COMPLETION.into()),
+            let mut silent = Duration::ZERO;
+            let ended = loop {
+                let rnr_before = rnr_naks_received(s);
+                match reap_until(
+                    &s.scq,
+                    &mut wcs,
+                    clock.map(|c| c.end),
+                    reap_batch(s, n, &scnt, &ccnt),
+                    NO_RECEIVE_CHECK,
+                )? {
+                    Reaped::Some => break false,
+                    Reaped::Ended => break true,
+                    Reaped::Silence if rnr_naks_received(s) > rnr_before => {
+                        return Err(NO_RECEIVES.into());
+                    }
+                    Reaped::Silence => {
+                        silent += NO_RECEIVE_CHECK;
+                        if silent >= NO_COMPLETION_LIMIT {
+                            return Err(NO_COMPLETION.into());
+                        }
+                    }
+                }
+            };
+            if ended {
+                break;
             }
         }
         // The clock only where a figure needs it (perftest reads it per

@@ -358,6 +358,10 @@ fn ctx(what: &'static str) -> impl Fn(io::Error) -> String {
              running a matching test?)",
             SETUP_TIMEOUT.as_secs()
         ),
+        io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset => format!(
+            "out-of-band exchange ({what}): the peer closed the connection (it ended or \
+             failed: its output says why)"
+        ),
         _ => format!("out-of-band exchange ({what}): {e}"),
     }
 }
