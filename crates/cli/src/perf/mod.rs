@@ -1729,10 +1729,10 @@ const NO_COMPLETION_LIMIT: Duration = Duration::from_secs(60);
 /// dropped (UD resends nothing). perftest waits 120 s to say so.
 const UD_SILENCE: Duration = Duration::from_secs(10);
 
-/// A sender that sees only RNR NAKs this long gives up: with rnr_retry 7
-/// (perftest's, "retry for good") a peer that posts no receives, such as
-/// one running a WRITE test, would hold it for good.
-const NO_RECEIVE_CHECK: Duration = Duration::from_secs(10);
+/// A sender that sees only RNR NAKs for two of these gives up: with
+/// rnr_retry 7 (perftest's, "retry for good") a peer that posts no
+/// receives, such as one running a WRITE test, would hold it for good.
+const NO_RECEIVE_CHECK: Duration = Duration::from_secs(5);
 const NO_RECEIVES: &str = "nothing completed in 10 s, and the peer answered with RNR NAKs \
      (it has no receive posted): does it run a SEND test too?";
 
@@ -2002,9 +2002,11 @@ fn bw_client(s: &Setup, size: u64) -> Result<Report, String> {
                 continue;
             }
         } else {
+            // The RNR count is read only in a silence: it takes the QPs'
+            // locks, which the busy path should not.
             let mut silent = Duration::ZERO;
+            let mut rnr_before = None;
             let ended = loop {
-                let rnr_before = rnr_naks_received(s);
                 match reap_until(
                     &s.scq,
                     &mut wcs,
@@ -2014,10 +2016,12 @@ fn bw_client(s: &Setup, size: u64) -> Result<Report, String> {
                 )? {
                     Reaped::Some => break false,
                     Reaped::Ended => break true,
-                    Reaped::Silence if rnr_naks_received(s) > rnr_before => {
-                        return Err(NO_RECEIVES.into());
-                    }
                     Reaped::Silence => {
+                        let rnr = rnr_naks_received(s);
+                        if rnr_before.is_some_and(|before| rnr > before) {
+                            return Err(NO_RECEIVES.into());
+                        }
+                        rnr_before = Some(rnr);
                         silent += NO_RECEIVE_CHECK;
                         if silent >= NO_COMPLETION_LIMIT {
                             return Err(NO_COMPLETION.into());
