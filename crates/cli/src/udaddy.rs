@@ -238,31 +238,33 @@ fn serve(a: &UdaddyArgs) -> Result<(), String> {
         // The first client may take as long as it likes, as udaddy's; its
         // other connections come at once.
         let waited = (k > 0).then_some(WAIT);
-        let request = listener
+        listener
             .accept(&node.qp, |_| roce::Decision::Accept(vec![]), waited)
             .map_err(|e| format!("rdma_cm UD connection {}: {e}", k + 1))?;
-        nodes.push((node, request));
+        nodes.push(node);
     }
     if a.count == 0 || a.size == 0 {
         return Ok(());
     }
     println!("receiving data transfers");
-    for (node, request) in &mut nodes {
+    for node in &mut nodes {
         let first = node
             .completions(a.count, "the client's messages")?
             .ok_or("no message from the client")?;
         let qpn = crate::perf::sender_qpn(&first);
+        // As udaddy: the reply goes to the datagrams' sender, from the GRH
+        // (every message landed in the one buffer, from the same sender).
+        let mut grh = [0u8; GRH];
+        node.mr.read(0, &mut grh).map_err(|e| e.to_string())?;
         let ah = node
             .pd
-            .create_ah(AhAttr {
-                addr: SocketAddrV4::new(*request.from.ip(), 4791),
-            })
+            .create_ah_from_wc(&first, &grh)
             .map_err(|e| e.to_string())?;
         let qkey = node.qp.query().qkey.unwrap_or(RDMA_CM_UDP_QKEY);
         node.dest = Some((ah, qpn, qkey));
     }
     println!("sending replies");
-    for (node, _) in &nodes {
+    for node in &nodes {
         node.post_sends(a, true)?;
         node.completions(a.count, "the replies' completions")?;
     }

@@ -416,3 +416,68 @@ fn a_cm_req_is_rejected_at_once() {
     }
     assert_eq!(ctx.stats().cm_rejects, 1);
 }
+
+/// A UD receiver answers the sender its GRH names (`ibv_create_ah_from_wc`):
+/// the reply reaches the sender's QP on port 4791 of the source address.
+/// A completion without a GRH, a short area or an IPv6 sender is refused.
+#[test]
+fn an_address_handle_from_a_receive_answers_its_sender() {
+    let open = |ip| {
+        Device::udp(std::net::SocketAddrV4::new(ip, 4791).into())
+            .open()
+            .unwrap()
+    };
+    let (a_ip, b_ip) = (
+        std::net::Ipv4Addr::new(127, 0, 0, 131),
+        std::net::Ipv4Addr::new(127, 0, 0, 132),
+    );
+    let (a, b) = (open(a_ip), open(b_ip));
+    let (apd, bpd) = (a.alloc_pd().unwrap(), b.alloc_pd().unwrap());
+    let (amr, bmr) = (
+        apd.register(4096, Access::LOCAL_WRITE).unwrap(),
+        bpd.register(4096, Access::LOCAL_WRITE).unwrap(),
+    );
+    let (acq, bcq) = (a.create_cq(16).unwrap(), b.create_cq(16).unwrap());
+    let (aqp, bqp) = (ud_qp(&apd, &acq, QKEY), ud_qp(&bpd, &bcq, QKEY));
+    bqp.post_recv(RecvWr::new(1, [bmr.sge(0, 40 + 64)]))
+        .unwrap();
+    aqp.post_recv(RecvWr::new(2, [amr.sge(0, 40 + 64)]))
+        .unwrap();
+    let to_b = apd
+        .create_ah(AhAttr {
+            addr: b.local_addr(),
+        })
+        .unwrap();
+    amr.write(1024, b"ping").unwrap();
+    aqp.post_send(SendWr::new(10, SendOp::Send, [amr.sge(1024, 4)]).to(to_b.dest(bqp.qpn(), QKEY)))
+        .unwrap();
+    let sent = acq.wait(T).unwrap().expect("the ping sent");
+    assert_eq!((sent.wr_id, sent.status), (10, WcStatus::Success));
+    let got = bcq.wait(T).unwrap().expect("the ping");
+    assert_eq!(got.status, WcStatus::Success);
+    let area = bmr.read_vec(0, 40).unwrap();
+    let back = bpd.create_ah_from_wc(&got, &area).unwrap();
+    assert_eq!(
+        AhAttr::from_wc(&got, &area).unwrap().addr,
+        std::net::SocketAddrV4::new(a_ip, 4791)
+    );
+    bmr.write(1024, b"pong").unwrap();
+    bqp.post_send(
+        SendWr::new(20, SendOp::Send, [bmr.sge(1024, 4)]).to(back.dest(got.src_qp, QKEY)),
+    )
+    .unwrap();
+    // The reply and (on A's one CQ) the ping's own completion came first.
+    let reply = acq.wait(T).unwrap().expect("the reply");
+    assert_eq!((reply.wr_id, reply.status), (2, WcStatus::Success));
+    assert_eq!(amr.read_vec(40, 4).unwrap(), b"pong");
+
+    // What cannot name a sender.
+    let no_grh = WorkCompletion { grh: false, ..got };
+    let said = |r: Result<AhAttr>| r.unwrap_err().to_string();
+    assert!(said(AhAttr::from_wc(&no_grh, &area)).contains("no GRH"));
+    assert!(said(AhAttr::from_wc(&got, &area[..39])).contains("shorter than a GRH"));
+    let mut v6 = [0u8; 40];
+    v6[0] = 0x60;
+    v6[8..24].copy_from_slice(&[0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]);
+    assert!(said(AhAttr::from_wc(&got, &v6)).contains("IPv6"));
+}

@@ -1001,6 +1001,12 @@ impl Pd {
         })
     }
 
+    /// An address handle to the sender of a UD receive (`ibv_create_ah_from_wc`);
+    /// see [`AhAttr::from_wc`].
+    pub fn create_ah_from_wc(&self, wc: &WorkCompletion, grh: &[u8]) -> Result<Ah> {
+        self.create_ah(AhAttr::from_wc(wc, grh)?)
+    }
+
     /// An address handle for UD sends to `attr`.
     pub fn create_ah(&self, attr: AhAttr) -> Result<Ah> {
         if attr.addr.ip().is_unspecified() || attr.addr.port() == 0 {
@@ -1239,6 +1245,33 @@ impl Srq {
 pub struct AhAttr {
     /// IPv4 address and UDP port (4791 for rxe and NICs).
     pub addr: SocketAddrV4,
+}
+
+impl AhAttr {
+    /// The sender of a UD receive, as `ibv_init_ah_from_wc` finds it: the
+    /// source address in the GRH area that starts the receive buffer
+    /// (`grh`: its first 40 bytes), and RoCEv2's port 4791, where every
+    /// RoCEv2 peer receives (a softrdma device on another port cannot be
+    /// answered this way).
+    pub fn from_wc(wc: &WorkCompletion, grh: &[u8]) -> Result<AhAttr> {
+        let invalid = |why: String| VerbsError::Invalid(format!("no sender to answer: {why}"));
+        if !wc.grh {
+            return Err(invalid("the completion carries no GRH".into()));
+        }
+        let area = grh
+            .get(..softrdma_wire::grh::HEADER_LEN)
+            .ok_or_else(|| invalid(format!("{} bytes are shorter than a GRH", grh.len())))?;
+        let header =
+            softrdma_wire::grh::Header::new_checked(area).map_err(|e| invalid(e.to_string()))?;
+        match softrdma_wire::grh::Repr::parse(&header).map_err(|e| invalid(e.to_string()))? {
+            softrdma_wire::grh::Repr::Ipv4 { src, .. } => Ok(AhAttr {
+                addr: SocketAddrV4::new(Ipv4Addr::from(src), 4791),
+            }),
+            softrdma_wire::grh::Repr::Ipv6 { .. } => Err(invalid(
+                "an IPv6 sender, and softrdma's RoCEv2 is IPv4 only".into(),
+            )),
+        }
+    }
 }
 
 /// An address handle: a destination for UD sends; destroyed when dropped.
