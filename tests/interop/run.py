@@ -370,6 +370,18 @@ def fpdus_within_a_segment(out):
     return None
 
 
+def probes_answered(out):
+    """softrdma perf -R --stats: as the server (which waits on its control QP
+    for the client's end of the run) at least one probe of the peer sent and
+    answered; the client waits too little to probe."""
+    if "Waiting for client" not in out:
+        return None
+    m = re.search(r"Control QP probes: (\d+) zero-length RDMA WRITEs, each answered", out)
+    if not m or int(m.group(1)) == 0:
+        return f"no probe of the peer answered: {m.group(0) if m else 'no probe line'}"
+    return None
+
+
 def siw_cases():
     """rping against siw (rdma_cm over iWARP) in both roles."""
     out = []
@@ -547,8 +559,11 @@ def cases(mtu4200=False):
     perf("send-lat", 64, 100, **roce_cm)
     # softrdma's server waits on its control QP for the run's end longer than
     # its probe interval (5 s): its zero-length RDMA WRITEs, which find a
-    # vanished host, must be ACKed by perftest's control QP.
-    perf("write-bw", 4096, None, "-D 8", **roce_cm)
+    # vanished host, must be ACKed by perftest's control QP (--stats counts them).
+    probed = perf_case("write-bw", 4096, None, "-D 8", rdma_cm=True,
+                       ours_extra="--provider roce --stats")
+    probed.ours_check = probes_answered
+    out.append(probed)
     # rdma_cm's UD mode: the data QPs found by SIDR (SIDR_REQ, SIDR_REP) in
     # rdma_cm's UDP port space; in latency and -b runs the client first
     # sends the server its address (a 4-byte SEND with immediate).

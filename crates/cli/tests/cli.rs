@@ -759,16 +759,30 @@ fn perf_over_roce_with_rdma_cm_finds_a_stopped_peer_at_the_end_barrier() {
         std::thread::sleep(std::time::Duration::from_millis(200));
         let mut c = Command::new(bin)
             .args([&common[..], &["--bind", "127.0.1.92", "127.0.1.91"]].concat())
-            .stdout(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::null())
             .spawn()
             .unwrap();
-        // A client that finds nobody listening ends at once.
-        std::thread::sleep(std::time::Duration::from_secs(2));
-        if c.try_wait().unwrap().is_none() {
+        // Stopped only once its traffic runs (the table's header printed):
+        // the server waits at its end barrier then. A client that finds
+        // nobody listening ends, and is started again.
+        let out = c.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(out).lines() {
+                let Ok(line) = line else { break };
+                if line.contains("#bytes") && tx.send(()).is_err() {
+                    break;
+                }
+            }
+        });
+        if rx.recv_timeout(std::time::Duration::from_secs(20)).is_ok() {
             client = Some(c);
             break;
         }
+        let _ = c.kill();
+        let _ = c.wait();
     }
     let mut client = client.expect("the client connected and ran");
     let stopped = Command::new("kill")

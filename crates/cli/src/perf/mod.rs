@@ -746,7 +746,7 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
                 listener = Some(l);
             }
         }
-        Oob::control(control, cfg.client)
+        Oob::control(control, cfg.client).report_probes(a.stats)
     } else {
         let stream = match peer_ip {
             Some(ip) => TcpStream::connect((ip, a.port))
@@ -2017,11 +2017,15 @@ fn bw_client(s: &Setup, size: u64) -> Result<Report, String> {
                     Reaped::Some => break false,
                     Reaped::Ended => break true,
                     Reaped::Silence => {
-                        let rnr = rnr_naks_received(s);
-                        if rnr_before.is_some_and(|before| rnr > before) {
-                            return Err(NO_RECEIVES.into());
+                        // In duration mode a peer whose run ended first
+                        // stops posting receives: the run's end decides.
+                        if clock.is_none() {
+                            let rnr = rnr_naks_received(s);
+                            if rnr_before.is_some_and(|before| rnr > before) {
+                                return Err(NO_RECEIVES.into());
+                            }
+                            rnr_before = Some(rnr);
                         }
-                        rnr_before = Some(rnr);
                         silent += NO_RECEIVE_CHECK;
                         if silent >= NO_COMPLETION_LIMIT {
                             return Err(NO_COMPLETION.into());
@@ -2167,18 +2171,21 @@ fn send_bw_server(s: &Setup, size: u64, first_rx: Option<&AtomicBool>) -> Result
             Reaped::Some => {}
             Reaped::Ended => break,
             Reaped::Silence if ud_flowing => {
-                let no_receive: u64 = s
-                    .qps
-                    .iter()
-                    .filter_map(|qp| qp.ud_stats())
-                    .map(|u| u.no_receive)
-                    .sum();
+                let counted: Vec<_> = s.qps.iter().filter_map(|qp| qp.ud_stats()).collect();
+                let dropped = if counted.is_empty() {
+                    String::new()
+                } else {
+                    let n: u64 = counted.iter().map(|u| u.no_receive).sum();
+                    format!(
+                        " ({n} found no receive posted; any others were lost to a full \
+                         socket buffer)"
+                    )
+                };
                 return Err(format!(
-                    "received {got} of {} datagrams, then none for {} s: UD resends nothing, \
-                     and this side took them slower than the peer sent ({no_receive} found \
-                     no receive posted; any others were lost to a full socket buffer). \
-                     Fewer iterations (-n), a deeper receive queue (-r), busy polling or RC \
-                     avoid it",
+                    "received {got} of {} datagrams, then none for {} s: UD resends nothing. \
+                     Either the peer stopped sending, or this side took them slower than it \
+                     sent{dropped}: fewer iterations (-n), a deeper receive queue (-r), busy \
+                     polling or RC avoid that",
                     n.saturating_mul(q as u64),
                     UD_SILENCE.as_secs()
                 ));

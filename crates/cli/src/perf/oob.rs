@@ -134,6 +134,8 @@ pub struct Oob {
     /// Setup messages must come whole within [`SETUP_TIMEOUT`] each; the
     /// end-of-test barrier waits as long as the run takes.
     setup: bool,
+    /// `--stats`: the close says how many probes the peer answered.
+    report_probes: bool,
 }
 
 #[derive(Debug)]
@@ -155,6 +157,8 @@ pub struct Control {
     /// RoCEv2: an untimed wait probes the peer (see [`PROBE_EVERY`]).
     /// iWARP's TCP connection has keepalives of its own.
     probes: bool,
+    /// Probes the peer answered.
+    answered: std::sync::atomic::AtomicU32,
 }
 
 const CONTROL_MSG: usize = 64;
@@ -211,6 +215,7 @@ impl Control {
             rcq,
             _pd: pd,
             probes: !ctx.is_iwarp(),
+            answered: 0.into(),
         };
         for slot in 0..CONTROL_RECVS {
             c.post_recv(slot)?;
@@ -268,15 +273,24 @@ impl Control {
             .map_err(|e| io(e.to_string()))?
             .ok_or_else(|| io("no completion of a probe of the peer in 60 s".into()))?;
         match wc.status {
-            WcStatus::Success => Ok(()),
+            WcStatus::Success => {
+                self.answered
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Ok(())
+            }
             // The peer disconnected (its receive here flushes too).
             WcStatus::WrFlushErr => Err(io::Error::new(
                 io::ErrorKind::ConnectionAborted,
                 "the peer closed the control connection",
             )),
+            WcStatus::RetryExcErr => Err(io(
+                "the peer stopped answering on the control QP (transport retry counter \
+                 exceeded): its host is gone or cut off"
+                    .into(),
+            )),
             s => Err(io(format!(
-                "the peer stopped answering on the control QP ({s}): its host is gone or \
-                 cut off"
+                "the peer refused a zero-length RDMA WRITE probing it on the control QP \
+                 ({s}): its RDMA stack checks keys or rights even for no bytes"
             ))),
         }
     }
@@ -295,7 +309,16 @@ impl Control {
             match self.rcq.wait(wait) {
                 Ok(Some(wc)) => break wc,
                 Ok(None) if limit.is_some() => return Err(io::ErrorKind::WouldBlock.into()),
-                Ok(None) if self.probes => self.probe()?,
+                Ok(None) if self.probes => {
+                    if let Err(e) = self.probe() {
+                        // The peer's last message may have come before it
+                        // went: that one still counts.
+                        match self.rcq.poll_one() {
+                            Ok(Some(wc)) if wc.status == WcStatus::Success => break wc,
+                            _ => return Err(e),
+                        }
+                    }
+                }
                 Ok(None) => {}
                 Err(e) => return Err(io(e.to_string())),
             }
@@ -383,6 +406,7 @@ impl Oob {
             link: Link::Tcp(stream),
             client,
             setup: true,
+            report_probes: false,
         }
     }
 
@@ -392,7 +416,14 @@ impl Oob {
             link: Link::Cm(Box::new(control)),
             client,
             setup: true,
+            report_probes: false,
         }
+    }
+
+    /// `--stats`: [`Oob::close`] reports the control QP's probes.
+    pub fn report_probes(mut self, on: bool) -> Oob {
+        self.report_probes = on;
+        self
     }
 
     /// One lock-step swap of `mine` for as many bytes of the peer's.
@@ -582,6 +613,12 @@ impl Oob {
     /// has (or after a bounded wait).
     pub fn close(mut self, mine: &Key) -> Result<(), String> {
         self.key(mine)?;
+        if let (true, Link::Cm(c)) = (self.report_probes, &self.link)
+            && c.probes
+        {
+            let n = c.answered.load(std::sync::atomic::Ordering::Relaxed);
+            outln!(" Control QP probes: {n} zero-length RDMA WRITEs, each answered");
+        }
         match &mut self.link {
             Link::Tcp(stream) => {
                 let _ = stream.write_all(b"done\0");
