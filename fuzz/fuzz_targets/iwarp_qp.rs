@@ -92,7 +92,7 @@ fuzz_target!(|data: &[u8]| {
                 sgl: vec![sge(8192, 5000)].into(),
                 flags,
                 ud: None,
-                inline_data: vec![],
+                inline_data: Default::default(),
             });
         }
     }

@@ -101,7 +101,7 @@ fuzz_target!(|data: &[u8]| {
                 sgl: sge(len).into(),
                 flags,
                 ud: None,
-                inline_data: vec![],
+                inline_data: Default::default(),
             });
         }
     }

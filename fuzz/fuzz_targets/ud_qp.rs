@@ -95,7 +95,7 @@ fuzz_target!(|data: &[u8]| {
                     remote_qpn: 0x12,
                     remote_qkey: QKEY,
                 }),
-                inline_data: vec![],
+                inline_data: Default::default(),
             });
         }
         // And one inline: its payload is in the header buffer, not in the

@@ -18,7 +18,7 @@ use std::time::Duration;
 use softrdma::engine::rc::{Mtu, QpCaps, RcQp};
 use softrdma::engine::sim::{Endpoint, NetConfig, Rng, Sim};
 use softrdma::engine::{
-    CqKind, QpAttr, QpState, RecvWr, SendFlags, SendOp, SendWr, Sge, WcOpcode, WcStatus,
+    CqKind, InlineData, QpAttr, QpState, RecvWr, SendFlags, SendOp, SendWr, Sge, WcOpcode, WcStatus,
 };
 use softrdma::memory::{Access, MrTable, Region, RegionMemory};
 
@@ -377,9 +377,9 @@ fn run_seed(seed: u64) -> Result<bool, String> {
                             SendOp::Send | SendOp::SendWithImm(_) | SendOp::Write { .. }
                         )
                         && p.len % 3 == 0;
-                    let mut inline_data = vec![];
+                    let mut inline_data = InlineData::new();
                     if inline {
-                        inline_data = vec![0; p.len as usize];
+                        inline_data = InlineData::from_elem(0, p.len as usize);
                         mems[i].read(p.local as usize, &mut inline_data);
                     }
                     let wr = SendWr {

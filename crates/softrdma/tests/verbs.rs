@@ -187,7 +187,7 @@ fn completion_channel_fires_on_the_fd() {
                 ..SendFlags::default()
             },
             ud: None,
-            inline_data: vec![],
+            inline_data: InlineData::new(),
         })
         .unwrap();
         let fired = cq_b.wait_event(Duration::from_millis(500));
@@ -208,7 +208,7 @@ fn completion_channel_fires_on_the_fd() {
         sgl: vec![mr.sge(0, 16)].into(),
         flags: SendFlags::default(),
         ud: None,
-        inline_data: vec![],
+        inline_data: InlineData::new(),
     })
     .unwrap();
     std::thread::sleep(Duration::from_millis(100));
@@ -234,7 +234,7 @@ fn qp_transitions_through_the_verbs() {
         sgl: Default::default(),
         flags: SendFlags::default(),
         ud: None,
-        inline_data: vec![],
+        inline_data: InlineData::new(),
     };
     assert!(matches!(
         qp.post_send(send()),

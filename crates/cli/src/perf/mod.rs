@@ -1875,7 +1875,7 @@ fn send_op(s: &Setup, i: usize, size: u64, k: u64, signaled: bool) -> SendWr {
     let inline = (size <= u64::from(s.cfg.inline)
         && matches!(s.cfg.test.verb(), Verb::Write | Verb::Send))
     .then(|| {
-        let mut data = vec![0u8; size as usize];
+        let mut data = InlineData::from_elem(0, size as usize);
         s.mr.read(s.local(i) + step, &mut data).ok().map(|_| data)
     })
     .flatten();

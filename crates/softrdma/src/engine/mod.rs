@@ -58,6 +58,10 @@ pub struct Sge {
 /// A work request's SGEs: one or two stay inline (no allocation per post).
 pub type SgList = smallvec::SmallVec<[Sge; 2]>;
 
+/// An inline send's bytes: up to 16 stay in the work request, in the room a
+/// `Vec` takes (no allocation to post an 8-byte message inline).
+pub type InlineData = smallvec::SmallVec<[u8; 16]>;
+
 /// A work request's buffers resolved to region memory: held inline for up
 /// to two (no allocation per message).
 pub type SegList = smallvec::SmallVec<[crate::memory::Segment; 2]>;
@@ -172,7 +176,7 @@ pub struct SendWr {
     /// Flags.
     pub flags: SendFlags,
     /// Payload copied at post time when `flags.inline` (SEND/WRITE only).
-    pub inline_data: Vec<u8>,
+    pub inline_data: InlineData,
     /// Where a UD SEND goes (UD QPs only).
     pub ud: Option<UdDest>,
 }
@@ -194,7 +198,7 @@ impl SendWr {
                 signaled: true,
                 ..SendFlags::default()
             },
-            inline_data: Vec::new(),
+            inline_data: InlineData::new(),
             ud: None,
         }
     }
@@ -224,7 +228,7 @@ impl SendWr {
     #[must_use]
     pub fn inline(mut self, data: &[u8]) -> SendWr {
         self.flags.inline = true;
-        self.inline_data = data.to_vec();
+        self.inline_data = InlineData::from_slice(data);
         self.sgl.clear();
         self
     }

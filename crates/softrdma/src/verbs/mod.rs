@@ -40,8 +40,8 @@ use std::sync::{Arc, Mutex, RwLock};
 pub use crate::engine::qp::{Mtu, QpType};
 pub use crate::engine::rc::{QpCaps, RcStats};
 pub use crate::engine::{
-    PostError, QpAttr, QpState, RecvWr, SendFlags, SendOp, SendWr, Sge, TransitionError, WcOpcode,
-    WcStatus, WorkCompletion,
+    InlineData, PostError, QpAttr, QpState, RecvWr, SendFlags, SendOp, SendWr, Sge,
+    TransitionError, WcOpcode, WcStatus, WorkCompletion,
 };
 pub use crate::memory::{Access, AccessError};
 #[cfg(feature = "tokio")]

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use super::*;
 use crate::engine::sim::{Endpoint, NetConfig, Sim};
-use crate::engine::{QpAttr, RecvWr, SendFlags, SendOp, SendWr, Sge, WcOpcode, WcStatus};
+use crate::engine::{
+    InlineData, QpAttr, RecvWr, SendFlags, SendOp, SendWr, Sge, WcOpcode, WcStatus,
+};
 use crate::memory::{Access, MrTable, Region, RegionMemory};
 
 const MEM: usize = 1 << 20;
@@ -157,7 +159,7 @@ impl Pair {
                 sgl: sgl.into(),
                 flags,
                 ud: None,
-                inline_data: Vec::new(),
+                inline_data: InlineData::new(),
             })
             .unwrap();
         wr_id
@@ -296,7 +298,7 @@ fn inline_send() {
                 ..SendFlags::default()
             },
             ud: None,
-            inline_data: b"inline!".to_vec(),
+            inline_data: InlineData::from_slice(b"inline!"),
         })
         .unwrap();
     p.run([1, 1]);
@@ -1113,7 +1115,7 @@ fn post_errors_are_reported_on_the_call() {
         sgl: sgl.into(),
         flags: SendFlags::default(),
         ud: None,
-        inline_data: vec![],
+        inline_data: InlineData::new(),
     };
     assert!(matches!(
         qp.post_send(wr(vec![Pair::sge(0, 0, 1); 5])),
@@ -1121,7 +1123,7 @@ fn post_errors_are_reported_on_the_call() {
     ));
     let mut big = wr(vec![]);
     big.flags.inline = true;
-    big.inline_data = vec![0; 300];
+    big.inline_data = InlineData::from_elem(0, 300);
     assert!(matches!(
         qp.post_send(big),
         Err(PostError::InlineTooLarge { .. })
@@ -1709,4 +1711,19 @@ fn a_write_with_immediate_finds_no_receive_before_its_rkey_is_checked() {
     p.run([1, 1]);
     assert_eq!(statuses(&p, 0), [(s, WcStatus::RemAccessErr)]);
     assert_eq!(statuses(&p, 1)[0].0, r);
+}
+
+/// An inline post of up to 16 bytes keeps them in the work request (no
+/// allocation), which is no larger for it.
+#[test]
+fn sixteen_inline_bytes_take_no_allocation() {
+    assert_eq!(
+        std::mem::size_of::<InlineData>(),
+        std::mem::size_of::<Vec<u8>>()
+    );
+    let wr = SendWr::new(1, SendOp::Send, []).inline(&[7; 16]);
+    assert!(!wr.inline_data.spilled());
+    assert_eq!(&wr.inline_data[..], &[7; 16]);
+    let wr = SendWr::new(1, SendOp::Send, []).inline(&[7; 17]);
+    assert!(wr.inline_data.spilled());
 }
