@@ -1749,7 +1749,7 @@ fn rnr_naks_received(s: &Setup) -> u64 {
 #[derive(Debug, PartialEq)]
 enum Reaped {
     /// Completions are in the list.
-    Some,
+    Got,
     /// The run's end came first.
     Ended,
     /// Nothing came within the limit.
@@ -1771,7 +1771,7 @@ fn reap_until(
     let n = cq.poll(&mut more).map_err(|e| e.to_string())?;
     if n > 0 {
         out.extend_from_slice(&more[..n]);
-        return Ok(Reaped::Some);
+        return Ok(Reaped::Got);
     }
     let wait = end.map_or(limit, |e| {
         e.saturating_duration_since(Instant::now()).min(limit)
@@ -1790,7 +1790,7 @@ fn reap_until(
     }
     let n = cq.poll(&mut more).map_err(|e| e.to_string())?;
     out.extend_from_slice(&more[..n]);
-    Ok(Reaped::Some)
+    Ok(Reaped::Got)
 }
 
 /// Waits for one completion (at most 60 s, or until `end`: then `None`).
@@ -2014,7 +2014,7 @@ fn bw_client(s: &Setup, size: u64) -> Result<Report, String> {
                     reap_batch(s, n, &scnt, &ccnt),
                     NO_RECEIVE_CHECK,
                 )? {
-                    Reaped::Some => break false,
+                    Reaped::Got => break false,
                     Reaped::Ended => break true,
                     Reaped::Silence => {
                         // In duration mode a peer whose run ended first
@@ -2168,7 +2168,7 @@ fn send_bw_server(s: &Setup, size: u64, first_rx: Option<&AtomicBool>) -> Result
             NO_COMPLETION_LIMIT
         };
         match reap_until(&s.rcq, &mut wcs, clock.map(|c| c.end), 1, limit)? {
-            Reaped::Some => {}
+            Reaped::Got => {}
             Reaped::Ended => break,
             Reaped::Silence if ud_flowing => {
                 let counted: Vec<_> = s.qps.iter().filter_map(|qp| qp.ud_stats()).collect();
