@@ -232,21 +232,22 @@ impl Control {
             .map_err(|e| format!("out-of-band exchange: {e}"))
     }
 
+    /// Posts `wr` and waits (at most 60 s, else the error `none`) for its
+    /// completion: sends go one at a time, so the next completion is its.
+    fn post_and_wait(&self, wr: SendWr, none: &str) -> io::Result<WorkCompletion> {
+        let io = |e: String| io::Error::other(e);
+        self.qp.post_send(wr).map_err(|e| io(e.to_string()))?;
+        self.scq
+            .wait(Duration::from_secs(60))
+            .map_err(|e| io(e.to_string()))?
+            .ok_or_else(|| io(none.into()))
+    }
+
     fn send(&self, msg: &[u8]) -> io::Result<()> {
         let io = |e: String| io::Error::other(e);
         self.mr.write(SEND_AT, msg).map_err(|e| io(e.to_string()))?;
-        self.qp
-            .post_send(SendWr::new(
-                0,
-                SendOp::Send,
-                vec![self.mr.sge(SEND_AT, msg.len() as u32)],
-            ))
-            .map_err(|e| io(e.to_string()))?;
-        let wc = self
-            .scq
-            .wait(Duration::from_secs(60))
-            .map_err(|e| io(e.to_string()))?
-            .ok_or_else(|| io("no send completion in 60 s".into()))?;
+        let wr = SendWr::new(0, SendOp::Send, [self.mr.sge(SEND_AT, msg.len() as u32)]);
+        let wc = self.post_and_wait(wr, "no send completion in 60 s")?;
         if wc.status != WcStatus::Success {
             return Err(io(format!("SEND on the control QP: {}", wc.status)));
         }
@@ -257,21 +258,14 @@ impl Control {
     /// transport does not acknowledge it.
     fn probe(&self) -> io::Result<()> {
         let io = |e: String| io::Error::other(e);
-        self.qp
-            .post_send(SendWr::new(
-                PROBE_ID,
-                SendOp::Write {
-                    remote_addr: 0,
-                    rkey: 0,
-                },
-                vec![],
-            ))
-            .map_err(|e| io(e.to_string()))?;
-        let wc = self
-            .scq
-            .wait(Duration::from_secs(60))
-            .map_err(|e| io(e.to_string()))?
-            .ok_or_else(|| io("no completion of a probe of the peer in 60 s".into()))?;
+        let zero_length = SendOp::Write {
+            remote_addr: 0,
+            rkey: 0,
+        };
+        let wc = self.post_and_wait(
+            SendWr::new(PROBE_ID, zero_length, []),
+            "no completion of a probe of the peer in 60 s",
+        )?;
         match wc.status {
             WcStatus::Success => {
                 self.answered
