@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use super::backlog::Backlog;
 use super::mpa::{self, Decision, MpaConfig, MpaError, MpaOutcome, MpaRequest};
-use crate::verbs::{Context, Qp, VerbsError};
+use crate::provider::ibverbs::rdmacm::{self, CmFailure, CmListener, CmOutcome, CmParams};
+use crate::provider::ibverbs::{HwContext, HwQp};
+use crate::verbs::{Access, Context, Qp, VerbsError};
 
 /// How long an initiator waits after the MPA Reply before its first FPDU
 /// (see [`connect`]).
@@ -39,12 +41,79 @@ pub enum ConnectError {
         /// How long it waited.
         waited: Duration,
     },
+    /// rdma_cm through librdmacm (an RNIC of the ibverbs provider).
+    #[error("rdma_cm: {0}")]
+    Rdmacm(String),
+}
+
+/// The parameters of an RNIC's rdma_cm connection from `cfg`.
+fn cm_params(cfg: &MpaConfig) -> CmParams {
+    CmParams {
+        private_data: cfg.private_data.clone(),
+        responder_resources: cfg.ird.clamp(1, 255) as u8,
+        initiator_depth: cfg.ord.clamp(1, 255) as u8,
+        retry_count: 7,
+        rnr_retry_count: 7,
+        access: Access::REMOTE_WRITE | Access::REMOTE_READ,
+    }
+}
+
+/// What the kernel's connection tells of its peer, as an MPA outcome.
+fn kernel_outcome(cfg: &MpaConfig, out: CmOutcome, initiator: bool) -> MpaOutcome {
+    let (peer_ird, peer_ord) = (
+        u16::from(out.peer_responder_resources),
+        u16::from(out.peer_initiator_depth),
+    );
+    MpaOutcome {
+        revision: 0,
+        crc: false,
+        peer_ird_ord: Some((peer_ird, peer_ord)),
+        ord: cfg.ord.min(peer_ird.max(1)),
+        ird: cfg.ird,
+        rtr: None,
+        initiator,
+        peer_private_data: out.private_data,
+        large_fpdus: false,
+        peer_is_softrdma: false,
+        through_kernel: true,
+    }
+}
+
+fn cm_error(to: SocketAddrV4, e: CmFailure) -> ConnectError {
+    match e {
+        // Refused at once: nothing listens (as TCP's refusal reads here).
+        CmFailure::Refused => ConnectError::Tcp {
+            to: to.into(),
+            source: std::io::ErrorKind::ConnectionRefused.into(),
+        },
+        // iw_cm's REJECTED: the peer's MPA Reply said no.
+        CmFailure::Rejected { private_data, .. } => MpaError::Rejected { private_data }.into(),
+        CmFailure::Other(s) => ConnectError::Rdmacm(s),
+    }
+}
+
+/// An RNIC of the ibverbs provider, or None; an error for a RoCE device.
+fn rnic(qp: &Qp) -> Result<Option<(&HwContext, &Arc<HwQp>)>, ConnectError> {
+    match (qp.context().hw(), qp.hw()) {
+        (Some(hw), Some(hq)) if hw.iwarp => Ok(Some((hw, hq))),
+        (Some(hw), _) => Err(VerbsError::Invalid(format!(
+            "{} is a RoCE device: its QPs connect with cm::roce",
+            hw.name
+        ))
+        .into()),
+        _ => Ok(None),
+    }
 }
 
 /// Connects `qp` (of an iWARP device, not yet connected) to a listener at
 /// `to`: TCP from the device's address, MPA Request with `cfg`'s offer.
 pub fn connect(qp: &Qp, to: SocketAddrV4, cfg: &MpaConfig) -> Result<MpaOutcome, ConnectError> {
     qp.check_unconnected()?;
+    if let Some((hw, hq)) = rnic(qp)? {
+        mpa::check_cfg(cfg)?;
+        let out = rdmacm::connect(hw, hq, to, &cm_params(cfg)).map_err(|e| cm_error(to, e))?;
+        return Ok(kernel_outcome(cfg, out, true));
+    }
     let local = SocketAddrV4::new(*qp.context().local_addr().ip(), 0);
     let tcp = |source| ConnectError::Tcp {
         to: to.into(),
@@ -102,7 +171,16 @@ fn connect_through_signals(sock: &socket2::Socket, to: &socket2::SockAddr) -> io
 #[derive(Debug)]
 pub struct Listener {
     at: SocketAddrV4,
-    backlog: Backlog<TcpListener, Arrived, ConnectError>,
+    taking: Taking,
+}
+
+/// How a listener takes its connections.
+#[derive(Debug)]
+enum Taking {
+    /// softrdma's iWARP: TCP and MPA in user space.
+    Tcp(Backlog<TcpListener, Arrived, ConnectError>),
+    /// An RNIC's: rdma_cm through librdmacm.
+    Rdmacm(CmListener),
 }
 
 /// How long a connection may take to send its whole MPA Request.
@@ -120,8 +198,15 @@ impl Listener {
     pub fn bind(ctx: &Context, port: u16) -> Result<Listener, VerbsError> {
         if !ctx.is_iwarp() {
             return Err(VerbsError::Invalid(
-                "an iWARP listener needs an iWARP device (Device::iwarp)".into(),
+                "an iWARP listener needs an iWARP device (Device::iwarp, or an RNIC's)".into(),
             ));
+        }
+        if let Some(hw) = ctx.hw() {
+            let l = CmListener::bind(hw, port).map_err(VerbsError::Invalid)?;
+            return Ok(Listener {
+                at: l.local_addr(),
+                taking: Taking::Rdmacm(l),
+            });
         }
         let at = SocketAddrV4::new(*ctx.local_addr().ip(), port);
         let io = |what: String| move |source| VerbsError::Io { what, source };
@@ -146,7 +231,10 @@ impl Listener {
             },
         )
         .map_err(io("cannot start the listener's thread".into()))?;
-        Ok(Listener { at, backlog })
+        Ok(Listener {
+            at,
+            taking: Taking::Tcp(backlog),
+        })
     }
 
     /// The address it listens on.
@@ -193,9 +281,11 @@ impl Listener {
     ) -> Result<MpaOutcome, ConnectError> {
         qp.check_unconnected()?;
         mpa::check_cfg(cfg)?;
-        let next = self
-            .backlog
-            .next_for(deadline.map(|d| d.0), || qp.check_unconnected())?;
+        let backlog = match &self.taking {
+            Taking::Tcp(b) => b,
+            Taking::Rdmacm(l) => return self.accept_rdmacm(l, qp, cfg, decide, deadline),
+        };
+        let next = backlog.next_for(deadline.map(|d| d.0), || qp.check_unconnected())?;
         let Some(arrived) = next else {
             return Err(ConnectError::NoClient {
                 waited: deadline.map_or(Duration::ZERO, |d| d.1),
@@ -225,5 +315,60 @@ impl Listener {
         }
         qp.attach_iwarp(stream, &out)?;
         Ok(out)
+    }
+}
+
+impl Listener {
+    fn accept_rdmacm(
+        &self,
+        l: &CmListener,
+        qp: &Qp,
+        cfg: &MpaConfig,
+        decide: impl FnOnce(&MpaRequest) -> Decision,
+        deadline: Option<(Instant, Duration)>,
+    ) -> Result<MpaOutcome, ConnectError> {
+        let Some((hw, hq)) = rnic(qp)? else {
+            return Err(VerbsError::Invalid(
+                "this listener is an RNIC's: accept a QP of that device".into(),
+            )
+            .into());
+        };
+        let mut said_no = false;
+        let got = l.accept(
+            hw,
+            hq,
+            &cm_params(cfg),
+            |r| {
+                let request = MpaRequest {
+                    revision: 0,
+                    crc: false,
+                    ird_ord: Some(softrdma_wire::mpa::IrdOrd {
+                        ird: u16::from(r.responder_resources),
+                        ord: u16::from(r.initiator_depth),
+                        ..softrdma_wire::mpa::IrdOrd::default()
+                    }),
+                    private_data: r.private_data.clone(),
+                };
+                match decide(&request) {
+                    Decision::Accept => Ok(cfg.private_data.clone()),
+                    Decision::Reject(pd) => {
+                        said_no = true;
+                        Err(pd)
+                    }
+                }
+            },
+            deadline.map(|d| d.0),
+        );
+        match got {
+            Ok(Some(out)) => Ok(kernel_outcome(cfg, out, false)),
+            Ok(None) => Err(ConnectError::NoClient {
+                waited: deadline.map_or(Duration::ZERO, |d| d.1),
+            }),
+            Err(_) if said_no => Err(MpaError::RejectedHere {
+                reason: "the application rejected the request".into(),
+            }
+            .into()),
+            Err(e) => Err(cm_error(self.at, e)),
+        }
     }
 }

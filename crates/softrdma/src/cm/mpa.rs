@@ -104,6 +104,10 @@ pub struct MpaOutcome {
     /// softrdma (which reads its socket from the Reply on: no need to wait
     /// for it as for siw). Always `false` for a responder.
     pub peer_is_softrdma: bool,
+    /// Negotiated by the device's kernel driver through rdma_cm (an RNIC
+    /// of the ibverbs provider): the kernel does not report the revision,
+    /// CRC, RTR or FPDU size, which read 0, false, None and false.
+    pub through_kernel: bool,
 }
 
 /// Why establishment failed.
@@ -356,6 +360,7 @@ pub fn connect(stream: &mut TcpStream, cfg: &MpaConfig) -> Result<MpaOutcome, Mp
     };
     stream.set_read_timeout(None)?;
     Ok(MpaOutcome {
+        through_kernel: false,
         revision: reply.revision,
         crc: reply.crc,
         peer_ird_ord: peer.map(|p| (p.ird, p.ord)),
@@ -488,6 +493,7 @@ pub(crate) fn answer(
     stream.write_all(&frame_bytes(&reply, &cfg.private_data))?;
     stream.set_read_timeout(None)?;
     Ok(MpaOutcome {
+        through_kernel: false,
         revision,
         crc,
         peer_ird_ord: peer.map(|p| (p.ird, p.ord)),

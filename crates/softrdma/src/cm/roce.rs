@@ -9,6 +9,7 @@
 //! that takes part is one bound to port 4791.
 
 use std::net::{Ipv4Addr, SocketAddrV4};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use softrdma_wire::cm::{self as wire, Body, Ids, Rej, Rep, Req};
@@ -16,6 +17,8 @@ use softrdma_wire::mad::MAD_LEN;
 
 use super::{ConnInfo, RcOptions};
 use crate::provider::gsi::{Arrival, Connection, Waiter};
+use crate::provider::ibverbs::rdmacm::{self, CmFailure, CmListener, CmOutcome, CmParams};
+use crate::provider::ibverbs::{HwContext, HwQp};
 use crate::provider::udp::{Shared, send_mad};
 use crate::verbs::Mtu;
 use crate::verbs::{Context, Qp, QpAttr, QpState, VerbsError};
@@ -73,6 +76,62 @@ pub enum ConnectError {
         /// What was wrong.
         what: String,
     },
+    /// rdma_cm through librdmacm (a RoCE device of the ibverbs provider).
+    #[error("rdma_cm: {0}")]
+    Rdmacm(String),
+}
+
+/// The parameters of a device's rdma_cm connection from `o`.
+fn cm_params(o: &RcOptions, private_data: &[u8]) -> CmParams {
+    CmParams {
+        private_data: private_data.to_vec(),
+        responder_resources: o.max_dest_rd_atomic,
+        initiator_depth: o.max_rd_atomic,
+        retry_count: o.retry_cnt,
+        rnr_retry_count: o.rnr_retry,
+        access: o.access,
+    }
+}
+
+fn cm_error(e: CmFailure) -> ConnectError {
+    match e {
+        // librdmacm's status of a REJECTED event on IB is the REJ's reason.
+        CmFailure::Rejected {
+            status,
+            private_data,
+        } => ConnectError::Rejected {
+            reason: u16::try_from(status).unwrap_or(wire::REJ_CONSUMER),
+            private_data,
+        },
+        CmFailure::Refused => ConnectError::Rejected {
+            reason: wire::REJ_INVALID_SERVICE_ID,
+            private_data: Vec::new(),
+        },
+        CmFailure::Other(s) => ConnectError::Rdmacm(s),
+    }
+}
+
+/// A RoCE device of the ibverbs provider, or None; an error for an iWARP one.
+fn hw_roce(qp: &Qp) -> Result<Option<(&HwContext, &Arc<HwQp>)>, ConnectError> {
+    match (qp.context().hw(), qp.hw()) {
+        (Some(hw), _) if hw.iwarp => Err(VerbsError::Invalid(format!(
+            "{} is an iWARP device: its QPs connect with cm::iwarp",
+            hw.name
+        ))
+        .into()),
+        (Some(hw), Some(hq)) => Ok(Some((hw, hq))),
+        _ => Ok(None),
+    }
+}
+
+fn connected(out: CmOutcome, o: &RcOptions) -> Connected {
+    Connected {
+        peer: *out.peer.ip(),
+        remote_qpn: out.remote_qpn,
+        private_data: out.private_data,
+        initiator_depth: o.max_rd_atomic.min(out.peer_responder_resources).max(1),
+        responder_resources: o.max_dest_rd_atomic.min(out.peer_initiator_depth).max(1),
+    }
 }
 
 fn reason_name(reason: u16) -> &'static str {
@@ -222,14 +281,19 @@ pub fn connect(
     private_data: &[u8],
     o: &RcOptions,
 ) -> Result<Connected, ConnectError> {
-    let shared = rdma_cm_device(qp.context())?;
-    let srq = check_qp(qp)?;
     if private_data.len() > REQ_PRIVATE_DATA_MAX {
         return Err(VerbsError::Invalid(format!(
             "at most {REQ_PRIVATE_DATA_MAX} bytes of private data in a REQ"
         ))
         .into());
     }
+    if let Some((hw, hq)) = hw_roce(qp)? {
+        qp.check_unconnected()?;
+        let out = rdmacm::connect(hw, hq, to, &cm_params(o, private_data)).map_err(cm_error)?;
+        return Ok(connected(out, o));
+    }
+    let shared = rdma_cm_device(qp.context())?;
+    let srq = check_qp(qp)?;
     let me = *qp.context().local_addr().ip();
     let peer = *to.ip();
     let psn = random_psn()?;
@@ -508,18 +572,40 @@ impl Drop for Service {
 
 /// A listener on an rdma_cm port of a RoCEv2 device.
 #[derive(Debug)]
-pub struct Listener(Service);
+pub struct Listener(Taking);
+
+/// How a listener takes its requests.
+#[derive(Debug)]
+enum Taking {
+    /// softrdma's RoCEv2: the GSI's queue.
+    Gsi(Service),
+    /// A device of the ibverbs provider: rdma_cm through librdmacm.
+    Rdmacm(CmListener),
+}
 
 impl Listener {
     /// Listens on rdma_cm port `port` (TCP port space) of `ctx`'s device
     /// (one bound to UDP port 4791).
     pub fn bind(ctx: &Context, port: u16) -> Result<Listener, VerbsError> {
-        Service::bind(ctx, port, wire::rdma_cm_service_id, "").map(Listener)
+        if let Some(hw) = ctx.hw() {
+            if hw.iwarp {
+                return Err(VerbsError::Invalid(format!(
+                    "{} is an iWARP device: listen with cm::iwarp",
+                    hw.name
+                )));
+            }
+            let l = CmListener::bind(hw, port).map_err(VerbsError::Invalid)?;
+            return Ok(Listener(Taking::Rdmacm(l)));
+        }
+        Service::bind(ctx, port, wire::rdma_cm_service_id, "").map(|s| Listener(Taking::Gsi(s)))
     }
 
     /// The port it listens on.
     pub fn port(&self) -> u16 {
-        self.0.port()
+        match &self.0 {
+            Taking::Gsi(s) => s.port(),
+            Taking::Rdmacm(l) => l.local_addr().port(),
+        }
     }
 
     /// Takes the next REQ for `qp` (new, RC, in RESET or INIT), lets `decide`
@@ -533,7 +619,11 @@ impl Listener {
         decide: impl FnOnce(&ConnRequest) -> Decision,
         waited: Option<Duration>,
     ) -> Result<Connected, ConnectError> {
-        let shared = self.0.shared()?;
+        let service = match &self.0 {
+            Taking::Gsi(s) => s,
+            Taking::Rdmacm(l) => return accept_rdmacm(l, qp, o, decide, waited),
+        };
+        let shared = service.shared()?;
         let srq = check_qp(qp)?;
         let usable = || {
             if matches!(qp.state(), QpState::Reset | QpState::Init) {
@@ -544,7 +634,7 @@ impl Listener {
                 ))
             }
         };
-        let (from, tid, req) = self.0.next(waited, usable, |a| match a.msg.body {
+        let (from, tid, req) = service.next(waited, usable, |a| match a.msg.body {
             Body::Req(req) if !shared.gsi.is_taken(a.from, req.local_comm_id) => {
                 Some((a.from, a.msg.tid, req))
             }
@@ -739,6 +829,63 @@ impl Listener {
     }
 }
 
+/// [`Listener::accept`] on a device of the ibverbs provider.
+fn accept_rdmacm(
+    l: &CmListener,
+    qp: &Qp,
+    o: &RcOptions,
+    decide: impl FnOnce(&ConnRequest) -> Decision,
+    waited: Option<Duration>,
+) -> Result<Connected, ConnectError> {
+    let Some((hw, hq)) = hw_roce(qp)? else {
+        return Err(VerbsError::Invalid(
+            "this listener is a libibverbs device's: accept a QP of that device".into(),
+        )
+        .into());
+    };
+    qp.check_unconnected()?;
+    let mut said_no = None;
+    let mut too_long = false;
+    let got = l.accept(
+        hw,
+        hq,
+        &cm_params(o, &[]),
+        |r| {
+            let request = ConnRequest {
+                from: r.from,
+                private_data: r.private_data.clone(),
+                responder_resources: r.responder_resources,
+                initiator_depth: r.initiator_depth,
+            };
+            match decide(&request) {
+                Decision::Accept(pd) if pd.len() > REP_PRIVATE_DATA_MAX => {
+                    too_long = true;
+                    Err(Vec::new())
+                }
+                Decision::Accept(pd) => Ok(pd),
+                Decision::Reject(pd) => {
+                    said_no = Some(pd.clone());
+                    Err(pd)
+                }
+            }
+        },
+        waited.map(crate::verbs::deadline_after),
+    );
+    match got {
+        Ok(Some(out)) => Ok(connected(out, o)),
+        Ok(None) => Err(ConnectError::NoClient(waited.unwrap_or_default())),
+        Err(_) if too_long => Err(VerbsError::Invalid(format!(
+            "at most {REP_PRIVATE_DATA_MAX} bytes of private data in a REP"
+        ))
+        .into()),
+        Err(_) if said_no.is_some() => Err(ConnectError::Rejected {
+            reason: wire::REJ_CONSUMER,
+            private_data: said_no.unwrap_or_default(),
+        }),
+        Err(e) => Err(cm_error(e)),
+    }
+}
+
 fn to_error(qp: &Qp) {
     let _ = qp.modify(
         &QpAttr {
@@ -754,6 +901,9 @@ fn to_error(qp: &Qp) {
 /// peer's DREP, sending the DREQ twice. A QP without a connection is only
 /// moved to ERR. (Dropping a connected QP sends the DREQ too.)
 pub fn disconnect(qp: &Qp) -> Result<(), VerbsError> {
+    if let Some(hq) = qp.hw() {
+        return hq.disconnect().map_err(VerbsError::Invalid);
+    }
     let shared = rdma_cm_device(qp.context())?;
     let mut sent = Ok(());
     if let Some((local, c)) = shared.gsi.take_connection_of(qp.qpn()) {

@@ -719,9 +719,19 @@ impl Context {
         matches!(self.inner.dev, Provider::Shm(_))
     }
 
-    /// Whether this is an iWARP device.
+    /// Whether this is an iWARP device (softrdma's, or an RNIC through
+    /// libibverbs).
     pub fn is_iwarp(&self) -> bool {
-        matches!(self.inner.dev, Provider::Iwarp(_))
+        match &self.inner.dev {
+            Provider::Iwarp(_) => true,
+            Provider::Ibverbs(d) => d.hw.iwarp,
+            _ => false,
+        }
+    }
+
+    /// The libibverbs device, for `cm`'s rdma_cm through librdmacm.
+    pub(crate) fn hw(&self) -> Option<&Arc<HwContext>> {
+        self.inner.ibverbs().map(|d| &d.hw)
     }
 
     /// The device's attributes and limits (`ibv_query_device`).
@@ -1535,6 +1545,14 @@ impl Qp {
         &self.ctx
     }
 
+    /// A libibverbs device's QP, for `cm`'s rdma_cm through librdmacm.
+    pub(crate) fn hw(&self) -> Option<&Arc<HwQp>> {
+        match &self.kind {
+            QpKind::Hw(q) => Some(q),
+            _ => None,
+        }
+    }
+
     /// The error for a verb an iWARP or shm QP doesn't take.
     fn brought_up_by_cm(&self, what: &str) -> VerbsError {
         VerbsError::Invalid(match &self.kind {
@@ -1771,7 +1789,10 @@ impl Qp {
         let used = match &self.kind {
             QpKind::Iwarp(s) => s.before.state() != QpState::Init,
             QpKind::Shm(s) => s.before.state() != QpState::Init,
-            QpKind::Roce(_) | QpKind::Hw(_) => false,
+            QpKind::Hw(q) => {
+                q.has_cm_connection() || !matches!(q.state(), QpState::Reset | QpState::Init)
+            }
+            QpKind::Roce(_) => false,
         };
         if used {
             return Err(VerbsError::Invalid(

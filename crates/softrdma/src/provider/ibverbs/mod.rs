@@ -1,14 +1,17 @@
 //! The hardware provider: rdma-core's libibverbs, loaded at run time, for
 //! RDMA NICs and the kernel's own rxe. The NIC (or kernel) is the
 //! transport: this module only turns softrdma's verbs into libibverbs
-//! calls and back. RoCE ports only (their GIDs are IPv4 addresses, as
-//! softrdma's connection helpers name peers); InfiniBand ports need LIDs
-//! and iWARP devices rdma_cm, which this provider does not do yet.
+//! calls and back. RoCE ports (their GIDs are IPv4 addresses, as
+//! softrdma's connection helpers name peers) and iWARP devices, whose QPs
+//! connect through rdma_cm ([`rdmacm`], librdmacm); InfiniBand ports need
+//! LIDs, which this provider does not do yet.
 //!
-//! Every `unsafe` block of the provider is here or in `ffi`: each calls
-//! into libibverbs on objects this module created and keeps alive.
+//! Every `unsafe` block of the provider is here, in `ffi` or in `rdmacm`:
+//! each calls into libibverbs or librdmacm on objects this provider created
+//! and keeps alive.
 
 mod ffi;
+pub(crate) mod rdmacm;
 
 use std::collections::HashMap;
 use std::ffi::{CStr, c_int, c_uint, c_void};
@@ -91,6 +94,17 @@ fn gid_type(dev: &str, index: usize) -> Option<String> {
     .map(|s| s.trim().to_string())
 }
 
+/// The first IPv4 address of the interface whose MAC address an RNIC's
+/// GID 0 holds (its first six bytes).
+fn iwarp_address(gid: &[u8; 16]) -> Option<Ipv4Addr> {
+    let mac: [u8; 6] = gid[..6].try_into().ok()?;
+    crate::provider::netdev::interfaces()
+        .ok()?
+        .into_iter()
+        .find(|d| d.mac == Some(mac))
+        .and_then(|d| d.ipv4.first().copied())
+}
+
 /// A raw pointer that the events thread may hold: the context outlives the
 /// thread (its drop joins it before closing the device).
 struct ContextPtr(*mut ibv_context);
@@ -102,9 +116,12 @@ pub(crate) struct HwContext {
     lib: &'static Lib,
     ctx: NonNull<ibv_context>,
     pub(crate) name: String,
-    /// The GID index of the port's RoCEv2 IPv4 GID, and its address.
+    /// The GID index of the port's RoCEv2 IPv4 GID, and its address (an
+    /// iWARP device: 0, and its network interface's first IPv4 address).
     pub(crate) gid_index: u8,
     pub(crate) addr: Ipv4Addr,
+    /// An iWARP device (RNIC): its QPs connect through rdma_cm only.
+    pub(crate) iwarp: bool,
     /// The GIDs up to that index.
     pub(crate) gids: Vec<[u8; 16]>,
     pub(crate) attr: ibv_device_attr,
@@ -229,18 +246,11 @@ impl HwContext {
         // An iWARP device's port says Ethernet too: its node type tells.
         let node_type = std::fs::read_to_string(format!("/sys/class/infiniband/{name}/node_type"))
             .unwrap_or_default();
-        if node_type.trim_start().starts_with("4:") {
+        let iwarp = node_type.trim_start().starts_with("4:");
+        if !iwarp && port_attr.link_layer != IBV_LINK_LAYER_ETHERNET {
             return close(
-                "it is an iWARP device (RNIC, such as siw): its QPs connect through rdma_cm, \
-                 which the ibverbs provider does not do yet (softrdma's own iWARP provider \
-                 talks to it: Device::iwarp, perf -R)"
-                    .into(),
-            );
-        }
-        if port_attr.link_layer != IBV_LINK_LAYER_ETHERNET {
-            return close(
-                "its port 1 is InfiniBand, not RoCE: the ibverbs provider speaks RoCE only so \
-                 far (InfiniBand needs LIDs)"
+                "its port 1 is InfiniBand, not RoCE: the ibverbs provider speaks RoCE and \
+                 iWARP only so far (InfiniBand needs LIDs)"
                     .into(),
             );
         }
@@ -253,6 +263,11 @@ impl HwContext {
                 break;
             }
             gids.push(gid);
+            if iwarp {
+                // An RNIC's GID 0 is its interface's MAC, zero-padded (siw).
+                ipv4 = iwarp_address(&gid).map(|a| (0, a));
+                break;
+            }
             let v4 = gid[..10].iter().all(|&b| b == 0) && gid[10..12] == [0xff, 0xff];
             if v4 && gid_type(name, i as usize).as_deref() == Some("RoCE v2") {
                 ipv4 = Some((i as u8, Ipv4Addr::new(gid[12], gid[13], gid[14], gid[15])));
@@ -260,11 +275,15 @@ impl HwContext {
             }
         }
         let Some((gid_index, addr)) = ipv4 else {
-            return close(
+            return close(if iwarp {
+                "it is an iWARP device whose network interface (the one with the MAC address \
+                 of its GID 0) has no IPv4 address, or is down"
+                    .into()
+            } else {
                 "its port has no RoCEv2 GID of an IPv4 address (is its network interface \
                  up, with an IPv4 address?)"
-                    .into(),
-            );
+                    .into()
+            });
         };
         let stop = match rustix::event::eventfd(
             0,
@@ -279,6 +298,7 @@ impl HwContext {
             name: name.to_string(),
             gid_index,
             addr,
+            iwarp,
             gids,
             attr,
             port_attr,
@@ -1133,6 +1153,11 @@ pub(crate) struct HwQp {
     /// meanwhile is destroyed only then. Held across the post, so that the
     /// ring's order is the queue's.
     ud_ahs: Mutex<std::collections::VecDeque<Arc<HwAh>>>,
+    /// Its rdma_cm connection, if it made one: ended before the QP goes.
+    cm: Mutex<Option<rdmacm::CmConnection>>,
+    /// An RNIC's QP state as this side last set or learnt it: siw's
+    /// `ibv_query_qp` reports none (its state field stays RESET).
+    rnic_state: Mutex<QpState>,
 }
 
 // SAFETY: see HwContext; posts on one QP from several threads are
@@ -1197,7 +1222,26 @@ impl HwQp {
         // SAFETY: a live PD, CQs and SRQ of its context; the attributes are
         // read and the capabilities written back.
         let qp = unsafe { (pd.ctx.lib.create_qp)(pd.pd.as_ptr(), &mut init) };
-        let qp = NonNull::new(qp).ok_or_else(|| os_error("ibv_create_qp"))?;
+        let qp = NonNull::new(qp).ok_or_else(|| {
+            let e = os_error("ibv_create_qp");
+            if std::io::Error::last_os_error().raw_os_error() != Some(libc::EINVAL) {
+                return e;
+            }
+            let dev = &pd.ctx.attr;
+            format!(
+                "{e}: the device refuses these capabilities (send_wr {}, recv_wr {}, send_sge {}, \
+                 recv_sge {}, inline {}); its limits are max_qp_wr {} and max_sge {}, and its \
+                 inline limit, which libibverbs does not report, may be lower (siw takes 80 \
+                 bytes at most)",
+                caps.max_send_wr,
+                caps.max_recv_wr,
+                caps.max_send_sge,
+                caps.max_recv_sge,
+                caps.max_inline_data,
+                dev.max_qp_wr,
+                dev.max_sge
+            )
+        })?;
         // SAFETY: the QP just created.
         let qpn = unsafe { (*qp.as_ptr()).qp_num };
         Ok(HwQp {
@@ -1218,6 +1262,8 @@ impl HwQp {
             ahs: ahs.clone(),
             modify_lock: Mutex::new(()),
             ud_ahs: Mutex::default(),
+            cm: Mutex::default(),
+            rnic_state: Mutex::new(QpState::Reset),
         })
     }
 
@@ -1250,8 +1296,13 @@ impl HwQp {
             };
         }
         let rc = self.qp_type == QpType::Rc;
+        let state = if self.pd.ctx.iwarp {
+            *self.rnic_state.lock().expect("QP state lock")
+        } else {
+            qp_state(attr.qp_state)
+        };
         QpAttr {
-            state: Some(qp_state(attr.qp_state)),
+            state: Some(state),
             pkey_index: Some(attr.pkey_index),
             port: Some(attr.port_num),
             qkey: (self.qp_type == QpType::Ud).then_some(attr.qkey),
@@ -1366,7 +1417,58 @@ impl HwQp {
                 returned_error("ibv_modify_qp", rc)
             )));
         }
+        if let Some(s) = attr.state {
+            self.note_state(s);
+        }
         Ok(())
+    }
+
+    /// A modify with attributes made elsewhere (rdma_cm's).
+    fn modify_raw(&self, attr: &mut ibv_qp_attr, mask: c_int) -> Result<(), String> {
+        let _one_at_a_time = self.modify_lock.lock().expect("modify lock");
+        // SAFETY: a live QP and attributes the call only reads.
+        let rc = unsafe { (self.pd.ctx.lib.modify_qp)(self.qp.as_ptr(), attr, mask) };
+        if rc != 0 {
+            return Err(format!(
+                "{}: {}",
+                self.pd.ctx.name,
+                returned_error("ibv_modify_qp", rc)
+            ));
+        }
+        if mask & IBV_QP_STATE != 0 {
+            self.note_state(qp_state(attr.qp_state));
+        }
+        Ok(())
+    }
+
+    /// Records an RNIC QP's state (see `rnic_state`).
+    fn note_state(&self, s: QpState) {
+        *self.rnic_state.lock().expect("QP state lock") = s;
+    }
+
+    /// Moves the QP to ERR (its work flushed).
+    pub(crate) fn to_error(&self) -> Result<(), String> {
+        let mut attr = ibv_qp_attr {
+            qp_state: qp_state_code(QpState::Err),
+            ..ibv_qp_attr::default()
+        };
+        self.modify_raw(&mut attr, IBV_QP_STATE)
+    }
+
+    /// Ends its rdma_cm connection, if it has one (the DREQ, or the TCP
+    /// close), and moves it to ERR.
+    pub(crate) fn disconnect(&self) -> Result<(), String> {
+        let cm = self.cm.lock().expect("QP cm lock").take();
+        if let Some(c) = &cm {
+            c.disconnect();
+        }
+        drop(cm);
+        self.to_error()
+    }
+
+    /// Whether it made an rdma_cm connection.
+    pub(crate) fn has_cm_connection(&self) -> bool {
+        self.cm.lock().expect("QP cm lock").is_some()
     }
 
     pub(crate) fn post_send(&self, wr: &SendWr) -> Result<(), PostError> {
@@ -1435,6 +1537,8 @@ impl HwQp {
 
 impl Drop for HwQp {
     fn drop(&mut self) {
+        // The connection first: the kernel's CM may hold the QP until then.
+        drop(self.cm.get_mut().map(Option::take));
         // SAFETY: created above, destroyed once; the CQs and SRQ it names
         // outlive it (held in the struct).
         unsafe { (self.pd.ctx.lib.destroy_qp)(self.qp.as_ptr()) };
