@@ -652,22 +652,86 @@ def ibverbs_cases():
     return out
 
 
-def ibverbs_tests_binary():
-    """Builds tests/ibverbs.rs (release) and returns its executable."""
-    r = subprocess.run(["cargo", "test", "--release", "-q", "-p", "softrdma", "--test", "ibverbs",
+def rdmacm_cases(dev):
+    """softrdma's libibverbs provider connecting through the kernel's
+    rdma_cm (librdmacm) on `dev` (siw0: iWARP, rxe0: RoCE): rping and
+    perftest -R in the same guest, in both roles; then against softrdma's
+    own iWARP or RoCEv2 on the host, every byte checked (`--verify`)."""
+    out = []
+    ours = f"--provider ibverbs -d {dev}"
+    roce = dev.startswith("rxe")
+
+    def rping(count, size):
+        c = Case(f"rping -C {count} -S {size} (softrdma rping --ibverbs {dev})",
+                 f"rping -v -V -C {count} -S {size}",
+                 f"{GUEST_BIN} rping -v -V -C {count} -S {size} --ibverbs {dev}",
+                 check=lambda o, role, n=count: rping_result(o, role, n))
+        c.in_guest = c.rping = True
+        out.append(c)
+
+    def local(test, size, iters, extra=""):
+        c = perf_case(test, size, iters, extra, rdma_cm=True)
+        c.ours = f"{GUEST_BIN} {c.ours} {ours}"
+        c.name += f" (softrdma {ours})"
+        c.in_guest = True
+        out.append(c)
+
+    def cross(test, size, iters):
+        c = perf_case(test, size, iters, "--verify", rdma_cm=True)
+        c.tool = f"{GUEST_BIN} {c.ours} {ours}"
+        c.tool_label = f"{dev}'s softrdma"
+        if roce:
+            c.ours += " --provider roce"
+        c.name = f"softrdma {ours} against softrdma's {'RoCEv2' if roce else 'iWARP'}: " \
+            f"perf {test} -R -s {size} -n {iters} --verify"
+        out.append(c)
+
+    rping(10, 64)
+    rping(3, 65535)
+    local("write-bw", 65536, 20)
+    local("read-bw", 65536, 20)
+    local("send-bw", 3000, 50)
+    local("write-lat", 64, 100)
+    local("read-lat", 64, 100)
+    local("send-lat", 64, 100)
+    if roce:
+        local("atomic-bw", None, 100)
+    cross("write-bw", 65536, 20)
+    cross("read-bw", 10000, 20)
+    cross("send-bw", 3000, 50)
+    return out
+
+
+def test_binary(name):
+    """Builds tests/NAME.rs (release) and returns its executable."""
+    r = subprocess.run(["cargo", "test", "--release", "-q", "-p", "softrdma", "--test", name,
                         "--no-run", "--message-format=json"], cwd=REPO, check=True,
                        capture_output=True, text=True)
     for line in r.stdout.splitlines():
         m = json.loads(line)
         if m.get("reason") == "compiler-artifact" and m.get("executable") \
-                and m["target"]["name"] == "ibverbs":
+                and m["target"]["name"] == name:
             return m["executable"]
-    raise RuntimeError("cargo built no tests/ibverbs.rs executable")
+    raise RuntimeError(f"cargo built no tests/{name}.rs executable")
+
+
+def run_cm_tests(guest, dev):
+    """tests/ibverbs_cm.rs's device tests (rdma_cm through librdmacm) on
+    `dev` in the guest."""
+    job = f"ibverbs_cm_tests_{dev}"
+    guest.start(job, f"SOFTRDMA_IBVERBS_DEV={dev} /mnt/share/ibverbs-cm-tests --ignored "
+                "--test-threads=1")
+    rc, out = guest.wait(job, 300)
+    m = re.search(r"test result: ok\. (\d+) passed; 0 failed", out)
+    if rc != 0 or not m or int(m.group(1)) == 0:
+        return f"exit status {rc}:\n{out}"
+    return None
 
 
 def run_ibverbs_tests(guest):
     """tests/ibverbs.rs's device tests, then `softrdma demo` (every RC
-    operation from 1 B to 1 MiB, verified), in the guest on rxe0."""
+    operation from 1 B to 1 MiB, verified), then tests/ibverbs_cm.rs's, in
+    the guest on rxe0."""
     job = "ibverbs_tests"
     guest.start(job, "SOFTRDMA_IBVERBS_DEV=rxe0 /mnt/share/ibverbs-tests --ignored "
                 "--test-threads=1")
@@ -681,27 +745,21 @@ def run_ibverbs_tests(guest):
     if rc != 0 or not re.search(r"^all \d+ operations verified$", out, re.M) \
             or "rxe0 (libibverbs)" not in out:
         return f"softrdma demo --ibverbs rxe0: exit status {rc}:\n{out}"
-    return None
-
-
-def run_siw_refused(guest):
-    """softrdma's libibverbs provider refuses siw0 as an iWARP device (it
-    would need rdma_cm), saying so, rather than with a misleading error."""
-    job = "ibverbs_refuses_siw"
-    guest.start(job, f"{GUEST_BIN} perf write-bw {IBVERBS.replace('rxe0', 'siw0')}")
-    rc, out = guest.wait(job, 60)
-    if rc != 1 or "siw0: it is an iWARP device" not in out:
-        return f"exit status {rc}, expected 1 and the iWARP refusal:\n{out}"
-    return None
+    return run_cm_tests(guest, "rxe0")
 
 
 def run_guest_pair(guest, case, port, ours_is_server, job):
-    """softrdma and the tool both in the guest, on rxe0."""
+    """softrdma and the tool both in the guest, on one device."""
     server, client = (case.ours, case.tool) if ours_is_server else (case.tool, case.ours)
-    err = guest_server(guest, job + "_s", f"{server} -p {port}", port)
+    if getattr(case, "rping", False):
+        server = f"{server} -s -a {GUEST_IP} -p {port}"
+        client = f"{client} -c -a {GUEST_IP} -p {port}"
+    else:
+        server, client = f"{server} -p {port}", f"{client} -p {port} {GUEST_IP}"
+    err = guest_server(guest, job + "_s", server, port)
     if err:
         return err
-    guest.start(job + "_c", f"{client} -p {port} {GUEST_IP}")
+    guest.start(job + "_c", client)
     rc_c, out_c = guest.wait(job + "_c", case.timeout)
     rc_s, out_s = guest.wait(job + "_s", case.timeout)
     problems = []
@@ -978,16 +1036,17 @@ def main():
     variants = [
         ("rxe1500", {}, cases()[0]),
         ("rxe4200", {"MTU": "4200"}, cases(True)[0]),
-        ("siw", {"LINKS": "siw"}, siw_cases()),
+        ("siw", {"LINKS": "siw"}, siw_cases() + rdmacm_cases("siw0")),
         ("siwcrc", {"LINKS": "siw", "SIW_CRC": "1"}, siw_cases()),
-        ("ibverbs", {}, ibverbs_cases()),
+        ("ibverbs", {}, ibverbs_cases() + rdmacm_cases("rxe0")),
     ]
     if args.list:
         for v, _, cs in variants:
             if v == "ibverbs":
-                print(f"{v}: ibverbs tests (tests/ibverbs.rs and softrdma demo, on rxe0)")
+                print(f"{v}: ibverbs tests (tests/ibverbs.rs, softrdma demo and "
+                      "tests/ibverbs_cm.rs, on rxe0)")
             if v == "siw":
-                print(f"{v}: ibverbs on siw (refused as an iWARP device)")
+                print(f"{v}: ibverbs rdma_cm tests (tests/ibverbs_cm.rs, on siw0)")
             for c in cs:
                 print(f"{v}: {c.name}")
         return 0
@@ -1007,35 +1066,41 @@ def main():
         if args.variant and not re.search(args.variant, vname):
             continue
         cs = [c for c in cs if not args.only or re.search(args.only, c.name)]
-        # The ibverbs variant also runs tests/ibverbs.rs in its guest.
+        # The ibverbs variant also runs tests/ibverbs.rs and ibverbs_cm.rs in
+        # its guest, the siw variant tests/ibverbs_cm.rs.
         tests = vname == "ibverbs" and (not args.only or re.search(args.only, "ibverbs tests"))
-        if not cs and not tests and not (vname == "siw" and args.only
-                                          and re.search(args.only, "ibverbs on siw")):
+        cm_tests = vname == "siw" and (not args.only
+                                       or re.search(args.only, "ibverbs rdma_cm tests"))
+        if not cs and not tests and not cm_tests:
             continue
         guest = Guest(harness, vname, env)
-        siw_check = vname == "siw" and (not args.only or re.search(args.only, "ibverbs on siw"))
-        if vname == "ibverbs" or siw_check:
+        if tests or cm_tests or any(getattr(c, "in_guest", False) or GUEST_BIN in c.tool
+                                    for c in cs):
             # softrdma runs in the guest (bookworm's glibc on both sides).
             shutil.copy(REPO / "target/release/softrdma", guest.share / "softrdma")
-        if vname == "ibverbs":
-            shutil.copy(ibverbs_tests_binary(), guest.share / "ibverbs-tests")
+        if tests:
+            shutil.copy(test_binary("ibverbs"), guest.share / "ibverbs-tests")
+        if tests or cm_tests:
+            shutil.copy(test_binary("ibverbs_cm"), guest.share / "ibverbs-cm-tests")
         t = time.time()
         guest.boot()
         log(f"{vname}: guest up in {time.time() - t:.0f} s")
         try:
-            if siw_check:
-                err = run_siw_refused(guest)
-                log(f"{vname}: ibverbs on siw0 refused as iWARP {'ok' if err is None else 'FAIL'}")
+            if cm_tests:
+                t = time.time()
+                err = run_cm_tests(guest, "siw0")
+                log(f"{vname}: tests/ibverbs_cm.rs on siw0 {'ok' if err is None else 'FAIL'} "
+                    f"({time.time() - t:.1f} s)")
                 if err:
-                    failures.append(f"{vname}: ibverbs on siw0: {err}")
+                    failures.append(f"{vname}: tests/ibverbs_cm.rs: {err}")
                     print(f"\nFAILED {failures[-1]}", flush=True)
                 else:
                     passed += 1
             if tests:
                 t = time.time()
                 err = run_ibverbs_tests(guest)
-                log(f"{vname}: tests/ibverbs.rs and the demo on rxe0 {'ok' if err is None else 'FAIL'} "
-                    f"({time.time() - t:.1f} s)")
+                log(f"{vname}: tests/ibverbs.rs, the demo and tests/ibverbs_cm.rs on rxe0 "
+                    f"{'ok' if err is None else 'FAIL'} ({time.time() - t:.1f} s)")
                 if err:
                     port += 1
                     after, reboot = guest_aftermath(guest, port)

@@ -73,6 +73,11 @@ pub struct RpingArgs {
     /// connection manager) instead of iWARP.
     #[arg(long)]
     pub roce: bool,
+    /// On this libibverbs device (siw0, rxe0, an RDMA NIC) instead of
+    /// softrdma's own, connecting through the kernel's rdma_cm (librdmacm):
+    /// iWARP or RoCE as the device is.
+    #[arg(long, value_name = "DEV", conflicts_with_all = ["roce", "crc"])]
+    pub ibverbs: Option<String>,
     /// Fault injection for the interop suite's error case: a client
     /// advertises a wrong rkey for its start buffer (the peer's READ fails),
     /// a server WRITEs with a wrong rkey. Prints the Terminates and fails.
@@ -172,9 +177,9 @@ impl Side {
                 max_inline_data: 0,
             }))
             .map_err(e)?;
-        if !ctx.is_iwarp() {
+        if !ctx.is_iwarp() || ctx.is_ibverbs() {
             // As rdma_create_qp leaves it: in INIT, taking receives before
-            // the connection.
+            // the connection (softrdma's iWARP QPs take them as they are).
             qp.modify(
                 &QpAttr {
                     state: Some(QpState::Init),
@@ -265,6 +270,16 @@ impl Side {
     }
 }
 
+/// The libibverbs device `name`, whose address must be `ip` (or 0.0.0.0).
+fn open_ibverbs(name: &str, ip: Ipv4Addr) -> Result<Context, String> {
+    let ctx = Device::ibverbs(name).open().map_err(|e| e.to_string())?;
+    let mine = *ctx.local_addr().ip();
+    if !ip.is_unspecified() && ip != mine {
+        return Err(format!("{name} has the address {mine}, not {ip}"));
+    }
+    Ok(ctx)
+}
+
 /// The device at `ip`: iWARP, or RoCEv2 on UDP port 4791.
 fn open(ip: Ipv4Addr, roce: bool) -> Result<Context, String> {
     let dev = if roce {
@@ -284,16 +299,20 @@ fn server(a: &RpingArgs) -> Result<(), String> {
     let e = |e: VerbsError| e.to_string();
     // The listener's device; each connection's QP has a device of its own
     // on iWARP, and shares this one on RoCE (one device per address).
-    let probe = open(a.addr, a.roce)?;
-    let listener = if a.roce {
+    // A libibverbs device serves every connection, as RoCE's does.
+    let probe = match &a.ibverbs {
+        Some(name) => open_ibverbs(name, a.addr)?,
+        None => open(a.addr, a.roce)?,
+    };
+    let listener = if !probe.is_iwarp() {
         Listening::Roce(roce::Listener::bind(&probe, a.port).map_err(e)?)
     } else {
         Listening::Iwarp(Listener::bind(&probe, a.port).map_err(e)?)
     };
     loop {
         let side = match &listener {
-            Listening::Roce(_) => Side::on(&probe, a.size)?,
-            Listening::Iwarp(_) => Side::new(a.addr, a.size, false)?,
+            Listening::Iwarp(_) if !probe.is_ibverbs() => Side::new(a.addr, a.size, false)?,
+            _ => Side::on(&probe, a.size)?,
         };
         side.post_recv()?;
         let accepted = match &listener {
@@ -453,14 +472,23 @@ fn ping_data(ping: u64, start: u8, size: usize) -> Vec<u8> {
 }
 
 fn client(a: &RpingArgs) -> Result<(), String> {
-    let source = match a.source {
-        Some(s) => s,
-        None => crate::device::route_to(a.addr)?,
+    let side = match &a.ibverbs {
+        Some(name) => Side::on(
+            &open_ibverbs(name, a.source.unwrap_or(Ipv4Addr::UNSPECIFIED))?,
+            a.size,
+        )?,
+        None => {
+            let source = match a.source {
+                Some(s) => s,
+                None => crate::device::route_to(a.addr)?,
+            };
+            Side::new(source, a.size, a.roce)?
+        }
     };
-    let side = Side::new(source, a.size, a.roce)?;
     side.post_recv()?;
     let to = SocketAddrV4::new(a.addr, a.port);
-    if a.roce {
+    let roce = !side.qp.context().is_iwarp();
+    if roce {
         roce::connect(&side.qp, to, &[], &rc_options()).map_err(|e| e.to_string())?;
     } else {
         iwarp::connect(&side.qp, to, &mpa_config(a)).map_err(|e| e.to_string())?;
@@ -498,7 +526,7 @@ fn client(a: &RpingArgs) -> Result<(), String> {
     // seen once in the CI's runs. rping's server waits for this side's
     // disconnect, so there is nothing to wait for but a moment.
     std::thread::sleep(std::time::Duration::from_millis(100));
-    if a.roce {
+    if roce {
         // rping's server ends at this side's DREQ.
         roce::disconnect(&side.qp).map_err(|e| e.to_string())?;
     }

@@ -1367,15 +1367,30 @@ fn ibverbs_devices_are_named_and_checked() {
     assert_refused(
         &[
             "perf",
-            "write-bw",
+            "send-bw",
             "--provider",
             "ibverbs",
             "-d",
             "rxe0",
             "-R",
+            "-c",
+            "UD",
         ],
         1,
-        "rdma_cm (-R) is not implemented",
+        "no rdma_cm UD mode",
+    );
+    assert_refused(
+        &[
+            "rping",
+            "-s",
+            "-a",
+            "127.0.0.1",
+            "--ibverbs",
+            "rxe0",
+            "--roce",
+        ],
+        2,
+        "cannot be used with",
     );
     assert_refused(
         &[
@@ -1401,6 +1416,16 @@ fn ibverbs_devices_are_named_and_checked() {
             "127.0.0.1",
         ],
         &["demo", "--ibverbs", "nosuch0"],
+        &["rping", "-s", "-a", "127.0.0.1", "--ibverbs", "nosuch0"],
+        &[
+            "perf",
+            "write-bw",
+            "--provider",
+            "ibverbs",
+            "-d",
+            "nosuch0",
+            "-R",
+        ],
     ] {
         let o = Command::new(env!("CARGO_BIN_EXE_softrdma"))
             .args(args)

@@ -325,8 +325,11 @@ fn config(a: &PerfArgs) -> Result<Config, String> {
         );
     }
     let provider = provider(a);
-    let rdma_cm = a.rdma_cm || provider == ProviderKind::Iwarp;
-    let roce_cm = rdma_cm && provider == ProviderKind::Roce;
+    // An RNIC (siw) connects through rdma_cm only, as iWARP does here.
+    let rnic =
+        provider == ProviderKind::Ibverbs && a.dev.as_deref().is_some_and(crate::device::is_rnic);
+    let rdma_cm = a.rdma_cm || provider == ProviderKind::Iwarp || rnic;
+    let roce_cm = rdma_cm && !rnic && provider != ProviderKind::Iwarp;
     let shm = provider == ProviderKind::Shm;
     if a.busy_poll && shm {
         return Err(
@@ -349,11 +352,9 @@ fn config(a: &PerfArgs) -> Result<Config, String> {
                     .into(),
             );
         }
-        if a.rdma_cm {
+        if rdma_cm && ud {
             return Err(
-                " --provider ibverbs connects by the TCP exchange; rdma_cm (-R) is \
-                        not implemented for it"
-                    .into(),
+                " -R with -c UD: --provider ibverbs has no rdma_cm UD mode yet (RC only)".into(),
             );
         }
         if a.shared_port || a.pcap.is_some() {
@@ -700,7 +701,7 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
     }
     .map_err(|e| e.to_string())?;
     let port = ctx.query_port();
-    if ibverbs {
+    if ibverbs && !ctx.is_iwarp() {
         crate::device::check_ibverbs_gid(
             "-x",
             a.gid,
@@ -708,10 +709,15 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
             port.gids.len(),
         )?;
     }
-    let gid = *port
-        .gids
-        .get(a.gid)
-        .ok_or(format!("-x {}: the device has no such GID index", a.gid))?;
+    // An RNIC's GID (its MAC) names nothing rdma_cm uses.
+    let gid = if ibverbs && ctx.is_iwarp() {
+        port.gids.first().copied().unwrap_or_default()
+    } else {
+        *port
+            .gids
+            .get(a.gid)
+            .ok_or(format!("-x {}: the device has no such GID index", a.gid))?
+    };
     let mtu = match a.mtu {
         Some(m) => Mtu::from_bytes(m).ok_or(format!(
             "-m {m}: the MTU must be 256, 512, 1024, 2048 or 4096"
@@ -843,7 +849,8 @@ fn run_inner(a: &PerfArgs) -> Result<(), String> {
                 },
             }))
             .map_err(|e| e.to_string())?;
-        if cfg.roce_cm {
+        // A device's QP (not softrdma's iWARP one) takes receives in INIT.
+        if cfg.roce_cm || (cfg.cm && ibverbs) {
             if cfg.ud {
                 // As rdma_create_qp readies a UD QP: it can take the
                 // handshake's receive before SIDR answers.

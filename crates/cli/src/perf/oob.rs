@@ -205,7 +205,8 @@ impl Control {
                 max_inline_data: 0,
             }))
             .map_err(e)?;
-        if !ctx.is_iwarp() {
+        // softrdma's iWARP QPs take receives as they are; a device's in INIT.
+        if !ctx.is_iwarp() || ctx.is_ibverbs() {
             super::to_init(&qp)?;
         }
         let c = Control {
