@@ -39,8 +39,9 @@ impl Chosen {
 /// Whether libibverbs device `name` is an RNIC (iWARP, such as siw): its
 /// node type in sysfs says 4.
 pub fn is_rnic(name: &str) -> bool {
-    std::fs::read_to_string(format!("/sys/class/infiniband/{name}/node_type"))
-        .is_ok_and(|t| t.trim_start().starts_with("4:"))
+    !name.contains('/')
+        && std::fs::read_to_string(format!("/sys/class/infiniband/{name}/node_type"))
+            .is_ok_and(|t| t.trim_start().starts_with("4:"))
 }
 
 /// A libibverbs device's QPs send from its RoCEv2 IPv4 GID, the last of

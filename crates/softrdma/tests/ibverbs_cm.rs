@@ -57,6 +57,16 @@ fn side(ctx: &Context) -> Side {
     }
 }
 
+/// The listener's READ depths on RoCE (the client offers the default 16):
+/// its QP's are these, and the client's follow the REP.
+fn listener_depths() -> RcOptions {
+    RcOptions {
+        max_rd_atomic: 2,
+        max_dest_rd_atomic: 4,
+        ..RcOptions::default()
+    }
+}
+
 /// The listener of either kind, on `ctx`'s address.
 enum Listening {
     Roce(roce::Listener),
@@ -85,7 +95,7 @@ impl Listening {
                 let mut seen = Vec::new();
                 l.accept(
                     qp,
-                    &RcOptions::default(),
+                    &listener_depths(),
                     |r| {
                         seen = r.private_data.clone();
                         if reject {
@@ -189,6 +199,18 @@ fn rdma_cm_connects_qps_that_then_write_read_and_send() {
     });
     wait_state(&a.qp, QpState::Rts);
     wait_state(&b.qp, QpState::Rts);
+    if !ctx.is_iwarp() {
+        // The READ depths the REP announced, on both QPs.
+        let (qa, qb) = (a.qp.query(), b.qp.query());
+        assert_eq!(
+            (qb.max_dest_rd_atomic, qb.max_rd_atomic),
+            (Some(4), Some(2))
+        );
+        assert_eq!(
+            (qa.max_rd_atomic, qa.max_dest_rd_atomic),
+            (Some(4), Some(2))
+        );
+    }
     let data: Vec<u8> = (0..4096u32).map(|i| (i * 13 + 5) as u8).collect();
     a.mr.write(0, &data).unwrap();
     // WRITE into b, READ it back into a's second page, SEND it to b's receive.

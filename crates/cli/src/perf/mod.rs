@@ -352,7 +352,7 @@ fn config(a: &PerfArgs) -> Result<Config, String> {
                     .into(),
             );
         }
-        if rdma_cm && ud {
+        if rdma_cm && ud && !rnic {
             return Err(
                 " -R with -c UD: --provider ibverbs has no rdma_cm UD mode yet (RC only)".into(),
             );
@@ -380,6 +380,13 @@ fn config(a: &PerfArgs) -> Result<Config, String> {
         return Err(
             " -R over RoCE needs the device of its own on UDP port 4791 (no --shared-port)".into(),
         );
+    }
+    if rnic && (verb == Verb::Atomic || ud) {
+        let dev = a.dev.as_deref().unwrap_or_default();
+        return Err(format!(
+            " {dev} is an iWARP device (RNIC): it has no {} (run them on a RoCE device)",
+            if ud { "UD QPs" } else { "atomics" }
+        ));
     }
     if rdma_cm && !roce_cm {
         if verb == Verb::Atomic {

@@ -55,6 +55,9 @@ fn cm_params(cfg: &MpaConfig) -> CmParams {
         retry_count: 7,
         rnr_retry_count: 7,
         access: Access::REMOTE_WRITE | Access::REMOTE_READ,
+        // iWARP has no ACK timeout or RNR: TCP's.
+        timeout: None,
+        min_rnr_timer: None,
     }
 }
 
@@ -86,7 +89,9 @@ fn cm_error(to: SocketAddrV4, e: CmFailure) -> ConnectError {
             to: to.into(),
             source: std::io::ErrorKind::ConnectionRefused.into(),
         },
-        // iw_cm's REJECTED: the peer's MPA Reply said no.
+        // iw_cm's REJECTED: the peer's MPA Reply said no. (siw reports a
+        // reject as ECONNRESET, as it would a TCP reset during the MPA
+        // exchange: the two read alike.)
         CmFailure::Rejected { private_data, .. } => MpaError::Rejected { private_data }.into(),
         CmFailure::Other(s) => ConnectError::Rdmacm(s),
     }

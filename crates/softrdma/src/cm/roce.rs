@@ -90,6 +90,8 @@ fn cm_params(o: &RcOptions, private_data: &[u8]) -> CmParams {
         retry_count: o.retry_cnt,
         rnr_retry_count: o.rnr_retry,
         access: o.access,
+        timeout: Some(o.timeout),
+        min_rnr_timer: Some(o.min_rnr_timer),
     }
 }
 
@@ -898,8 +900,10 @@ fn to_error(qp: &Qp) {
 
 /// Disconnects `qp`'s rdma_cm connection: a DREQ to the peer, then the QP
 /// to ERR (its outstanding work flushed). Waits up to a second for the
-/// peer's DREP, sending the DREQ twice. A QP without a connection is only
-/// moved to ERR. (Dropping a connected QP sends the DREQ too.)
+/// peer's DREP, sending the DREQ twice (a libibverbs device's kernel CM
+/// sends and repeats it on its own: this returns at once). A QP without a
+/// connection is only moved to ERR. (Dropping a connected QP sends the DREQ
+/// too.)
 pub fn disconnect(qp: &Qp) -> Result<(), VerbsError> {
     if let Some(hq) = qp.hw() {
         return hq.disconnect().map_err(VerbsError::Invalid);

@@ -1223,8 +1223,9 @@ impl HwQp {
         // read and the capabilities written back.
         let qp = unsafe { (pd.ctx.lib.create_qp)(pd.pd.as_ptr(), &mut init) };
         let qp = NonNull::new(qp).ok_or_else(|| {
-            let e = os_error("ibv_create_qp");
-            if std::io::Error::last_os_error().raw_os_error() != Some(libc::EINVAL) {
+            let errno = std::io::Error::last_os_error();
+            let e = format!("ibv_create_qp: {errno}");
+            if errno.raw_os_error() != Some(libc::EINVAL) {
                 return e;
             }
             let dev = &pd.ctx.attr;
@@ -1538,7 +1539,12 @@ impl HwQp {
 impl Drop for HwQp {
     fn drop(&mut self) {
         // The connection first: the kernel's CM may hold the QP until then.
-        drop(self.cm.get_mut().map(Option::take));
+        drop(
+            self.cm
+                .get_mut()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take(),
+        );
         // SAFETY: created above, destroyed once; the CQs and SRQ it names
         // outlive it (held in the struct).
         unsafe { (self.pd.ctx.lib.destroy_qp)(self.qp.as_ptr()) };

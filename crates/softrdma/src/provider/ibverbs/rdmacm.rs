@@ -7,9 +7,9 @@
 //! `rdma_init_qp_attr` gives (and sends the RTU with `rdma_establish`); on
 //! iWARP it moves it to INIT and the kernel's iw_cm takes it to RTS. Each
 //! connection keeps its rdma_cm_id, on an event channel of its own, for as
-//! long as its QP lives, and a thread that moves the QP to ERR when the peer
-//! disconnects (the kernel answers the peer's DREQ, but does not touch a QP
-//! it was not given).
+//! long as its QP lives, and a thread that answers the peer's disconnect
+//! (`rdma_disconnect`: the DREP on RoCE) and moves the QP to ERR, which the
+//! kernel does not do to a QP it was not given.
 
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::net::{Ipv4Addr, SocketAddrV4};
@@ -18,7 +18,10 @@ use std::ptr::NonNull;
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use super::ffi::{IBV_QP_ACCESS_FLAGS, ibv_context, ibv_qp_attr};
+use super::ffi::{
+    IBV_QP_ACCESS_FLAGS, IBV_QP_MAX_DEST_RD_ATOMIC, IBV_QP_MAX_QP_RD_ATOMIC, IBV_QP_MIN_RNR_TIMER,
+    IBV_QP_TIMEOUT, ibv_context, ibv_qp_attr,
+};
 use super::{HwContext, HwQp, qp_state_code, set_nonblocking};
 use crate::engine::qp::QpState;
 use crate::memory::Access;
@@ -67,14 +70,7 @@ struct rdma_cm_event {
     conn: rdma_conn_param,
 }
 
-/// `struct sockaddr_in`.
-#[repr(C)]
-struct sockaddr_in {
-    family: u16,
-    port_be: u16,
-    addr: [u8; 4],
-    zero: [u8; 8],
-}
+use libc::sockaddr_in;
 
 const AF_INET: u16 = libc::AF_INET as u16;
 const RDMA_PS_TCP: c_int = 0x0106;
@@ -90,9 +86,15 @@ const DEVICE_REMOVAL: c_uint = 11;
 
 /// How long address and route resolution may take (as rping's 2 s).
 const RESOLVE_MS: c_int = 2000;
-/// How long a connection's exchange may take once started: the kernel's
-/// CM retries and gives up well within this.
-const EXCHANGE_LIMIT: Duration = Duration::from_secs(60);
+/// How long a connection's exchange may take once started. On RoCE the
+/// kernel's CM sends a REQ or REP 16 times some 4.6 s apart before it gives
+/// up itself (about 70 s); this is a bound beyond that. (siw makes its TCP
+/// connection inside `rdma_connect`, which a host that never answers holds
+/// for TCP's SYN retries, about two minutes.)
+const EXCHANGE_LIMIT: Duration = Duration::from_secs(90);
+/// The most private data a REJ carries (IB CM; MPA's reject carries up to
+/// 255 through librdmacm).
+const REJ_PRIVATE_DATA_MAX: usize = 148;
 /// rdma_listen's backlog.
 const BACKLOG: c_int = 64;
 
@@ -193,10 +195,12 @@ fn os_error(what: &str) -> String {
 
 fn sockaddr(a: SocketAddrV4) -> sockaddr_in {
     sockaddr_in {
-        family: AF_INET,
-        port_be: a.port().to_be(),
-        addr: a.ip().octets(),
-        zero: [0; 8],
+        sin_family: AF_INET,
+        sin_port: a.port().to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from_ne_bytes(a.ip().octets()),
+        },
+        sin_zero: [0; 8],
     }
 }
 
@@ -338,18 +342,23 @@ impl Drop for Channel {
     }
 }
 
-/// An rdma_cm_id on an event channel of its own.
+/// An rdma_cm_id on an event channel of its own (shared with a connection's
+/// watcher, which may outlive the id by a moment).
 struct CmId {
     id: NonNull<rdma_cm_id>,
-    channel: Channel,
+    channel: Arc<Channel>,
 }
 
-// SAFETY: librdmacm's calls on an id may come from any thread; the id is
-// used by one thread at a time (its owner, or the watcher while the owner
-// only holds it).
+// SAFETY: librdmacm's calls are thread-safe: an id and its channel may be
+// used from several threads at once (a disconnect beside the watcher's
+// wait for events, accepts on one listener's channel).
 unsafe impl Send for CmId {}
 // SAFETY: as above.
 unsafe impl Sync for CmId {}
+// SAFETY: as above.
+unsafe impl Send for Channel {}
+// SAFETY: as above.
+unsafe impl Sync for Channel {}
 
 impl CmId {
     fn new() -> Result<CmId, String> {
@@ -369,7 +378,10 @@ impl CmId {
             return Err(os_error("rdma_create_id"));
         }
         let id = NonNull::new(id).ok_or("rdma_create_id gave no id")?;
-        Ok(CmId { id, channel })
+        Ok(CmId {
+            id,
+            channel: Arc::new(channel),
+        })
     }
 
     /// Takes `id` (a connect request's, on a listener's channel) onto a
@@ -392,7 +404,10 @@ impl CmId {
             unsafe { (lib.destroy_id)(id.as_ptr()) };
             return Err(e);
         }
-        Ok(CmId { id, channel })
+        Ok(CmId {
+            id,
+            channel: Arc::new(channel),
+        })
     }
 
     fn lib(&self) -> &'static CmLib {
@@ -438,7 +453,10 @@ impl CmId {
     /// error (a rejection as [`CmFailure::Rejected`]).
     fn expect(&self, want: c_uint, deadline: Instant, doing: &str) -> Result<Event, CmFailure> {
         match self.channel.next(Some(deadline), None)? {
-            None => Err(CmFailure::Other(format!("no rdma_cm event while {doing}"))),
+            None => Err(CmFailure::Other(format!(
+                "no answer within {} s while {doing}",
+                EXCHANGE_LIMIT.as_secs()
+            ))),
             Some(e) if e.kind == want => Ok(e),
             Some(e) if e.kind == REJECTED => Err(CmFailure::Rejected {
                 status: e.status,
@@ -452,9 +470,14 @@ impl CmId {
         }
     }
 
-    /// Moves `qp` to `state` with the attributes rdma_cm gives for it;
-    /// `access` replaces its remote access at INIT.
-    fn qp_to(&self, qp: &HwQp, state: QpState, access: Option<Access>) -> Result<(), String> {
+    /// Moves `qp` to `state` with the attributes rdma_cm gives for it, as
+    /// `tweak` changes them (a field the mask names).
+    fn qp_to(
+        &self,
+        qp: &HwQp,
+        state: QpState,
+        tweak: impl FnOnce(&mut ibv_qp_attr, &mut c_int),
+    ) -> Result<(), String> {
         let mut attr = ibv_qp_attr {
             qp_state: qp_state_code(state),
             ..ibv_qp_attr::default()
@@ -468,10 +491,7 @@ impl CmId {
                 std::io::Error::last_os_error()
             ));
         }
-        if let Some(a) = access {
-            attr.qp_access_flags = a.bits();
-            mask |= IBV_QP_ACCESS_FLAGS;
-        }
+        tweak(&mut attr, &mut mask);
         qp.modify_raw(&mut attr, mask)
     }
 }
@@ -497,6 +517,10 @@ pub(crate) struct CmParams {
     pub rnr_retry_count: u8,
     /// The QP's remote access.
     pub access: Access,
+    /// RoCE: the local ACK timeout and the RNR timer this side asks for
+    /// (None: rdma_cm's).
+    pub timeout: Option<u8>,
+    pub min_rnr_timer: Option<u8>,
 }
 
 /// What a connection learnt of its peer.
@@ -519,6 +543,17 @@ pub(crate) struct CmRequest {
     pub private_data: Vec<u8>,
     pub responder_resources: u8,
     pub initiator_depth: u8,
+}
+
+/// `p`'s READ depths within the device's limits (librdmacm refuses more
+/// with a bare EINVAL).
+fn within_device(ctx: &HwContext, p: &CmParams) -> CmParams {
+    let limit = |n: c_int| u8::try_from(n.max(1)).unwrap_or(u8::MAX);
+    CmParams {
+        responder_resources: p.responder_resources.min(limit(ctx.attr.max_qp_rd_atom)),
+        initiator_depth: p.initiator_depth.min(limit(ctx.attr.max_qp_init_rd_atom)),
+        ..p.clone()
+    }
 }
 
 fn conn_param(p: &CmParams, qp: &HwQp, pd: &[u8]) -> Result<rdma_conn_param, String> {
@@ -553,17 +588,70 @@ fn check_device(id: &CmId, ctx: &HwContext, addr: SocketAddrV4) -> Result<(), St
     }
 }
 
-/// Brings `qp` to INIT (from RESET; INIT stays) with `access`.
+/// Brings `qp` (RESET, or INIT with receives posted) to INIT with rdma_cm's
+/// attributes and `access`, as librdmacm does again before RTR.
 fn to_init(id: &CmId, qp: &HwQp, access: Access) -> Result<(), String> {
     if qp.qp_type != crate::engine::qp::QpType::Rc {
         return Err("rdma_cm here connects RC QPs only".into());
     }
     match qp.state() {
-        QpState::Reset => id.qp_to(qp, QpState::Init, Some(access)),
-        QpState::Init => Ok(()),
+        QpState::Reset | QpState::Init => id.qp_to(qp, QpState::Init, |a, mask| {
+            a.qp_access_flags = access.bits();
+            *mask |= IBV_QP_ACCESS_FLAGS;
+        }),
         s => Err(format!(
             "the QP is in {s:?}: rdma_cm connects a new QP (RESET, or INIT with receives posted)"
         )),
+    }
+}
+
+/// RoCE: `qp` to RTR and RTS with rdma_cm's attributes, the READ depths
+/// this side announced (None: rdma_cm's) and `p`'s timers.
+fn to_rts(id: &CmId, qp: &HwQp, p: &CmParams, depths: Option<(u8, u8)>) -> Result<(), String> {
+    id.qp_to(qp, QpState::Rtr, |a, mask| {
+        if let Some((serves, _)) = depths {
+            a.max_dest_rd_atomic = serves;
+            *mask |= IBV_QP_MAX_DEST_RD_ATOMIC;
+        }
+        if let Some(t) = p.min_rnr_timer {
+            a.min_rnr_timer = t;
+            *mask |= IBV_QP_MIN_RNR_TIMER;
+        }
+    })?;
+    id.qp_to(qp, QpState::Rts, |a, mask| {
+        if let Some((_, issues)) = depths {
+            a.max_rd_atomic = issues;
+            *mask |= IBV_QP_MAX_QP_RD_ATOMIC;
+        }
+        if let Some(t) = p.timeout {
+            a.timeout = t;
+            *mask |= IBV_QP_TIMEOUT;
+        }
+    })
+}
+
+/// How far a failed attempt got with the QP.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Reached {
+    /// Nothing the kernel or the QP's state remembers.
+    Nothing,
+    /// RoCE: the QP left INIT (RTR or RTS, with no connection).
+    Moved,
+    /// iWARP: the kernel took the QP (`rdma_connect` or `rdma_accept`
+    /// returned), and siw refuses it another attempt.
+    Handed,
+}
+
+/// Leaves a QP whose attempt failed as it can be used: back in INIT it was
+/// never moved; moved or handed, in ERR (as librdmacm does), so that it is
+/// not connected again.
+fn after_failure(qp: &HwQp, reached: Reached) {
+    match reached {
+        Reached::Nothing => {}
+        Reached::Moved => {
+            let _ = qp.to_error();
+        }
+        Reached::Handed => qp.note_state(QpState::Err),
     }
 }
 
@@ -574,12 +662,10 @@ pub(crate) fn connect(
     to: SocketAddrV4,
     p: &CmParams,
 ) -> Result<CmOutcome, CmFailure> {
-    let mut handed = false;
-    let out = try_connect(ctx, qp, to, p, &mut handed);
-    // An RNIC keeps a QP whose connection failed after the kernel took it
-    // (siw refuses it another attempt): it is not to be connected again.
-    if out.is_err() && handed && ctx.iwarp {
-        qp.note_state(QpState::Err);
+    let mut reached = Reached::Nothing;
+    let out = try_connect(ctx, qp, to, &within_device(ctx, p), &mut reached);
+    if out.is_err() {
+        after_failure(qp, reached);
     }
     out
 }
@@ -589,7 +675,7 @@ fn try_connect(
     qp: &Arc<HwQp>,
     to: SocketAddrV4,
     p: &CmParams,
-    handed: &mut bool,
+    reached: &mut Reached,
 ) -> Result<CmOutcome, CmFailure> {
     let id = CmId::new()?;
     let lib = id.lib();
@@ -617,8 +703,8 @@ fn try_connect(
         }
         return Err(os_error(&format!("rdma_connect {to}")).into());
     }
-    *handed = true;
     let event = if ctx.iwarp {
+        *reached = Reached::Handed;
         let e = id.expect(ESTABLISHED, deadline, "connecting")?;
         // The kernel's iw_cm took the QP to RTS.
         qp.note_state(QpState::Rts);
@@ -626,8 +712,8 @@ fn try_connect(
     } else {
         // No QP on the id: the QP's moves and the RTU are this side's.
         let e = id.expect(CONNECT_RESPONSE, deadline, "connecting")?;
-        id.qp_to(qp, QpState::Rtr, None)?;
-        id.qp_to(qp, QpState::Rts, None)?;
+        *reached = Reached::Moved;
+        to_rts(&id, qp, p, None)?;
         // SAFETY: a live id whose REP came.
         if unsafe { (lib.establish)(id.ptr()) } != 0 {
             return Err(os_error("rdma_establish").into());
@@ -683,7 +769,8 @@ impl CmListener {
 
     /// Takes the next connect request for `qp` by `deadline` (Ok(None)
     /// when none came), lets `decide` answer it (Err: reject with that
-    /// private data), and on acceptance connects `qp`.
+    /// private data, cut to what a reject carries), and on acceptance
+    /// connects `qp`.
     pub(crate) fn accept(
         &self,
         ctx: &HwContext,
@@ -696,12 +783,12 @@ impl CmListener {
             match self.id.channel.next(deadline, None)? {
                 None => return Ok(None),
                 Some(e) if e.kind == CONNECT_REQUEST => break e,
-                // A listener sees little else (DEVICE_REMOVAL): not for it.
+                // A listener's own channel sees little else (DEVICE_REMOVAL;
+                // a request's id before it moves to a channel of its own).
                 Some(_) => {}
             }
         };
         let id = CmId::adopt(request.id)?;
-        let lib = id.lib();
         let req = CmRequest {
             from: id
                 .addr(true)
@@ -711,38 +798,87 @@ impl CmListener {
             responder_resources: request.responder_resources,
             initiator_depth: request.initiator_depth,
         };
-        let reject = |id: &CmId, pd: &[u8]| {
-            let len = pd.len().min(usize::from(u8::MAX));
-            // SAFETY: a live id and private data the call reads.
+        let mut reached = Reached::Nothing;
+        let out = self.answer(
+            ctx,
+            qp,
+            &within_device(ctx, p),
+            &id,
+            req,
+            decide,
+            &mut reached,
+        );
+        let out = out.and_then(|out| {
+            attach(qp, id)?;
+            Ok(out)
+        });
+        if out.is_err() {
+            after_failure(qp, reached);
+        }
+        out.map(Some)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn answer(
+        &self,
+        ctx: &HwContext,
+        qp: &Arc<HwQp>,
+        p: &CmParams,
+        id: &CmId,
+        req: CmRequest,
+        decide: impl FnOnce(&CmRequest) -> Result<Vec<u8>, Vec<u8>>,
+        reached: &mut Reached,
+    ) -> Result<CmOutcome, CmFailure> {
+        let lib = id.lib();
+        let reject = |pd: &[u8]| {
+            let most = if ctx.iwarp {
+                usize::from(u8::MAX)
+            } else {
+                REJ_PRIVATE_DATA_MAX
+            };
+            let len = pd.len().min(most);
+            // SAFETY: a live id and private data the call reads. A failed
+            // reject leaves the peer to its own timeout (the id's destroy
+            // rejects it then).
             unsafe { (lib.reject)(id.ptr(), pd.as_ptr().cast(), len as u8) };
         };
         let reply = match decide(&req) {
             Ok(reply) => reply,
             Err(pd) => {
-                reject(&id, &pd);
+                reject(&pd);
                 return Err(CmFailure::Other("connection rejected here".into()));
             }
         };
-        if let Err(e) = check_device(&id, ctx, self.at).and_then(|()| {
-            to_init(&id, qp, p.access)?;
-            if !ctx.iwarp {
-                id.qp_to(qp, QpState::Rtr, None)?;
-                id.qp_to(qp, QpState::Rts, None)?;
-            }
-            Ok(())
-        }) {
-            reject(&id, &[]);
-            return Err(e.into());
-        }
+        // This side's READ depths, cut to what the peer offers.
         let mine = CmParams {
             responder_resources: p.responder_resources.min(req.initiator_depth).max(1),
             initiator_depth: p.initiator_depth.min(req.responder_resources).max(1),
             ..p.clone()
         };
+        let ready = check_device(id, ctx, self.at).and_then(|()| {
+            to_init(id, qp, p.access)?;
+            if !ctx.iwarp {
+                *reached = Reached::Moved;
+                to_rts(
+                    id,
+                    qp,
+                    p,
+                    Some((mine.responder_resources, mine.initiator_depth)),
+                )?;
+            }
+            Ok(())
+        });
+        if let Err(e) = ready {
+            reject(&[]);
+            return Err(e.into());
+        }
         let mut param = conn_param(&mine, qp, &reply)?;
         // SAFETY: a live id and parameters the call reads.
         if unsafe { (lib.accept)(id.ptr(), &mut param) } != 0 {
             return Err(os_error("rdma_accept").into());
+        }
+        if ctx.iwarp {
+            *reached = Reached::Handed;
         }
         id.expect(
             ESTABLISHED,
@@ -752,21 +888,19 @@ impl CmListener {
         if ctx.iwarp {
             qp.note_state(QpState::Rts);
         }
-        let out = CmOutcome {
+        Ok(CmOutcome {
             peer: req.from,
             remote_qpn: req.remote_qpn,
             private_data: req.private_data,
             peer_responder_resources: req.responder_resources,
             peer_initiator_depth: req.initiator_depth,
-        };
-        attach(qp, id)?;
-        Ok(Some(out))
+        })
     }
 }
 
 /// A connected QP's rdma_cm_id and the thread that watches it.
 pub(crate) struct CmConnection {
-    id: Arc<CmId>,
+    id: CmId,
     stop: OwnedFd,
     watcher: Option<std::thread::JoinHandle<()>>,
 }
@@ -777,7 +911,7 @@ impl std::fmt::Debug for CmConnection {
     }
 }
 
-/// Keeps `id` with `qp`, and moves `qp` to ERR when the peer disconnects.
+/// Keeps `id` with `qp`, and answers the peer's disconnect.
 fn attach(qp: &Arc<HwQp>, id: CmId) -> Result<(), String> {
     let stop = rustix::event::eventfd(
         0,
@@ -785,8 +919,7 @@ fn attach(qp: &Arc<HwQp>, id: CmId) -> Result<(), String> {
     )
     .map_err(|e| format!("eventfd: {e}"))?;
     let woken = stop.try_clone().map_err(|e| format!("eventfd: {e}"))?;
-    let id = Arc::new(id);
-    let watched = (id.clone(), Arc::downgrade(qp));
+    let watched = (id.channel.clone(), Arc::downgrade(qp));
     let watcher = std::thread::Builder::new()
         .name("softrdma-rdmacm".into())
         .spawn(move || watch(&watched.0, &watched.1, woken))
@@ -800,10 +933,17 @@ fn attach(qp: &Arc<HwQp>, id: CmId) -> Result<(), String> {
     Ok(())
 }
 
-fn watch(id: &CmId, qp: &Weak<HwQp>, stop: OwnedFd) {
+/// Waits on a connection's channel until `stop`: the peer's disconnect is
+/// answered (`rdma_disconnect`, the DREP on RoCE) and moves the QP to ERR.
+fn watch(channel: &Channel, qp: &Weak<HwQp>, stop: OwnedFd) {
     loop {
-        match id.channel.next(None, Some(stop.as_fd())) {
+        match channel.next(None, Some(stop.as_fd())) {
             Ok(Some(e)) if e.kind == DISCONNECTED || e.kind == DEVICE_REMOVAL => {
+                // SAFETY: the event's id, which lives until this thread is
+                // joined (CmConnection's drop joins it before destroying
+                // the id), or, when the QP's last reference is dropped here,
+                // until that drop ends, after this call.
+                unsafe { (channel.lib.disconnect)(e.id) };
                 if let Some(qp) = qp.upgrade() {
                     let _ = qp.to_error();
                 }
@@ -824,14 +964,49 @@ impl CmConnection {
 
 impl Drop for CmConnection {
     fn drop(&mut self) {
-        self.disconnect();
         let _ = rustix::io::write(&self.stop, &1u64.to_ne_bytes());
-        // The watcher itself may hold the QP's last reference: then it ends
-        // on its own once this returns.
+        // The watcher itself may drop the QP's last reference (in its
+        // `upgrade`): then it ends on its own once this returns.
         if let Some(w) = self.watcher.take()
             && w.thread().id() != std::thread::current().id()
         {
             let _ = w.join();
         }
+        self.disconnect();
+        // The id goes now (a field), before the QP; its channel when the
+        // watcher has let go of it too.
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use std::mem::{offset_of, size_of};
+
+    use super::*;
+
+    /// The layouts read from librdmacm's structs, as rdma-core 44's
+    /// `rdma_cma.h` has them on x86-64.
+    #[test]
+    fn layouts_are_rdma_cmas() {
+        assert_eq!(size_of::<rdma_conn_param>(), 24);
+        assert_eq!(offset_of!(rdma_conn_param, private_data_len), 8);
+        assert_eq!(offset_of!(rdma_conn_param, rnr_retry_count), 13);
+        assert_eq!(offset_of!(rdma_conn_param, srq), 14);
+        assert_eq!(offset_of!(rdma_conn_param, qp_num), 16);
+        assert_eq!(offset_of!(rdma_cm_event, event), 16);
+        assert_eq!(offset_of!(rdma_cm_event, status), 20);
+        assert_eq!(offset_of!(rdma_cm_event, conn), 24);
+        // `route.addr`: two sockaddr_storage unions after four pointers.
+        assert_eq!(offset_of!(rdma_cm_id, src_addr), 32);
+        assert_eq!(offset_of!(rdma_cm_id, dst_addr), 160);
+        assert_eq!(size_of::<sockaddr_in>(), 16);
+    }
+
+    #[test]
+    fn addresses_are_in_network_order() {
+        let a = sockaddr(SocketAddrV4::new(Ipv4Addr::new(10, 99, 0, 2), 7174));
+        assert_eq!(a.sin_family, AF_INET);
+        assert_eq!(a.sin_port.to_ne_bytes(), [0x1c, 0x06]);
+        assert_eq!(a.sin_addr.s_addr.to_ne_bytes(), [10, 99, 0, 2]);
     }
 }
