@@ -57,8 +57,17 @@ fn side(ctx: &Context) -> Side {
     }
 }
 
-/// The listener's READ depths on RoCE (the client offers the default 16):
-/// its QP's are these, and the client's follow the REP.
+/// The client's READ depths on RoCE: it issues 1 and serves 16.
+fn client_depths() -> RcOptions {
+    RcOptions {
+        max_rd_atomic: 1,
+        max_dest_rd_atomic: 16,
+        ..RcOptions::default()
+    }
+}
+
+/// The listener's: it would issue 2 and serve 4. Cut to the client's offer,
+/// it serves 1 and issues 2, and the client's QP follows the REP.
 fn listener_depths() -> RcOptions {
     RcOptions {
         max_rd_atomic: 2,
@@ -106,7 +115,10 @@ impl Listening {
                     },
                     Some(T),
                 )
-                .map(|_| seen)
+                .map(|c| {
+                    assert_eq!((c.initiator_depth, c.responder_resources), (2, 1));
+                    seen
+                })
                 .map_err(|e| e.to_string())
             }
             Listening::Iwarp(l) => {
@@ -163,8 +175,12 @@ fn connect(qp: &Qp, to: SocketAddrV4, pd: &[u8]) -> Result<Vec<u8>, Refusal> {
             Err(e) => Err(Refusal::Other(e.to_string())),
         }
     } else {
-        match roce::connect(qp, to, pd, &RcOptions::default()) {
-            Ok(c) => Ok(c.private_data),
+        match roce::connect(qp, to, pd, &client_depths()) {
+            Ok(c) => {
+                // What the client's QP took from the REP.
+                assert_eq!((c.initiator_depth, c.responder_resources), (1, 2));
+                Ok(c.private_data)
+            }
             // IBTA's reason 8: no listener for the service ID.
             Err(roce::ConnectError::Rejected { reason: 8, .. }) => Err(Refusal::NothingListens),
             Err(roce::ConnectError::Rejected { private_data, .. }) => {
@@ -204,11 +220,11 @@ fn rdma_cm_connects_qps_that_then_write_read_and_send() {
         let (qa, qb) = (a.qp.query(), b.qp.query());
         assert_eq!(
             (qb.max_dest_rd_atomic, qb.max_rd_atomic),
-            (Some(4), Some(2))
+            (Some(1), Some(2))
         );
         assert_eq!(
             (qa.max_rd_atomic, qa.max_dest_rd_atomic),
-            (Some(4), Some(2))
+            (Some(1), Some(2))
         );
     }
     let data: Vec<u8> = (0..4096u32).map(|i| (i * 13 + 5) as u8).collect();

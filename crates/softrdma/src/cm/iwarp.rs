@@ -62,7 +62,7 @@ fn cm_params(cfg: &MpaConfig) -> CmParams {
 }
 
 /// What the kernel's connection tells of its peer, as an MPA outcome.
-fn kernel_outcome(cfg: &MpaConfig, out: CmOutcome, initiator: bool) -> MpaOutcome {
+fn kernel_outcome(out: CmOutcome, initiator: bool) -> MpaOutcome {
     let (peer_ird, peer_ord) = (
         u16::from(out.peer_responder_resources),
         u16::from(out.peer_initiator_depth),
@@ -71,8 +71,8 @@ fn kernel_outcome(cfg: &MpaConfig, out: CmOutcome, initiator: bool) -> MpaOutcom
         revision: 0,
         crc: false,
         peer_ird_ord: Some((peer_ird, peer_ord)),
-        ord: cfg.ord.min(peer_ird.max(1)),
-        ird: cfg.ird,
+        ord: u16::from(out.initiator_depth),
+        ird: u16::from(out.responder_resources),
         rtr: None,
         initiator,
         peer_private_data: out.private_data,
@@ -117,7 +117,7 @@ pub fn connect(qp: &Qp, to: SocketAddrV4, cfg: &MpaConfig) -> Result<MpaOutcome,
     if let Some((hw, hq)) = rnic(qp)? {
         mpa::check_cfg(cfg)?;
         let out = rdmacm::connect(hw, hq, to, &cm_params(cfg)).map_err(|e| cm_error(to, e))?;
-        return Ok(kernel_outcome(cfg, out, true));
+        return Ok(kernel_outcome(out, true));
     }
     let local = SocketAddrV4::new(*qp.context().local_addr().ip(), 0);
     let tcp = |source| ConnectError::Tcp {
@@ -365,7 +365,7 @@ impl Listener {
             deadline.map(|d| d.0),
         );
         match got {
-            Ok(Some(out)) => Ok(kernel_outcome(cfg, out, false)),
+            Ok(Some(out)) => Ok(kernel_outcome(out, false)),
             Ok(None) => Err(ConnectError::NoClient {
                 waited: deadline.map_or(Duration::ZERO, |d| d.1),
             }),

@@ -126,13 +126,13 @@ fn hw_roce(qp: &Qp) -> Result<Option<(&HwContext, &Arc<HwQp>)>, ConnectError> {
     }
 }
 
-fn connected(out: CmOutcome, o: &RcOptions) -> Connected {
+fn connected(out: CmOutcome) -> Connected {
     Connected {
         peer: *out.peer.ip(),
         remote_qpn: out.remote_qpn,
         private_data: out.private_data,
-        initiator_depth: o.max_rd_atomic.min(out.peer_responder_resources).max(1),
-        responder_resources: o.max_dest_rd_atomic.min(out.peer_initiator_depth).max(1),
+        initiator_depth: out.initiator_depth,
+        responder_resources: out.responder_resources,
     }
 }
 
@@ -292,7 +292,7 @@ pub fn connect(
     if let Some((hw, hq)) = hw_roce(qp)? {
         qp.check_unconnected()?;
         let out = rdmacm::connect(hw, hq, to, &cm_params(o, private_data)).map_err(cm_error)?;
-        return Ok(connected(out, o));
+        return Ok(connected(out));
     }
     let shared = rdma_cm_device(qp.context())?;
     let srq = check_qp(qp)?;
@@ -874,7 +874,7 @@ fn accept_rdmacm(
         waited.map(crate::verbs::deadline_after),
     );
     match got {
-        Ok(Some(out)) => Ok(connected(out, o)),
+        Ok(Some(out)) => Ok(connected(out)),
         Ok(None) => Err(ConnectError::NoClient(waited.unwrap_or_default())),
         Err(_) if too_long => Err(VerbsError::Invalid(format!(
             "at most {REP_PRIVATE_DATA_MAX} bytes of private data in a REP"

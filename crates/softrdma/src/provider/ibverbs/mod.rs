@@ -1459,11 +1459,16 @@ impl HwQp {
     /// Ends its rdma_cm connection, if it has one (the DREQ, or the TCP
     /// close), and moves it to ERR.
     pub(crate) fn disconnect(&self) -> Result<(), String> {
-        let cm = self.cm.lock().expect("QP cm lock").take();
-        if let Some(c) = &cm {
+        // The id stays until the QP goes, so that the kernel repeats the
+        // DREQ until the DREP (destroying it would cancel the retries).
+        if let Some(c) = self
+            .cm
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+        {
             c.disconnect();
         }
-        drop(cm);
         self.to_error()
     }
 

@@ -530,9 +530,12 @@ pub(crate) struct CmOutcome {
     /// The peer's QP (RoCE; 0 on iWARP).
     pub remote_qpn: u32,
     pub private_data: Vec<u8>,
-    /// The peer's READ depths as it gave them: it serves, it issues.
+    /// The peer's READ depths: it serves, it issues.
     pub peer_responder_resources: u8,
     pub peer_initiator_depth: u8,
+    /// This side's, as its QP has them: it issues, it serves.
+    pub initiator_depth: u8,
+    pub responder_resources: u8,
 }
 
 /// A connection request a listener took.
@@ -541,6 +544,7 @@ pub(crate) struct CmRequest {
     pub from: SocketAddrV4,
     pub remote_qpn: u32,
     pub private_data: Vec<u8>,
+    /// The peer's READ depths: it serves, it issues.
     pub responder_resources: u8,
     pub initiator_depth: u8,
 }
@@ -606,8 +610,15 @@ fn to_init(id: &CmId, qp: &HwQp, access: Access) -> Result<(), String> {
 }
 
 /// RoCE: `qp` to RTR and RTS with rdma_cm's attributes, the READ depths
-/// this side announced (None: rdma_cm's) and `p`'s timers.
-fn to_rts(id: &CmId, qp: &HwQp, p: &CmParams, depths: Option<(u8, u8)>) -> Result<(), String> {
+/// this side announced (None: rdma_cm's) and `p`'s timers; `reached` notes
+/// when it has left INIT.
+fn to_rts(
+    id: &CmId,
+    qp: &HwQp,
+    p: &CmParams,
+    depths: Option<(u8, u8)>,
+    reached: &mut Reached,
+) -> Result<(), String> {
     id.qp_to(qp, QpState::Rtr, |a, mask| {
         if let Some((serves, _)) = depths {
             a.max_dest_rd_atomic = serves;
@@ -618,6 +629,7 @@ fn to_rts(id: &CmId, qp: &HwQp, p: &CmParams, depths: Option<(u8, u8)>) -> Resul
             *mask |= IBV_QP_MIN_RNR_TIMER;
         }
     })?;
+    *reached = Reached::Moved;
     id.qp_to(qp, QpState::Rts, |a, mask| {
         if let Some((_, issues)) = depths {
             a.max_rd_atomic = issues;
@@ -712,20 +724,30 @@ fn try_connect(
     } else {
         // No QP on the id: the QP's moves and the RTU are this side's.
         let e = id.expect(CONNECT_RESPONSE, deadline, "connecting")?;
-        *reached = Reached::Moved;
-        to_rts(&id, qp, p, None)?;
+        to_rts(&id, qp, p, None, reached)?;
         // SAFETY: a live id whose REP came.
         if unsafe { (lib.establish)(id.ptr()) } != 0 {
             return Err(os_error("rdma_establish").into());
         }
         e
     };
+    // The events give the depths this side's QP takes (IB CM's REP read
+    // from this side; iw_cm's negotiated ORD and IRD), each named after
+    // what the peer's matches (rdma_get_cm_event(3)): this side issues as
+    // many READs as the peer serves.
+    let (issues, serves) = if ctx.iwarp {
+        (event.responder_resources, event.initiator_depth)
+    } else {
+        (event.initiator_depth, event.responder_resources)
+    };
     let out = CmOutcome {
         peer: id.addr(true).unwrap_or(to),
         remote_qpn: event.qp_num,
         private_data: event.private_data,
-        peer_responder_resources: event.responder_resources,
-        peer_initiator_depth: event.initiator_depth,
+        peer_responder_resources: issues,
+        peer_initiator_depth: serves,
+        initiator_depth: issues,
+        responder_resources: serves,
     };
     attach(qp, id)?;
     Ok(out)
@@ -735,6 +757,9 @@ fn try_connect(
 pub(crate) struct CmListener {
     id: CmId,
     at: SocketAddrV4,
+    /// One accept at a time: a request's id must leave the listener's
+    /// channel (`rdma_migrate_id`) while no one else waits on it.
+    accepting: std::sync::Mutex<()>,
 }
 
 impl std::fmt::Debug for CmListener {
@@ -759,7 +784,11 @@ impl CmListener {
             return Err(os_error(&format!("rdma_listen {at}")));
         }
         let at = id.addr(false).unwrap_or(at);
-        Ok(CmListener { id, at })
+        Ok(CmListener {
+            id,
+            at,
+            accepting: std::sync::Mutex::default(),
+        })
     }
 
     /// The address it listens on.
@@ -779,6 +808,10 @@ impl CmListener {
         decide: impl FnOnce(&CmRequest) -> Result<Vec<u8>, Vec<u8>>,
         deadline: Option<Instant>,
     ) -> Result<Option<CmOutcome>, CmFailure> {
+        let _one = self
+            .accepting
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let request = loop {
             match self.id.channel.next(deadline, None)? {
                 None => return Ok(None),
@@ -795,8 +828,10 @@ impl CmListener {
                 .unwrap_or(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0)),
             remote_qpn: request.qp_num,
             private_data: request.private_data,
-            responder_resources: request.responder_resources,
-            initiator_depth: request.initiator_depth,
+            // The event names each depth after what this side is to match
+            // (rdma_get_cm_event(3)): the peer's are the other way round.
+            responder_resources: request.initiator_depth,
+            initiator_depth: request.responder_resources,
         };
         let mut reached = Reached::Nothing;
         let out = self.answer(
@@ -858,12 +893,12 @@ impl CmListener {
         let ready = check_device(id, ctx, self.at).and_then(|()| {
             to_init(id, qp, p.access)?;
             if !ctx.iwarp {
-                *reached = Reached::Moved;
                 to_rts(
                     id,
                     qp,
                     p,
                     Some((mine.responder_resources, mine.initiator_depth)),
+                    reached,
                 )?;
             }
             Ok(())
@@ -873,12 +908,13 @@ impl CmListener {
             return Err(e.into());
         }
         let mut param = conn_param(&mine, qp, &reply)?;
+        // siw moves the QP on inside rdma_accept, and keeps it if that fails.
+        if ctx.iwarp {
+            *reached = Reached::Handed;
+        }
         // SAFETY: a live id and parameters the call reads.
         if unsafe { (lib.accept)(id.ptr(), &mut param) } != 0 {
             return Err(os_error("rdma_accept").into());
-        }
-        if ctx.iwarp {
-            *reached = Reached::Handed;
         }
         id.expect(
             ESTABLISHED,
@@ -894,6 +930,8 @@ impl CmListener {
             private_data: req.private_data,
             peer_responder_resources: req.responder_resources,
             peer_initiator_depth: req.initiator_depth,
+            initiator_depth: mine.initiator_depth,
+            responder_resources: mine.responder_resources,
         })
     }
 }
@@ -924,11 +962,15 @@ fn attach(qp: &Arc<HwQp>, id: CmId) -> Result<(), String> {
         .name("softrdma-rdmacm".into())
         .spawn(move || watch(&watched.0, &watched.1, woken))
         .map_err(|e| format!("cannot start the rdma_cm watcher thread: {e}"))?;
-    let old = qp.cm.lock().expect("QP cm lock").replace(CmConnection {
-        id,
-        stop,
-        watcher: Some(watcher),
-    });
+    let old = qp
+        .cm
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .replace(CmConnection {
+            id,
+            stop,
+            watcher: Some(watcher),
+        });
     drop(old);
     Ok(())
 }
