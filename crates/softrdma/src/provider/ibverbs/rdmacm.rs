@@ -592,8 +592,8 @@ fn check_device(id: &CmId, ctx: &HwContext, addr: SocketAddrV4) -> Result<(), St
     }
 }
 
-/// Brings `qp` (RESET, or INIT with receives posted) to INIT with rdma_cm's
-/// attributes and `access`, as librdmacm does again before RTR.
+/// Brings `qp` (RESET, or INIT with receives posted) to INIT, again if it
+/// is there, with rdma_cm's attributes and `access`.
 fn to_init(id: &CmId, qp: &HwQp, access: Access) -> Result<(), String> {
     if qp.qp_type != crate::engine::qp::QpType::Rc {
         return Err("rdma_cm here connects RC QPs only".into());
@@ -649,8 +649,8 @@ enum Reached {
     Nothing,
     /// RoCE: the QP left INIT (RTR or RTS, with no connection).
     Moved,
-    /// iWARP: the kernel took the QP (`rdma_connect` or `rdma_accept`
-    /// returned), and siw refuses it another attempt.
+    /// iWARP: the kernel took the QP (`rdma_connect` returned, or
+    /// `rdma_accept` was called), and siw refuses it another attempt.
     Handed,
 }
 
