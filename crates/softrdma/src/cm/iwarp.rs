@@ -1,6 +1,11 @@
 //! Connecting iWARP QPs, as rdma_cm does on iWARP: a TCP connection from
 //! the device's address, then the MPA exchange ([`super::mpa`]) carrying the
 //! application's private data, then the QP runs on the connection.
+//!
+//! The same calls connect an RNIC's QPs (siw, an iWARP NIC) opened through
+//! libibverbs: there the kernel's rdma_cm does the TCP and MPA parts
+//! (librdmacm; `docs/ibverbs.md`), and the outcome says so
+//! ([`MpaOutcome::through_kernel`]).
 
 use std::io;
 use std::net::{SocketAddr, SocketAddrV4, TcpListener, TcpStream};

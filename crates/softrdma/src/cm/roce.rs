@@ -5,6 +5,10 @@
 //! A peer is Linux's rdma_cm (rping, perftest `-R`, any librdmacm
 //! application on rxe or a RoCE NIC) or softrdma.
 //!
+//! The same calls connect the QPs of a RoCE device opened through
+//! libibverbs (rxe, a NIC): there the kernel's rdma_cm exchanges the
+//! messages (librdmacm; `docs/ibverbs.md`).
+//!
 //! Every RoCEv2 peer sends its CM messages to UDP port 4791, so a device
 //! that takes part is one bound to port 4791.
 

@@ -3,7 +3,7 @@
 //! transport: this module only turns softrdma's verbs into libibverbs
 //! calls and back. RoCE ports (their GIDs are IPv4 addresses, as
 //! softrdma's connection helpers name peers) and iWARP devices, whose QPs
-//! connect through rdma_cm ([`rdmacm`], librdmacm); InfiniBand ports need
+//! connect through rdma_cm (`rdmacm`, librdmacm); InfiniBand ports need
 //! LIDs, which this provider does not do yet.
 //!
 //! Every `unsafe` block of the provider is here, in `ffi` or in `rdmacm`:
