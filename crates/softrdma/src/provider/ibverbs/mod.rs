@@ -1232,8 +1232,8 @@ impl HwQp {
             format!(
                 "{e}: the device refuses these capabilities (send_wr {}, recv_wr {}, send_sge {}, \
                  recv_sge {}, inline {}); its limits are max_qp_wr {} and max_sge {}, and its \
-                 inline limit, which libibverbs does not report, may be lower (siw takes 80 \
-                 bytes at most)",
+                 inline limit, which libibverbs does not report, may be lower (siw's header \
+                 says 80 bytes)",
                 caps.max_send_wr,
                 caps.max_recv_wr,
                 caps.max_send_sge,

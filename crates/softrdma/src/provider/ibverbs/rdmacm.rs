@@ -88,9 +88,9 @@ const DEVICE_REMOVAL: c_uint = 11;
 const RESOLVE_MS: c_int = 2000;
 /// How long a connection's exchange may take once started. On RoCE the
 /// kernel's CM sends a REQ or REP 16 times some 4.6 s apart before it gives
-/// up itself (about 70 s); this is a bound beyond that. (siw makes its TCP
-/// connection inside `rdma_connect`, which a host that never answers holds
-/// for TCP's SYN retries, about two minutes.)
+/// up itself (about 70 s, by its source; not measured); this is a bound
+/// beyond that. (siw makes its TCP connection inside `rdma_connect`, which a
+/// host that never answers holds for TCP's SYN retries.)
 const EXCHANGE_LIMIT: Duration = Duration::from_secs(90);
 /// The most private data a REJ carries (IB CM; MPA's reject carries up to
 /// 255 through librdmacm).
@@ -643,7 +643,7 @@ fn to_rts(
 }
 
 /// How far a failed attempt got with the QP.
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy)]
 enum Reached {
     /// Nothing the kernel or the QP's state remembers.
     Nothing,
