@@ -6,20 +6,27 @@
 //! target above this ceiling shows as such in the same run.
 //!
 //! ```text
-//! roce_ceiling stream SECS [--busy] [--bare]   # prints "stream <GB/s>"
-//! roce_ceiling read SECS SIZE [--busy] [--bare] # prints "read <GB/s>"
+//! roce_ceiling stream SECS [SIZE] [--busy] [--bare] # prints "stream <GB/s>"
+//! roce_ceiling read SECS SIZE [--busy] [--bare]       # prints "read <GB/s>"
 //! roce_ceiling pingpong ITERS [--bare|--plain] # prints "pingpong <p50 µs> <p99 µs>"
 //! ```
 //!
-//! `stream`: one thread sends full 4 KiB WRITE MIDDLE packets from a 1 MiB
-//! buffer in UDP GSO sends of 15 (as the provider does), another receives them
-//! with UDP GRO, checks each ICRC and copies each payload into a 1 MiB
-//! target; GB/s of payload received. Flow control costs nothing: the sender
-//! keeps at most 4 MiB ahead of what the receiver has taken, counted in
-//! shared memory (no ACK packets). The receiver blocks in `recvmsg` and the
+//! `stream`: one thread sends full 4 KiB WRITE MIDDLE packets from a buffer
+//! of SIZE bytes (default 1 MiB; `softrdma perf` sends every WRITE from one
+//! buffer of the message's size, and the receiver writes one such target)
+//! in UDP GSO sends of 15 (as the provider does), another receives them
+//! with UDP GRO, checks each ICRC and copies each payload into a target of
+//! SIZE bytes; GB/s of payload received. The receiver sends an ACK (BTH,
+//! AETH, ICRC) every 64 packets, as RC requesters ask (rxe's
+//! RXE_MAX_PKT_PER_ACK), and the sender takes the ACKs that wait (checking
+//! their ICRCs) after each send: the datagrams an RC WRITE stream cannot do
+//! without. Flow control costs nothing beyond them: the sender keeps at
+//! most 4 MiB ahead of what the receiver has taken, counted in shared
+//! memory. The receiver blocks in `recvmsg` and the
 //! sender sleeps while the window is full, as a blocking transport does;
 //! `--busy` makes both spin instead. `read`: the same for RDMA READs of SIZE
-//! bytes, with what READ adds on the wire: a requester keeps 16 READ
+//! bytes (from and into buffers of SIZE bytes, as `softrdma perf`'s), with
+//! what READ adds on the wire: a requester keeps 16 READ
 //! requests out (one datagram each, sent as each READ's last response
 //! arrives), a responder takes each request (its ICRC checked) and sends the
 //! responses, whose FIRST and LAST packets carry an AETH (4 bytes more than a
@@ -61,10 +68,16 @@ const SEGMENT: usize = BTH + PAYLOAD + icrc::LEN;
 const PER_SEND: usize = 15;
 const REGION: usize = 1 << 20;
 const WINDOW_PACKETS: u64 = 1024;
+/// A stream's receiver ACKs every this many packets (rxe's
+/// RXE_MAX_PKT_PER_ACK; softrdma's requester asks as often).
+const PACKETS_PER_ACK: u32 = 64;
+/// An ACK: BTH, AETH, ICRC.
+const ACK_LEN: usize = BTH + 4 + icrc::LEN;
 
-/// Where packet `psn`'s payload sits in a region (sender's and target).
-fn region_at(psn: u32) -> std::ops::Range<usize> {
-    let at = (psn as usize % (REGION / PAYLOAD)) * PAYLOAD;
+/// Where packet `psn`'s payload sits in a region of `len` bytes (sender's
+/// and target).
+fn region_at(psn: u32, len: usize) -> std::ops::Range<usize> {
+    let at = (psn as usize % (len / PAYLOAD)) * PAYLOAD;
     at..at + PAYLOAD
 }
 
@@ -72,13 +85,28 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let flag = |f: &str| args.iter().any(|a| a == f);
     let number = |i: usize| args.get(i).and_then(|a| a.parse::<u64>().ok());
+    let size_ok = |n: &u64| {
+        let n = *n as usize;
+        n >= PAYLOAD && n.is_multiple_of(PAYLOAD) && n <= REGION
+    };
     let result = match (args.first().map(String::as_str), number(1)) {
-        (Some("stream"), Some(secs)) => {
-            stream(secs, flag("--busy"), flag("--bare")).map(|gbs| println!("stream {gbs:.3}"))
+        (Some("stream"), Some(secs)) => match args.get(2).filter(|a| !a.starts_with("--")) {
+            None => Some(REGION as u64),
+            Some(_) => number(2).filter(size_ok),
         }
-        (Some("read"), Some(secs)) => match number(2).filter(|&n| {
-            n as usize >= PAYLOAD && (n as usize).is_multiple_of(PAYLOAD) && n as usize <= REGION
-        }) {
+        .map_or_else(
+            || {
+                Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "stream SECS [SIZE]: SIZE a multiple of 4096 up to 1 MiB",
+                ))
+            },
+            |size| {
+                stream(secs, size as usize, flag("--busy"), flag("--bare"))
+                    .map(|gbs| println!("stream {gbs:.3}"))
+            },
+        ),
+        (Some("read"), Some(secs)) => match number(2).filter(size_ok) {
             Some(size) => read_stream(secs, size as usize, flag("--busy"), flag("--bare"))
                 .map(|gbs| println!("read {gbs:.3}")),
             None => Err(io::Error::new(
@@ -90,7 +118,7 @@ fn main() {
             .map(|(p50, p99)| println!("pingpong {p50:.2} {p99:.2}")),
         _ => Err(io::Error::new(
             io::ErrorKind::InvalidInput,
-            "usage: roce_ceiling stream SECS [--busy] [--bare] | read SECS SIZE [--busy] \
+            "usage: roce_ceiling stream SECS [SIZE] [--busy] [--bare] | read SECS SIZE [--busy] \
              [--bare] | pingpong ITERS [--bare|--plain]",
         )),
     };
@@ -227,32 +255,39 @@ fn recv(
     Ok((msg.bytes, from, segment.max(1)))
 }
 
-fn stream(secs: u64, busy: bool, bare: bool) -> io::Result<f64> {
+fn stream(secs: u64, region_len: usize, busy: bool, bare: bool) -> io::Result<f64> {
     let rx = socket(B, busy)?;
     let to = addr(&rx)?;
     let from = SocketAddrV4::new(A.into(), 0);
+    // ACKs come to the sender's own socket, as to a device's 4791 (a
+    // provider's connected send sockets drop what arrives).
+    let ack_rx = socket(A, true)?;
+    let ack_to = addr(&ack_rx)?;
     let taken = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let sender = {
         let (taken, stop) = (taken.clone(), stop.clone());
         std::thread::spawn(move || -> io::Result<()> {
-            let mut out = Sender::new(from, to, &taken, &stop, bare, busy)?;
+            let mut out = Sender::new(from, to, region_len, &taken, &stop, bare, busy)?;
+            let mut acks = Acks::default();
             let mut psn = 0u32;
             while !stop.load(Ordering::Relaxed) {
                 let packets: [(u8, u32); PER_SEND] =
                     std::array::from_fn(|k| (WRITE_MIDDLE, psn.wrapping_add(k as u32)));
                 out.send(&packets)?;
+                acks.take(&ack_rx, ack_to, to, bare)?;
                 psn = psn.wrapping_add(PER_SEND as u32);
             }
-            Ok(())
+            acks.checked()
         })
     };
     let mut buf = vec![0u8; 65536];
     let mut cmsg = nix::cmsg_space!(i32);
-    let mut target = vec![0u8; REGION];
+    let mut target = vec![0u8; region_len];
     let (mut bytes, mut bad) = (0u64, 0u64);
     let mut checker = Checker::default();
     let mut started = None;
+    let (mut unacknowledged, mut ack_psn) = (0u32, 0u32);
     let flags = if busy {
         MsgFlags::MSG_DONTWAIT
     } else {
@@ -279,11 +314,17 @@ fn stream(secs: u64, busy: bool, bare: bool) -> io::Result<f64> {
                     continue;
                 }
                 let psn = u32::from_be_bytes([0, packet[9], packet[10], packet[11]]);
-                target[region_at(psn)].copy_from_slice(&packet[BTH..BTH + PAYLOAD]);
+                target[region_at(psn, region_len)].copy_from_slice(&packet[BTH..BTH + PAYLOAD]);
             }
             bytes += PAYLOAD as u64;
         }
         taken.fetch_add(packets, Ordering::Release);
+        unacknowledged += packets as u32;
+        ack_psn = ack_psn.wrapping_add(packets as u32);
+        if unacknowledged >= PACKETS_PER_ACK {
+            unacknowledged = 0;
+            send_ack(&rx, to, ack_to, ack_psn, bare)?;
+        }
         sender.thread().unpark();
     }
     std::hint::black_box(&target);
@@ -316,6 +357,77 @@ fn finish(
     Ok(bytes as f64 / secs / 1e9)
 }
 
+/// Sends the ACK of the packets up to `psn` from `rx` (at `me`) to `to`, as
+/// a device socket sends it (unconnected, IP ID 0).
+fn send_ack(
+    rx: &UdpSocket,
+    me: SocketAddrV4,
+    to: SocketAddrV4,
+    psn: u32,
+    bare: bool,
+) -> io::Result<()> {
+    let mut ack = [0u8; ACK_LEN];
+    ack[..BTH].copy_from_slice(&bth(RC_ACKNOWLEDGE, psn.wrapping_sub(1)));
+    if !bare {
+        let flow = Ipv4Flow::new(Ipv4Pseudo::df(*me.ip(), *to.ip()), me.port(), to.port());
+        let crc = icrc_of(&flow, 0, &ack[..BTH + 4], &[]);
+        ack[BTH + 4..].copy_from_slice(&crc.to_le_bytes());
+    }
+    rx.send_to(&ack, to).map(drop)
+}
+
+/// The stream sender's intake of ACKs: each checked as the provider checks
+/// one (its ICRC, with the IP ID solved).
+#[derive(Default)]
+struct Acks {
+    checker: Checker,
+    buf: [u8; 32],
+    good: u64,
+    bad: u64,
+}
+
+impl Acks {
+    /// Takes the ACKs waiting on `sock` (at `me`), sent from `peer`.
+    fn take(
+        &mut self,
+        sock: &UdpSocket,
+        me: SocketAddrV4,
+        peer: SocketAddrV4,
+        bare: bool,
+    ) -> io::Result<()> {
+        loop {
+            let mut iov = [IoSliceMut::new(&mut self.buf)];
+            let got =
+                recvmsg::<SockaddrIn>(sock.as_raw_fd(), &mut iov, None, MsgFlags::MSG_DONTWAIT);
+            let n = match got {
+                Ok(m) => m.bytes,
+                Err(nix::errno::Errno::EAGAIN) => return Ok(()),
+                Err(e) => return Err(e.into()),
+            };
+            let ack = &self.buf[..n];
+            if n != ACK_LEN
+                || ack[0] != RC_ACKNOWLEDGE
+                || (!bare && !self.checker.ok(peer, me, ack))
+            {
+                self.bad += 1;
+            } else {
+                self.good += 1;
+            }
+        }
+    }
+
+    /// An error if an ACK was bad, or none came (a stream sends thousands).
+    fn checked(&self) -> io::Result<()> {
+        match (self.good, self.bad) {
+            (_, n @ 1..) => Err(io::Error::other(format!("{n} bad ACKs"))),
+            (0, 0) => Err(io::Error::other("no ACK came")),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// RC ACKNOWLEDGE.
+const RC_ACKNOWLEDGE: u8 = 0x11;
 /// RDMA WRITE MIDDLE; READ RESPONSE FIRST, MIDDLE and LAST; RDMA READ request.
 const WRITE_MIDDLE: u8 = 0x07;
 const READ_FIRST: u8 = 0x0d;
@@ -357,6 +469,7 @@ impl Sender {
     fn new(
         me: SocketAddrV4,
         peer: SocketAddrV4,
+        region_len: usize,
         taken: &Arc<AtomicU64>,
         stop: &Arc<AtomicBool>,
         bare: bool,
@@ -364,7 +477,7 @@ impl Sender {
     ) -> io::Result<Sender> {
         Ok(Sender {
             out: sender(me, peer)?,
-            region: (0..REGION).map(|i| (i * 7 + 1) as u8).collect(),
+            region: (0..region_len).map(|i| (i * 7 + 1) as u8).collect(),
             taken: taken.clone(),
             stop: stop.clone(),
             bare,
@@ -395,6 +508,7 @@ impl Sender {
         let mut trailers = [[0u8; icrc::LEN]; PER_SEND];
         let base = next_ident(&mut self.out)?;
         let flow = self.out.flow();
+        let region_len = self.region.len();
         for (k, &(opcode, psn)) in packets.iter().enumerate() {
             heads[k][..BTH].copy_from_slice(&bth(opcode, psn));
             if !self.bare {
@@ -402,7 +516,7 @@ impl Sender {
                     &flow,
                     base.wrapping_add(k as u16),
                     &heads[k][..head_len],
-                    &self.region[region_at(psn)],
+                    &self.region[region_at(psn, region_len)],
                 );
                 trailers[k] = crc.to_le_bytes();
             }
@@ -411,7 +525,7 @@ impl Sender {
         let mut iov = [IoSlice::new(&[]); 3 * PER_SEND];
         for (k, &(_, psn)) in packets.iter().enumerate() {
             iov[3 * k] = IoSlice::new(&heads[k][..head_len]);
-            iov[3 * k + 1] = IoSlice::new(&self.region[region_at(psn)]);
+            iov[3 * k + 1] = IoSlice::new(&self.region[region_at(psn, region_len)]);
             iov[3 * k + 2] = IoSlice::new(&trailers[k]);
         }
         // One packet goes as a plain datagram (no longer than the segment).
@@ -457,7 +571,7 @@ fn read_stream(secs: u64, size: usize, busy: bool, bare: bool) -> io::Result<f64
     let answering = {
         let (taken, stop) = (taken.clone(), stop.clone());
         std::thread::spawn(move || -> io::Result<()> {
-            let mut r = Sender::new(resp_addr, req_addr, &taken, &stop, bare, busy)?;
+            let mut r = Sender::new(resp_addr, req_addr, size, &taken, &stop, bare, busy)?;
             let mut checker = Checker::default();
             let mut buf = vec![0u8; 65536];
             let mut cmsg = nix::cmsg_space!(i32);
@@ -506,7 +620,8 @@ fn read_stream(secs: u64, size: usize, busy: bool, bare: bool) -> io::Result<f64
     };
     let mut buf = vec![0u8; 65536];
     let mut cmsg = nix::cmsg_space!(i32);
-    let mut target = vec![0u8; REGION];
+    let region_len = size;
+    let mut target = vec![0u8; region_len];
     let (mut bytes, mut bad) = (0u64, 0u64);
     let mut checker = Checker::default();
     let mut next_psn = 0u32;
@@ -561,7 +676,7 @@ fn read_stream(secs: u64, size: usize, busy: bool, bare: bool) -> io::Result<f64
             }
             let psn = u32::from_be_bytes([0, packet[9], packet[10], packet[11]]);
             if !bare {
-                target[region_at(psn)].copy_from_slice(&packet[head..head + PAYLOAD]);
+                target[region_at(psn, region_len)].copy_from_slice(&packet[head..head + PAYLOAD]);
             }
             bytes += PAYLOAD as u64;
             lasts += u32::from(packet[0] == READ_LAST);
