@@ -16,7 +16,7 @@ pub mod ud;
 
 use std::fmt;
 
-use crate::memory::Segment;
+use crate::memory::{PieceSink, Segment};
 use std::time::Duration;
 
 pub use qp::{QpAttr, QpState, TransitionError};
@@ -638,9 +638,9 @@ fn stretches(
 }
 
 /// Pushes the pieces of `segs` covering `off..off + len` onto `pieces`.
-pub(crate) fn push_pieces(segs: &[Segment], off: usize, len: usize, pieces: &mut Vec<Segment>) {
+pub(crate) fn push_pieces(segs: &[Segment], off: usize, len: usize, pieces: &mut dyn PieceSink) {
     for (s, at, n) in stretches(segs, off, len) {
-        pieces.push(s.slice(at, n).expect("inside the segment"));
+        pieces.push_range(s, at, n);
     }
 }
 
@@ -774,7 +774,7 @@ impl QpEngine {
         now: Time,
         mrs: &crate::memory::MrTable,
         buf: &mut [u8],
-        pieces: &mut Vec<Segment>,
+        pieces: &mut dyn PieceSink,
     ) -> Option<(Transmit, Option<AhId>)> {
         match self {
             QpEngine::Rc(q) => q.poll_transmit(now, mrs, buf, pieces).map(|t| (t, None)),

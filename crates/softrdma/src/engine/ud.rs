@@ -21,7 +21,7 @@ use super::{
     WorkCompletion,
 };
 use super::{SegList, scatter};
-use crate::memory::{Access, MrTable, PdId, Segment};
+use crate::memory::{Access, MrTable, PdId, PieceSink};
 
 /// What the provider knows of a received datagram's IP header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -306,9 +306,9 @@ impl UdQp {
         &mut self,
         mrs: &MrTable,
         buf: &mut [u8],
-        pieces: &mut Vec<Segment>,
+        pieces: &mut dyn PieceSink,
     ) -> Option<(Transmit, AhId)> {
-        pieces.clear();
+        pieces.clear_pieces();
         if self.state != QpState::Rts {
             return None;
         }
@@ -318,9 +318,9 @@ impl UdQp {
         if !w.wr.flags.inline {
             for sge in w.wr.sgl.iter().filter(|s| s.len != 0) {
                 match mrs.local(self.pd, sge.lkey, sge.addr, sge.len, Access::NONE) {
-                    Ok(s) => pieces.push(s),
+                    Ok(s) => pieces.push_segment(s),
                     Err(_) => {
-                        pieces.clear();
+                        pieces.clear_pieces();
                         // A send error moves a UD QP to SQE; the rest is flushed.
                         let wc = self.wc(w.wr.wr_id, WcStatus::LocProtErr, WcOpcode::Send);
                         self.completions.push_back((CqKind::Send, wc, false));

@@ -13,6 +13,7 @@ mod backing;
 mod board;
 #[cfg(test)]
 mod last_byte_watch;
+mod pieces;
 
 use std::borrow::Borrow;
 use std::collections::HashMap;
@@ -23,6 +24,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 pub(crate) use backing::WORD_COPY_MAX;
 pub use backing::{RegionMemory, copy_bytes};
 pub use board::{CopyBoard, SHARE_MIN};
+pub use pieces::{HeldPiece, HeldRegions, PacketPieces, PieceSink};
 
 /// Access rights of a memory region (values as libibverbs' `IBV_ACCESS_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]

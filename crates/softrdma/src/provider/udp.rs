@@ -41,7 +41,7 @@ use crate::engine::rc::MAX_HEADER_LEN;
 use crate::engine::srq::Srq;
 use crate::engine::ud::RecvMeta;
 use crate::engine::{AhId, MAX_INLINE_DATA, QpAttr, QpEngine, QpState, Time, Transmit};
-use crate::memory::{KeyHash, MrTable, PdId, Segment};
+use crate::memory::{HeldPiece, HeldRegions, KeyHash, MrTable, PdId};
 use crate::verbs::cq::CqInner;
 use crate::verbs::events::{AsyncEvent, EventQueue};
 
@@ -451,16 +451,25 @@ impl Shared {
     }
 }
 
-/// One packet taken from a QP: headers (and inline payload), region pieces.
+/// One packet taken from a QP: headers (and inline payload), region pieces
+/// (their regions held by the batch: [`TxBatch`]).
 #[derive(Debug)]
 struct TxSlot {
     buf: Vec<u8>,
-    pieces: Vec<Segment>,
+    pieces: Vec<HeldPiece>,
     t: Transmit,
     /// The pad and the ICRC, written as the packet is framed.
     trailer: [u8; 7],
     /// UD: the address handle; RC: the QP's peer.
     ah: Option<AhId>,
+}
+
+/// A transmitting thread's packets taken from a QP under its lock, and the
+/// regions their pieces come from, held until the batch is sent.
+#[derive(Debug)]
+struct TxBatch {
+    slots: Vec<TxSlot>,
+    held: HeldRegions,
 }
 
 /// Packets in flight from which a post leaves transmitting to the thread
@@ -818,8 +827,8 @@ thread_local! {
     static SEND_FLOW: Cell<Option<Ipv4Flow>> = const { Cell::new(None) };
     static RECV_FLOW: Cell<Option<Ipv4Flow>> = const { Cell::new(None) };
     static ID_MAPS: RefCell<IdentificationMaps> = const { RefCell::new(IdentificationMaps::new()) };
-    static TX: RefCell<Vec<TxSlot>> = RefCell::new(
-        (0..BATCH)
+    static TX: RefCell<TxBatch> = RefCell::new(TxBatch {
+        slots: (0..BATCH)
             .map(|_| TxSlot {
                 buf: vec![0u8; MAX_HEADER_LEN + MAX_INLINE_DATA as usize],
                 // A packet's payload from up to four SGEs, without growing.
@@ -829,7 +838,8 @@ thread_local! {
                 ah: None,
             })
             .collect(),
-    );
+        held: HeldRegions::default(),
+    });
 }
 
 /// A RoCEv2 device on a UDP socket.
@@ -1074,7 +1084,8 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
         left: false,
     };
     let mut timer = None;
-    TX.with_borrow_mut(|tx| {
+    TX.with_borrow_mut(|batch| {
+        let TxBatch { slots: tx, held } = batch;
         loop {
             loop {
                 let mut signal = [false; 2];
@@ -1085,7 +1096,8 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
                     let mut n = 0;
                     while n < BATCH {
                         let s = &mut tx[n];
-                        match qp.poll_transmit(now, &mrs, &mut s.buf, &mut s.pieces) {
+                        match qp.poll_transmit(now, &mrs, &mut s.buf, &mut held.sink(&mut s.pieces))
+                        {
                             Some((t, ah)) => {
                                 s.t = t;
                                 s.ah = ah;
@@ -1168,7 +1180,7 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
                     // where its socket takes one.
                     let gso = gso && via.as_ref().is_none_or(|c| c.takes_gso());
                     let k = gso_run(gso, &tx[i..n]);
-                    send_packets(shared, d, &mut tx[i..i + k], slot.qpn, via);
+                    send_packets(shared, d, &mut tx[i..i + k], held, slot.qpn, via);
                     i += k;
                 }
                 drop(sender);
@@ -1187,6 +1199,7 @@ fn transmit(shared: &Shared, slot: &QpSlot) -> Option<Time> {
                 for s in &mut tx[..n] {
                     s.pieces.clear();
                 }
+                held.release();
                 if n < BATCH {
                     break;
                 }
@@ -1272,7 +1285,7 @@ fn gso_run(gso: bool, tx: &[TxSlot]) -> usize {
 
 /// Writes the pad and ICRC of `s`, sent as the `ident`th datagram, into its
 /// trailer.
-fn seal(flow: &Ipv4Flow, s: &mut TxSlot, ident: u16) {
+fn seal(flow: &Ipv4Flow, s: &mut TxSlot, held: &HeldRegions, ident: u16) {
     let t = s.t;
     let mut crc = flow
         .icrc(ident, udp_len(&t) as u16, &s.buf[..t.len])
@@ -1281,7 +1294,7 @@ fn seal(flow: &Ipv4Flow, s: &mut TxSlot, ident: u16) {
         // SAFETY: the bytes are read once here, not kept; a concurrent remote
         // write into them makes the ICRC unspecified, as DMA from a changing
         // buffer would on a NIC.
-        crc.update(unsafe { p.bytes() });
+        crc.update(unsafe { held.bytes(p) });
     }
     let pad = usize::from(t.pad);
     s.trailer[..pad].fill(0);
@@ -1290,13 +1303,17 @@ fn seal(flow: &Ipv4Flow, s: &mut TxSlot, ident: u16) {
 }
 
 /// Appends the gather list of sealed `s`: headers, region pieces, trailer.
-fn gather<'a>(s: &'a TxSlot, iov: &mut smallvec::SmallVec<[IoSlice<'a>; GSO_MAX_IOV]>) {
+fn gather<'a>(
+    s: &'a TxSlot,
+    held: &'a HeldRegions,
+    iov: &mut smallvec::SmallVec<[IoSlice<'a>; GSO_MAX_IOV]>,
+) {
     iov.push(IoSlice::new(&s.buf[..s.t.len]));
     for p in &s.pieces {
         // SAFETY: the bytes go to the kernel in this send and are not kept; a
         // concurrent remote write into them makes what is sent unspecified,
         // as DMA from a changing buffer would on a NIC.
-        iov.push(IoSlice::new(unsafe { p.bytes() }));
+        iov.push(IoSlice::new(unsafe { held.bytes(p) }));
     }
     iov.push(IoSlice::new(&s.trailer[..usize::from(s.t.pad) + icrc::LEN]));
 }
@@ -1333,6 +1350,7 @@ fn send_packets(
     shared: &Shared,
     peer: SocketAddrV4,
     tx: &mut [TxSlot],
+    held: &HeldRegions,
     qpn: u32,
     via: Option<&mut connected::ConnectedSend>,
 ) {
@@ -1378,19 +1396,19 @@ fn send_packets(
         }
     };
     for (k, s) in tx.iter_mut().enumerate() {
-        seal(&flow, s, ident(k));
+        seal(&flow, s, held, ident(k));
     }
     let sealed = &*tx;
     let mut iov = smallvec::SmallVec::<[IoSlice<'_>; GSO_MAX_IOV]>::new();
     for s in sealed {
-        gather(s, &mut iov);
+        gather(s, held, &mut iov);
     }
     if let Some(pcap) = &shared.pcap {
         let mut w = pcap.lock().expect("pcap lock");
         for (k, s) in sealed.iter().enumerate() {
             // Each packet's own gather list, as it went into `iov`.
             let mut one = smallvec::SmallVec::<[IoSlice<'_>; GSO_MAX_IOV]>::new();
-            gather(s, &mut one);
+            gather(s, held, &mut one);
             let m = PacketMeta {
                 src: SocketAddrV4::new(*shared.local.ip(), src_port),
                 dst: peer,
@@ -1439,6 +1457,7 @@ fn send_packets(
                     shared,
                     peer,
                     std::slice::from_mut(s),
+                    held,
                     qpn,
                     via.as_deref_mut(),
                 );
@@ -2201,7 +2220,7 @@ fn deliver(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::{Access, MrTable, Region, RegionMemory};
+    use crate::memory::{Access, MrTable, PieceSink, Region, RegionMemory};
     use std::time::Instant;
 
     /// `send_datagram`'s three shapes, seen by a receiver without GRO: a GSO
@@ -2277,11 +2296,14 @@ mod tests {
         let mem = Arc::new(RegionMemory::from_vec(vec![0u8; 4096]));
         mrs.insert(Region::new(1, (1, 2), mem, 0, 4096, 0x1000, Access::REMOTE_READ).unwrap());
         let seg = mrs.remote(1, 2, 0x1000, 1, Access::REMOTE_READ).unwrap();
+        let mut held = HeldRegions::default();
+        let mut piece = Vec::new();
+        held.sink(&mut piece).push_range(&seg, 0, 1);
         payloads
             .iter()
             .map(|&payload_len| TxSlot {
                 buf: vec![0u8; 12],
-                pieces: vec![seg.clone(); pieces],
+                pieces: vec![piece[0]; pieces],
                 t: Transmit {
                     len: 12,
                     payload_len,

@@ -23,7 +23,7 @@ use super::srq::Srq;
 use super::{
     CqKind, PostError, QpEvent, QpState, RecvWr, SendWr, Time, Transmit, WcStatus, WorkCompletion,
 };
-use crate::memory::{Access, MrTable, PdId, Segment};
+use crate::memory::{Access, MrTable, PdId, PieceSink};
 
 pub use super::qp::Mtu;
 
@@ -354,7 +354,7 @@ impl RcQp {
         now: Time,
         mrs: &MrTable,
         buf: &mut [u8],
-        pieces: &mut Vec<Segment>,
+        pieces: &mut dyn PieceSink,
     ) -> Option<Transmit> {
         assert!(
             buf.len() >= MAX_HEADER_LEN + self.pmtu,
@@ -362,7 +362,7 @@ impl RcQp {
             buf.len(),
             MAX_HEADER_LEN + self.pmtu
         );
-        pieces.clear();
+        pieces.clear_pieces();
         if let Some(t) = self.resp_transmit(buf, pieces) {
             self.stats.responses_sent += 1;
             return Some(t);

@@ -10,7 +10,7 @@ use crate::engine::{
     CqKind, PostError, QpState, SendOp, SendWr, Time, Transmit, WcOpcode, WcStatus,
 };
 use crate::engine::{SegList, gather, push_pieces};
-use crate::memory::{Access, MrTable, Segment};
+use crate::memory::{Access, MrTable, PieceSink};
 
 /// Half the 24-bit PSN space.
 const HALF_PSN_SPACE: u32 = 1 << 23;
@@ -224,7 +224,7 @@ impl RcQp {
         now: Time,
         mrs: &MrTable,
         buf: &mut [u8],
-        pieces: &mut Vec<Segment>,
+        pieces: &mut dyn PieceSink,
     ) -> Option<Transmit> {
         if !matches!(self.state, QpState::Rts | QpState::Sqd) {
             return None;
@@ -358,7 +358,7 @@ impl RcQp {
         idx: usize,
         oldest: Psn,
         buf: &mut [u8],
-        pieces: &mut Vec<Segment>,
+        pieces: &mut dyn PieceSink,
     ) -> Option<Transmit> {
         if let Some(t) = self.build_middle(idx, oldest, buf, pieces) {
             return t;
@@ -583,7 +583,7 @@ impl RcQp {
         idx: usize,
         oldest: Psn,
         buf: &mut [u8],
-        pieces: &mut Vec<Segment>,
+        pieces: &mut dyn PieceSink,
     ) -> Option<Option<Transmit>> {
         let pmtu = self.pmtu;
         let w = &self.req.sq[idx];

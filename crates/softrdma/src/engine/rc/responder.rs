@@ -641,12 +641,12 @@ impl RcQp {
     pub(super) fn resp_transmit(
         &mut self,
         buf: &mut [u8],
-        pieces: &mut Vec<crate::memory::Segment>,
+        pieces: &mut dyn crate::memory::PieceSink,
     ) -> Option<Transmit> {
         let dest_qp = self.dest_qp;
         let pmtu = self.pmtu;
         let front = self.resp.out.front_mut()?;
-        let (repr, payload) = match front {
+        let (repr, payload_len) = match front {
             Pending::Ack { psn, syndrome, msn } => {
                 // One a message or one in 64 packets, and one in each busy-poll
                 // half round trip: BTH and AETH written directly, as a
@@ -676,7 +676,7 @@ impl RcQp {
                 });
                 r.atomic_ack = Some(*original);
                 self.resp.out.pop_front();
-                (r, None)
+                (r, 0)
             }
             Pending::Read {
                 seg,
@@ -701,9 +701,7 @@ impl RcQp {
                     // without the general `Repr` (some 200 instructions).
                     let bth = bth::Repr::new(opcode, dest_qp, first_psn.add(k), bth::pad_for(plen));
                     bth.emit(&mut bth::Header::new_unchecked(&mut buf[..bth::HEADER_LEN]));
-                    let piece = seg.as_ref().and_then(|s| s.slice(off as usize, plen));
-                    let payload_len = piece.as_ref().map_or(0, |s| s.len());
-                    pieces.extend(piece);
+                    let payload_len = push_read_piece(seg.as_ref(), off as usize, plen, pieces);
                     // Not the last: the READ stays queued.
                     *next += 1;
                     return Some(Transmit {
@@ -719,21 +717,17 @@ impl RcQp {
                         msn: *msn,
                     });
                 }
-                let piece = seg.as_ref().and_then(|s| s.slice(off as usize, plen));
+                let payload_len = push_read_piece(seg.as_ref(), off as usize, plen, pieces);
                 *next += 1;
                 if *next >= n {
                     self.resp.out.pop_front();
                 }
-                (r, piece)
+                (r, payload_len)
             }
         };
         let len = repr
             .emit_header(buf)
             .expect("the responder builds headers that match their opcodes");
-        let payload_len = payload.as_ref().map_or(0, |s| s.len());
-        if let Some(s) = payload {
-            pieces.push(s);
-        }
         Some(Transmit {
             len,
             payload_len,
@@ -754,5 +748,23 @@ impl RcQp {
         self.resp
             .out
             .retain(|p| matches!(p, Pending::Ack { syndrome, .. } if !syndrome.is_ack()));
+    }
+}
+
+/// Pushes `len` bytes of a READ's source `seg` from `off` onto `pieces`;
+/// returns the payload length (0 for a zero-length READ, which has no
+/// segment, or a range past it, which validation at the request rules out).
+fn push_read_piece(
+    seg: Option<&Segment>,
+    off: usize,
+    len: usize,
+    pieces: &mut dyn crate::memory::PieceSink,
+) -> usize {
+    match seg {
+        Some(s) if off.checked_add(len).is_some_and(|end| end <= s.len()) => {
+            pieces.push_range(s, off, len);
+            len
+        }
+        _ => 0,
     }
 }
