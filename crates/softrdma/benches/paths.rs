@@ -128,6 +128,32 @@ fn copy_libc_memcpy<const SKEW: usize>(b: Bencher, len: usize) {
         .bench_local(|| black_box(&mut *dst).copy_from_slice(black_box(&*src)));
 }
 
+/// A RoCEv2 receiver's placement: a GRO datagram of fifteen 4 KiB WRITE
+/// ONLY packets (28 bytes of headers and 4 of ICRC each), each payload
+/// copied into its page of a 64 KiB region, by softrdma's copy (`SOFTRDMA`)
+/// or glibc's memcpy.
+#[divan::bench(consts = [true, false])]
+fn copy_a_datagram_of_packets_into_a_region<const SOFTRDMA: bool>(b: Bencher) {
+    const PACKET: usize = 28 + 4096 + 4;
+    let datagram = vec![1u8; 15 * PACKET];
+    let mut region = vec![0u8; 65536 + 4096];
+    let target = at_page(&mut region, 0, 65536);
+    let mut next = 0;
+    b.counter(divan::counter::BytesCount::new(15 * 4096usize))
+        .bench_local(|| {
+            for k in 0..15 {
+                let payload = &datagram[k * PACKET + 28..k * PACKET + 28 + 4096];
+                let page = &mut target[(next % 16) * 4096..][..4096];
+                next += 1;
+                if SOFTRDMA {
+                    softrdma::memory::copy_bytes(black_box(page), black_box(payload));
+                } else {
+                    black_box(page).copy_from_slice(black_box(payload));
+                }
+            }
+        });
+}
+
 /// A QP of 64 WRs each way, one SGE, no inline data.
 fn bench_caps() -> QpCaps {
     QpCaps {
