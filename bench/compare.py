@@ -322,7 +322,9 @@ def ceiling_write(size, busy):
     """The datagrams of a RoCEv2 WRITE stream with only the mandatory work
     (an ICRC per packet on each side, one copy on receive, an ACK every 64
     packets) and no transport, sent from and written to buffers of the
-    row's size as softrdma perf's are: measured beside each size's WRITEs."""
+    row's size as softrdma perf's are (busy-polling, the receiver pauses
+    after an empty look, as softrdma's does in a stream): measured beside
+    each size's WRITEs."""
     return {f"WRITE {KIB[size]}": roce_ceiling("stream", "1", str(size), *mode(busy))[0]}
 
 
@@ -547,7 +549,8 @@ def report(samples, rounds, failures):
     lines += ["", f"The ceiling column puts \"{CEILING}\" (`roce_ceiling`: softrdma's "
               "datagrams with only the work the wire and one copy make mandatory, no transport; "
               "sent from and written to buffers of the row's size, as softrdma perf's; "
-              "for WRITEs, an ACK every 64 packets; for READs, a READ's own datagrams: its requests, and responses whose FIRST and "
+              "for WRITEs, an ACK every 64 packets and, busy-polling, a receiver that pauses 10 µs "
+              "after an empty look in a stream, as softrdma's does; for READs, a READ's own datagrams: its requests, and responses whose FIRST and "
               "LAST carry an AETH) "
               "in softrdma's place: a target the ceiling misses too is beyond what RoCEv2 over "
               "this machine's UDP sockets reaches. For the iWARP targets the ceiling is "

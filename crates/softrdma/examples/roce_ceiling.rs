@@ -24,7 +24,8 @@
 //! most 4 MiB ahead of what the receiver has taken, counted in shared
 //! memory. The receiver blocks in `recvmsg` and the
 //! sender sleeps while the window is full, as a blocking transport does;
-//! `--busy` makes both spin instead. `read`: the same for RDMA READs of SIZE
+//! `--busy` makes both spin instead, the receiver pausing 10 µs after an
+//! empty look as the provider's does in a stream. `read`: the same for RDMA READs of SIZE
 //! bytes (from and into buffers of SIZE bytes, as `softrdma perf`'s), with
 //! what READ adds on the wire: a requester keeps 16 READ
 //! requests out (one datagram each, sent as each READ's last response
@@ -73,6 +74,9 @@ const WINDOW_PACKETS: u64 = 1024;
 const PACKETS_PER_ACK: u32 = 64;
 /// An ACK: BTH, AETH, ICRC.
 const ACK_LEN: usize = BTH + 4 + icrc::LEN;
+/// A busy stream receiver's pause after an empty look (the provider's
+/// BULK_PAUSE_NS: a receiver forever in `recvmsg` slows the sender).
+const BULK_PAUSE: Duration = Duration::from_micros(10);
 
 /// Where packet `psn`'s payload sits in a region of `len` bytes (sender's
 /// and target).
@@ -297,7 +301,15 @@ fn stream(secs: u64, region_len: usize, busy: bool, bare: bool) -> io::Result<f6
     while Instant::now() < end {
         let (n, src, segment) = match recv(&rx, &mut buf, &mut cmsg, flags) {
             Ok(r) => r,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                // As the provider's spinning receiver in a stream: a pause
+                // with no system call before the next look.
+                let until = Instant::now() + BULK_PAUSE;
+                while Instant::now() < until {
+                    std::hint::spin_loop();
+                }
+                continue;
+            }
             Err(e) => return Err(e),
         };
         started.get_or_insert_with(Instant::now);
