@@ -334,7 +334,7 @@ fn stream(secs: u64, region_len: usize, busy: bool, bare: bool) -> io::Result<f6
         unacknowledged += packets as u32;
         ack_psn = ack_psn.wrapping_add(packets as u32);
         if unacknowledged >= PACKETS_PER_ACK {
-            unacknowledged = 0;
+            unacknowledged -= PACKETS_PER_ACK;
             send_ack(&rx, to, ack_to, ack_psn, bare)?;
         }
         sender.thread().unpark();

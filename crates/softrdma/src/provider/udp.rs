@@ -521,15 +521,19 @@ const STREAM_GAP_NS: u64 = 20_000;
 const STREAM_LOOKS: u32 = 4;
 
 /// A look of the spinning progress thread that takes at least this many
-/// bytes finds bulk data coming (a WRITE stream's GSO sends hold 60 KB). For
-/// [`BULK_HOLD_NS`] after such a look, an empty look is followed by
+/// bytes finds bulk data (a WRITE stream's GSO sends hold 60 KB); two such
+/// looks within [`STREAM_GAP_NS`] are a stream (one large message is not).
+/// For [`BULK_HOLD_NS`] after such a look in a stream, an empty look is
+/// followed by
 /// [`BULK_PAUSE_NS`] of spinning that makes no system call, not at once by
 /// the next look: the data gathers into fewer, fuller looks, and the sender
 /// (on loopback, the other CPU, which also delivers into this socket) runs
 /// faster when the receiver is not forever in `recvmsg` and `sched_yield`.
 /// A 64 KiB busy-poll WRITE stream moved 7.0-7.6 GB/s so against 5.9-6.0
 /// with a look after every yield, and 6.5-6.9 with a server that blocks
-/// (docs/performance.md, forty-sixth session). Small datagrams (a
+/// (docs/performance.md, forty-sixth session). A blocking device's
+/// progress thread spinning through a stream ([`STREAM_GAP_NS`]) pauses
+/// alike. Small datagrams (a
 /// ping-pong's, READ requests, a stream of 8-byte WRITEs, whose rate hangs
 /// on prompt ACKs) never start it: their answers leave as soon as now.
 const BULK_BYTES: usize = 32 << 10;
@@ -589,6 +593,8 @@ struct RxBuffers {
     /// Until when the spinning progress thread pauses between empty looks
     /// (engine time, ns; see [`BULK_BYTES`]).
     bulk_until: u64,
+    /// When the last look that took [`BULK_BYTES`] came (engine time, ns).
+    last_bulk: u64,
     /// Bytes the last [`RxBuffers::drain_sockets`] received.
     drained_bytes: usize,
 }
@@ -601,6 +607,7 @@ impl RxBuffers {
             polls: 0,
             last_rx: 0,
             bulk_until: 0,
+            last_bulk: 0,
             drained_bytes: 0,
         }
     }
@@ -700,15 +707,19 @@ impl RxBuffers {
         if received > 0 {
             self.last_rx = shared.now().0;
             if self.drained_bytes >= BULK_BYTES {
-                self.bulk_until = self.last_rx + BULK_HOLD_NS;
+                if self.last_rx.saturating_sub(self.last_bulk) < STREAM_GAP_NS {
+                    self.bulk_until = self.last_rx + BULK_HOLD_NS;
+                }
+                self.last_bulk = self.last_rx;
             }
         }
         received
     }
 
     /// The progress thread in busy-poll mode while no application thread
-    /// polls: spins on the sockets (yielding the CPU between empty looks)
-    /// instead of sleeping in poll(2), as the iWARP receive threads do. A
+    /// polls: spins on the sockets (yielding the CPU between empty looks, or
+    /// in a stream pausing without a system call: [`BULK_BYTES`]) instead of
+    /// sleeping in poll(2), as the iWARP receive threads do. A
     /// sleeping receiver costs every datagram a wake-up, which on loopback
     /// the sender pays. Returns true once it has handled datagrams; false on
     /// a wake-up, at `deadline` (the next timer), once an application thread

@@ -533,9 +533,10 @@ impl RcQp {
             .emit_header(buf)
             .expect("the requester builds headers that match their opcodes");
         // Payload bytes in `pieces`; inline payload, and a small one, is
-        // copied into `buf` (counted in `len`): a piece would cost its
-        // region's reference count two atomic read-modify-writes, more than
-        // copying these few bytes.
+        // copied into `buf` (counted in `len`): a piece costs its sink's
+        // bookkeeping (on iWARP its region's reference count, two atomic
+        // read-modify-writes) and a gather entry, more than copying these
+        // few bytes.
         let mut in_pieces = 0;
         if let Some((off, plen, _)) = payload {
             if w.wr.flags.inline {
