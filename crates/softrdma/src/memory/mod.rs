@@ -260,6 +260,10 @@ impl<R: Borrow<Region>> Segment<R> {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+    /// Whether `at..at + len` lies inside the segment.
+    pub fn covers(&self, at: usize, len: usize) -> bool {
+        fits(at, len, self.len)
+    }
     /// A sub-range, `at..at + len` of this segment.
     pub fn slice(&self, at: usize, len: usize) -> Option<Segment<R>>
     where

@@ -3,6 +3,7 @@
 //! until the send that reads it is made: a `Segment` piece holds it, a
 //! [`HeldPiece`] its batch's [`HeldRegions`].
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -90,27 +91,14 @@ impl HeldRegions {
         PacketPieces { held: self, pieces }
     }
 
-    /// The index of `region`, taking a reference if it is not among the
-    /// last held.
-    fn hold(&mut self, region: &Arc<Region>) -> u32 {
-        match self.recent(region) {
-            Some(i) => i,
-            None => {
-                self.regions.push(region.clone());
-                (self.regions.len() - 1) as u32
-            }
+    /// The index of `region`, taking a reference (`region`'s own, or a
+    /// clone of a borrowed one) if it is not among the last held.
+    fn hold(&mut self, region: Cow<'_, Arc<Region>>) -> u32 {
+        if let Some(i) = self.recent(&region) {
+            return i;
         }
-    }
-
-    /// As [`HeldRegions::hold`], with a reference of its own.
-    fn hold_owned(&mut self, region: Arc<Region>) -> u32 {
-        match self.recent(&region) {
-            Some(i) => i,
-            None => {
-                self.regions.push(region);
-                (self.regions.len() - 1) as u32
-            }
-        }
+        self.regions.push(region.into_owned());
+        (self.regions.len() - 1) as u32
     }
 
     fn recent(&self, region: &Arc<Region>) -> Option<u32> {
@@ -165,8 +153,8 @@ pub struct PacketPieces<'a> {
 
 impl PieceSink for PacketPieces<'_> {
     fn push_range(&mut self, seg: &Segment, at: usize, len: usize) {
-        assert!(fits(at, len, seg.len), "a piece inside its segment");
-        let region = self.held.hold(&seg.region);
+        assert!(seg.covers(at, len), "a piece inside its segment");
+        let region = self.held.hold(Cow::Borrowed(&seg.region));
         self.pieces.push(HeldPiece {
             region,
             generation: self.held.generation,
@@ -177,7 +165,7 @@ impl PieceSink for PacketPieces<'_> {
 
     fn push_segment(&mut self, seg: Segment) {
         let (offset, len) = (seg.offset, seg.len);
-        let region = self.held.hold_owned(seg.region);
+        let region = self.held.hold(Cow::Owned(seg.region));
         self.pieces.push(HeldPiece {
             region,
             generation: self.held.generation,

@@ -595,8 +595,6 @@ struct RxBuffers {
     bulk_until: u64,
     /// When the last look that took [`BULK_BYTES`] came (engine time, ns).
     last_bulk: u64,
-    /// Bytes the last [`RxBuffers::drain_sockets`] received.
-    drained_bytes: usize,
 }
 
 impl RxBuffers {
@@ -608,7 +606,6 @@ impl RxBuffers {
             last_rx: 0,
             bulk_until: 0,
             last_bulk: 0,
-            drained_bytes: 0,
         }
     }
 
@@ -622,7 +619,8 @@ impl RxBuffers {
     /// and LAST packets are 4 bytes longer than its MIDDLE ones, so alone it
     /// takes three sends; with the next READ's, two). `looked_at`: when the
     /// caller started looking, taken as the first datagram's arrival (the
-    /// clock is read for the others). Returns the packets received.
+    /// clock is read for the others). Returns the packets and the bytes
+    /// received.
     fn drain_sockets(
         &mut self,
         shared: &Shared,
@@ -631,9 +629,8 @@ impl RxBuffers {
         defer: bool,
         one: bool,
         mut looked_at: Option<Time>,
-    ) -> u64 {
-        let mut received = 0;
-        self.drained_bytes = 0;
+    ) -> (u64, usize) {
+        let (mut received, mut bytes) = (0, 0);
         let mut held = 0;
         let mut holding = false;
         // The device's address last: a polling thread's answer to what it
@@ -648,7 +645,7 @@ impl RxBuffers {
                 && let Some((n, meta)) = recv_datagram(sock, &mut self.rx, &mut self.cmsg)
             {
                 budget -= 1;
-                self.drained_bytes += n;
+                bytes += n;
                 let (holds, packets) = receive_datagram(
                     shared,
                     receiving,
@@ -675,7 +672,7 @@ impl RxBuffers {
                 transmit(shared, &slot);
             }
         }
-        received
+        (received, bytes)
     }
 
     /// The sockets a look takes: the device's address, where peers send,
@@ -698,22 +695,23 @@ impl RxBuffers {
     }
 
     /// The progress thread's look at `which` sockets: first what a polling
-    /// thread deferred, then everything that waits. Returns the packets
-    /// received (and notes when the last came, and whether they were bulk).
-    fn take_sockets(&mut self, shared: &Shared, which: &[bool; SOCKETS]) -> u64 {
+    /// thread deferred, then everything that waits. Returns whether a
+    /// datagram came (and notes when, and whether a stream flows).
+    fn take_sockets(&mut self, shared: &Shared, which: &[bool; SOCKETS]) -> bool {
         let mut receiving = shared.rx_lock.lock();
         send_deferred(shared, &mut receiving);
-        let received = self.drain_sockets(shared, &mut receiving, which, false, false, None);
+        let (received, bytes) =
+            self.drain_sockets(shared, &mut receiving, which, false, false, None);
         if received > 0 {
             self.last_rx = shared.now().0;
-            if self.drained_bytes >= BULK_BYTES {
+            if bytes >= BULK_BYTES {
                 if self.last_rx.saturating_sub(self.last_bulk) < STREAM_GAP_NS {
                     self.bulk_until = self.last_rx + BULK_HOLD_NS;
                 }
                 self.last_bulk = self.last_rx;
             }
         }
-        received
+        received > 0
     }
 
     /// The progress thread in busy-poll mode while no application thread
@@ -743,7 +741,7 @@ impl RxBuffers {
                 return false;
             }
             let which = self.sockets_to_look_at(false);
-            if self.take_sockets(shared, &which) > 0 {
+            if self.take_sockets(shared, &which) {
                 return true;
             }
             if now < self.bulk_until {
@@ -822,7 +820,8 @@ pub(crate) fn poll_now(shared: &Shared) {
         };
         let which = b.sockets_to_look_at(shared.uplink.is_some());
         let received = from_uplink
-            + b.drain_sockets(shared, &mut receiving, &which, true, one, Some(Time(now)));
+            + b.drain_sockets(shared, &mut receiving, &which, true, one, Some(Time(now)))
+                .0;
         if received > 0 {
             // Only the holder of the receive lock counts: a load and a store.
             let polled = &shared.stats.polled;
@@ -1653,7 +1652,7 @@ fn progress(shared: &Arc<Shared>) {
         // datagrams without sleeping in between.
         if readable.iter().any(|&r| r) {
             let before = b.last_rx;
-            if b.take_sockets(shared, &readable) > 0 {
+            if b.take_sockets(shared, &readable) {
                 stream_looks = if b.last_rx.saturating_sub(before) < STREAM_GAP_NS {
                     stream_looks.saturating_add(1)
                 } else {

@@ -761,7 +761,7 @@ fn push_read_piece(
     pieces: &mut dyn crate::memory::PieceSink,
 ) -> usize {
     match seg {
-        Some(s) if off.checked_add(len).is_some_and(|end| end <= s.len()) => {
+        Some(s) if s.covers(off, len) => {
             pieces.push_range(s, off, len);
             len
         }

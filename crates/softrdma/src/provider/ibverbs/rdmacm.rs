@@ -530,7 +530,9 @@ pub(crate) struct CmOutcome {
     /// The peer's QP (RoCE; 0 on iWARP).
     pub remote_qpn: u32,
     pub private_data: Vec<u8>,
-    /// The peer's READ depths: it serves, it issues.
+    /// The peer's READ depths: it serves, it issues. A connecting side's
+    /// events give only the depths agreed, so there these are this side's
+    /// matched (it issues what the peer serves).
     pub peer_responder_resources: u8,
     pub peer_initiator_depth: u8,
     /// This side's, as its QP has them: it issues, it serves.
